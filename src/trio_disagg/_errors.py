@@ -1,0 +1,56 @@
+"""The typed errors of trio-disagg."""
+
+from __future__ import annotations
+
+
+class TrioDisaggError(Exception):
+    """Base class of every error trio-disagg raises on purpose."""
+
+
+class WireFormatError(TrioDisaggError, ValueError):
+    """A value on the wire did not have the expected shape (bad JSON, wrong type, ...)."""
+
+
+class PrefillError(TrioDisaggError):
+    """The prefill leg failed, so the request cannot be decoded (SEMANTICS.md S1-S9, T3, T4).
+
+    The message carries the prefill worker's own error text where there is one.
+    """
+
+
+class NoDisaggregatedParams(PrefillError):
+    """A prefill that needs a handoff returned nothing usable to hand off (S8, S9)."""
+
+
+class DeadlineExceeded(TrioDisaggError, TimeoutError):
+    """A bounded wait ran out (SEMANTICS.md B2).
+
+    Attributes:
+        what: which wait: ``"prefill"``, ``"handoff"``, ``"decode idle"``,
+            ``"terminal hold"``, ...
+        seconds: the deadline that was exceeded, in seconds.
+    """
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(f"{what} deadline of {seconds:g} s exceeded")
+        self.what = what
+        self.seconds = seconds
+
+
+class NoWorkerAvailable(TrioDisaggError):
+    """Every worker of a pool is unhealthy or the pool is empty."""
+
+
+class WorkerError(TrioDisaggError):
+    """A worker refused or failed a request.
+
+    Attributes:
+        status: the HTTP-like status to show the client: the worker's own 4xx, or 502
+            for a worker's 5xx or a transport failure (PROTOCOLS.md section 1).
+        worker: the worker's name or URL, if known.
+    """
+
+    def __init__(self, message: str, *, status: int = 502, worker: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.worker = worker

@@ -1,0 +1,223 @@
+"""The gatekeeper between the decode stream and the client (SEMANTICS.md G1-G9)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from ._context import RequestContext
+from ._errors import DeadlineExceeded, PrefillError
+from ._keeper import PrefillTask
+from ._protocols import Annotated, FinishKind, LLMEngineOutput
+
+T = TypeVar("T")
+Item = Annotated[LLMEngineOutput]
+
+
+def is_decode_failure(item: Item) -> bool:
+    """An error envelope, or ``finish_reason`` error or cancelled (G4)."""
+    if item.event == "error":
+        return True
+    data = item.data
+    if data is None or data.finish_reason is None:
+        return False
+    kind = data.finish_reason.kind
+    return kind is FinishKind.ERROR or kind is FinishKind.CANCELLED
+
+
+def _is_terminal(item: Item) -> bool:
+    data = item.data
+    return item.event == "error" or (data is not None and data.finish_reason is not None)
+
+
+class Gatekeeper:
+    """Holds the success terminal of a decode stream until the prefill outcome is known.
+
+    One gatekeeper serves one request. :meth:`dispatch` starts the decode leg while
+    watching the prefill (G1, G2); :meth:`forward` then moves decode outputs from one
+    memory channel to another (G3-G8). A successful prefill costs the stream nothing but
+    a check per item; a late prefill failure turns what would have been a success into
+    one error item (G5, G6).
+
+    Args:
+        prefill: the request's prefill drain, owned by a :class:`TransferKeeper`.
+        client_context: stopped when a prefill failure ends the request (G1, G5, G6).
+        idle_timeout: seconds to wait for each decode output before failing the stream
+            with a "decode idle" error (B2).
+        terminal_hold_timeout: seconds to hold a success terminal for the prefill outcome
+            before failing the stream with a "terminal hold" error (B2).
+    """
+
+    def __init__(
+        self,
+        prefill: PrefillTask[Any],
+        client_context: RequestContext,
+        *,
+        idle_timeout: float = math.inf,
+        terminal_hold_timeout: float = math.inf,
+    ) -> None:
+        self.prefill = prefill
+        self.client_context = client_context
+        self.idle_timeout = idle_timeout
+        self.terminal_hold_timeout = terminal_hold_timeout
+        #: Why the gate ended the stream with an error item of its own, if it did.
+        self.failure: Exception | None = None
+        self._ended = False
+
+    async def dispatch(
+        self,
+        nursery: trio.Nursery,
+        start_decode: Callable[..., Awaitable[Any]],
+        *args: Any,
+    ) -> Any:
+        """Start the decode leg as ``await nursery.start(start_decode, *args)``, racing the
+        prefill (G1, G2).
+
+        The race is a cancel scope that a prefill watcher cancels: a prefill failure while
+        the dispatch is pending cancels the dispatch. If both are ready together the prefill
+        is looked at first, so a failed prefill always wins (G1).
+
+        Returns:
+            Whatever ``start_decode`` passed to ``task_status.started()``.
+
+        Raises:
+            PrefillError: the prefill failed first; the client context is stopped, and a
+                decode leg that was already started is stopped through it when linked.
+        """
+        if self.prefill.succeeded:
+            return await nursery.start(start_decode, *args)  # G2
+        started: Any = None
+        if not self.prefill.done:
+            with trio.CancelScope() as race:
+                async with trio.open_nursery() as watchers:
+                    watchers.start_soon(self._cancel_on_prefill_failure, race)
+                    started = await nursery.start(start_decode, *args)
+                    watchers.cancel_scope.cancel()
+        if self.prefill.failed:  # looked at first, also on a tie (G1)
+            self.client_context.stop_generating()
+            assert self.prefill.error is not None
+            raise self.prefill.error
+        return started
+
+    async def _cancel_on_prefill_failure(self, scope: trio.CancelScope) -> None:
+        await self.prefill.wait_done()
+        if self.prefill.failed:
+            scope.cancel()
+
+    async def forward(
+        self,
+        decode_outputs: trio.MemoryReceiveChannel[Item],
+        send_channel: trio.MemorySendChannel[Item],
+        decode_context: RequestContext | None = None,
+    ) -> None:
+        """Move decode outputs to ``send_channel`` until a terminal item (G3-G8).
+
+        Non-terminal tokens pass at once, even while the prefill is pending (G3). A decode
+        failure passes at once and ends the stream (G4). A success terminal, or the end of
+        ``decode_outputs``, is held until the prefill outcome is known; if the prefill
+        failed, one error item carrying the prefill error replaces it, both contexts are
+        stopped and the stream ends (G5). A prefill failure while waiting for a decode
+        output does the same (G6). After a successful prefill items pass unchanged (G7).
+        Nothing passes after a terminal item (G8). Both channels are closed on return.
+
+        Cancellation (the client went away) just stops forwarding: the prefill is owned by
+        the keeper and is not affected (G9).
+        """
+        with send_channel, decode_outputs:
+            error: Exception | None = None
+            try:
+                if not self.prefill.done:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._cancel_on_prefill_failure, nursery.cancel_scope)
+                        error = await self._forward_while_pending(decode_outputs, send_channel)
+                        nursery.cancel_scope.cancel()
+                if not self._ended and error is None:
+                    if self.prefill.failed:
+                        error = self.prefill.error  # G5, G6
+                    else:
+                        await self._pass_through(decode_outputs, send_channel)
+            except DeadlineExceeded as exc:
+                error = exc
+            if error is not None:
+                await self._fail(error, send_channel, decode_context)
+
+    async def _receive(self, decode_outputs: trio.MemoryReceiveChannel[Item]) -> Item | None:
+        """The next decode output, or None at the end of the stream (B2 decode idle)."""
+        try:
+            return decode_outputs.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        except trio.EndOfChannel:
+            return None
+        with trio.move_on_after(self.idle_timeout) as idle:
+            try:
+                return await decode_outputs.receive()
+            except trio.EndOfChannel:
+                return None
+        assert idle.cancelled_caught
+        raise DeadlineExceeded("decode idle", self.idle_timeout)
+
+    async def _forward_while_pending(
+        self,
+        decode_outputs: trio.MemoryReceiveChannel[Item],
+        send_channel: trio.MemorySendChannel[Item],
+    ) -> DeadlineExceeded | None:
+        # Returns a deadline error rather than raising it: inside the nursery it would
+        # arrive wrapped in an ExceptionGroup.
+        prefill = self.prefill
+        while not prefill.done:
+            try:
+                item = await self._receive(decode_outputs)
+            except DeadlineExceeded as exc:
+                return exc
+            if item is not None and is_decode_failure(item):
+                self._ended = True  # G4: a decode failure does not wait for prefill
+                await send_channel.send(item)
+                return None
+            if item is None or _is_terminal(item):
+                with trio.move_on_after(self.terminal_hold_timeout):
+                    await prefill.wait_done()  # G5: hold the success terminal
+                if not prefill.done:
+                    return DeadlineExceeded("terminal hold", self.terminal_hold_timeout)
+                if prefill.failed:
+                    return None  # the caller replaces the terminal with the prefill error
+                self._ended = True
+                if item is not None:
+                    await send_channel.send(item)
+                return None
+            await send_channel.send(item)  # G3
+        return None
+
+    async def _pass_through(
+        self,
+        decode_outputs: trio.MemoryReceiveChannel[Item],
+        send_channel: trio.MemorySendChannel[Item],
+    ) -> None:
+        # G7/G8: the hot path once the prefill succeeded.
+        receive = self._receive
+        send = send_channel.send
+        while (item := await receive(decode_outputs)) is not None:
+            await send(item)
+            data = item.data
+            if item.event == "error" or (data is not None and data.finish_reason is not None):
+                break
+        self._ended = True
+
+    async def _fail(
+        self,
+        error: Exception,
+        send_channel: trio.MemorySendChannel[Item],
+        decode_context: RequestContext | None,
+    ) -> None:
+        self.failure = error
+        self._ended = True
+        self.client_context.stop_generating()
+        if decode_context is not None:
+            decode_context.stop_generating()
+        await send_channel.send(Annotated.from_error(str(error)))
+
+
+__all__ = ["Gatekeeper", "PrefillError", "is_decode_failure"]

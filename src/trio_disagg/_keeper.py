@@ -1,0 +1,230 @@
+"""The transfer keeper: the service-lifetime owner of prefill drains (SEMANTICS.md T1-T4)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import trio
+
+from ._errors import PrefillError
+from ._tracker import PhasePermit
+
+T = TypeVar("T")
+
+logger = logging.getLogger("trio_disagg.keeper")
+
+
+class PrefillTask(Generic[T]):
+    """The observable outcome of one prefill drain running in a :class:`TransferKeeper`.
+
+    The drain belongs to the keeper, not to whoever holds this object: cancelling or
+    dropping the observer detaches it and the drain runs on until the prefill stream ends
+    (T1). Any number of tasks may wait on it.
+    """
+
+    __slots__ = ("_done", "_error", "_value", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done = trio.Event()
+        self._value: T | None = None
+        self._error: PrefillError | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done else "failed" if self.failed else "succeeded"
+        return f"<PrefillTask {self.name!r} {state}>"
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def succeeded(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    @property
+    def error(self) -> PrefillError | None:
+        """The failure, once the task failed; else None."""
+        return self._error
+
+    async def wait_done(self) -> None:
+        """Return once the drain ended, however it ended. Never raises but ``Cancelled``."""
+        await self._done.wait()
+
+    async def result(self) -> T:
+        """Wait for the drain and return its value.
+
+        Raises:
+            PrefillError: the drain failed; a drain that crashed with another exception or
+                was cancelled reports "did not complete" (T3).
+        """
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    async def wait(self) -> None:
+        """Like :meth:`result`, discarding the value."""
+        await self.result()
+
+    def _finish(self, value: T | None, error: PrefillError | None) -> None:
+        self._value = value
+        self._error = error
+        self._done.set()
+
+
+class TransferKeeper:
+    """An async context manager owning the nursery in which prefill drains run.
+
+    Open it once for the life of the service, outside every request's nursery, so that a
+    client's cancellation is never the parent of a KV transfer (T1, G9). A drain never
+    raises into the keeper's nursery: its outcome is stored in its :class:`PrefillTask`
+    and a failure is logged from inside the drain (T2), so the evidence survives a client
+    that has gone.
+
+    On exit the keeper stops accepting drains, waits up to ``drain_window`` seconds for the
+    in-flight ones to end, then cancels what is left, logging each one it cancelled
+    (SEMANTICS.md B3). If the code around the keeper is itself cancelled, the drains are
+    cancelled with it: that is a hard stop, not a graceful one.
+
+    Args:
+        drain_window: seconds to let in-flight drains finish on exit.
+    """
+
+    def __init__(self, *, drain_window: float = 30.0) -> None:
+        if drain_window < 0 or math.isnan(drain_window):
+            raise ValueError(f"drain_window must be >= 0 seconds, got {drain_window}")
+        self.drain_window = drain_window
+        self._nursery_manager: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._in_flight: dict[PrefillTask[Any], None] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+        self.started_total = 0
+        self.failed_total = 0
+        self.cancelled_total = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Drains started and not yet ended (SEMANTICS.md B5)."""
+        return len(self._in_flight)
+
+    async def __aenter__(self) -> TransferKeeper:
+        if self._nursery_manager is not None:
+            raise RuntimeError("a TransferKeeper can be entered only once")
+        self._nursery_manager = trio.open_nursery()
+        self._nursery = await self._nursery_manager.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        nursery, self._nursery = self._nursery, None  # admit no more drains
+        assert nursery is not None
+        try:
+            with trio.move_on_after(self.drain_window, shield=True):
+                await self.wait_idle()
+        finally:
+            if self._in_flight:
+                logger.warning(
+                    "drain window of %g s over; cancelling %d prefill drain(s)",
+                    self.drain_window, len(self._in_flight),
+                )
+            nursery.cancel_scope.cancel()
+            result: bool = await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        return result
+
+    async def wait_idle(self) -> None:
+        """Return once no drain is in flight."""
+        while not self._idle.is_set():
+            await self._idle.wait()
+
+    def start(
+        self,
+        async_fn: Callable[[], Awaitable[T]],
+        *,
+        name: str,
+        guard: AbstractContextManager[Any] | None = None,
+        permit: PhasePermit | None = None,
+    ) -> PrefillTask[T]:
+        """Start a prefill drain in the keeper's nursery and return its observer.
+
+        Args:
+            async_fn: the drain, called with no arguments. Its return value becomes the
+                task's result; a :class:`PrefillError` it raises becomes the task's error;
+                any other exception, or cancellation, becomes "did not complete" (T3).
+            name: shown in logs; usually the request id.
+            guard: a teardown guard held (entered) for as long as the drain runs (S5).
+            permit: the request's phase-transition permit, released as the drain
+                starts (S11).
+
+        Returns:
+            The :class:`PrefillTask` observing the drain.
+
+        Raises:
+            RuntimeError: if the keeper is not open (never entered, or exiting).
+        """
+        if self._nursery is None:
+            raise RuntimeError("the TransferKeeper is not open; no new drains are accepted")
+        task: PrefillTask[T] = PrefillTask(name)
+        self._in_flight[task] = None
+        self._idle = trio.Event() if len(self._in_flight) == 1 else self._idle
+        self.started_total += 1
+        self._nursery.start_soon(self._run, task, async_fn, guard, permit, name=f"drain {name}")
+        return task
+
+    async def _run(
+        self,
+        task: PrefillTask[T],
+        async_fn: Callable[[], Awaitable[T]],
+        guard: AbstractContextManager[Any] | None,
+        permit: PhasePermit | None,
+    ) -> None:
+        try:
+            if permit is not None:
+                permit.release()  # S11: the decode phase may begin once the drain runs
+            with guard if guard is not None else nullcontext():
+                value = await async_fn()
+        except trio.Cancelled:
+            self.cancelled_total += 1
+            logger.warning("prefill drain %s cancelled before it completed", task.name)
+            task._finish(None, PrefillError(
+                f"Prefill background task did not complete: {task.name} was cancelled"))
+            raise
+        except PrefillError as error:
+            self.failed_total += 1
+            logger.warning("prefill drain %s failed: %s", task.name, error)  # T2
+            task._finish(None, error)
+        except BaseException as exc:
+            if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None:
+                # only cancellation inside a nursery of the drain
+                self.cancelled_total += 1
+                logger.warning("prefill drain %s cancelled before it completed", task.name)
+                task._finish(None, PrefillError(
+                    f"Prefill background task did not complete: {task.name} was cancelled"))
+                raise
+            self.failed_total += 1
+            logger.warning("prefill drain %s crashed", task.name, exc_info=exc)  # T2
+            error = PrefillError(f"Prefill background task did not complete: {exc!r}")
+            error.__cause__ = exc
+            task._finish(None, error)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends are not ours to swallow
+        else:
+            task._finish(value, None)
+        finally:
+            del self._in_flight[task]
+            if not self._in_flight:
+                self._idle.set()

@@ -1,0 +1,216 @@
+"""Classifying a prefill stream: handoff, terminal answer, or error (SEMANTICS.md S1-S10, T4)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import attrs
+import trio
+
+from ._errors import NoDisaggregatedParams, PrefillError
+from ._keeper import PrefillTask, TransferKeeper
+from ._protocols import (
+    Annotated,
+    FinishKind,
+    LLMEngineOutput,
+    PrefillResult,
+    PromptTokensDetails,
+    TraceLink,
+)
+from ._tracker import RequestTracker
+
+_BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Handoff:
+    """The prefill staged KV for a decode worker (S10).
+
+    Attributes:
+        result: what the decode request needs.
+        worker_link: the prefill worker's trace link, if it sent one.
+        bootstrap: True for an SGLang-style bootstrap handoff (S5).
+        drain: for a bootstrap handoff whose rest is drained by a keeper, the drain's task.
+    """
+
+    result: PrefillResult
+    worker_link: TraceLink | None = None
+    bootstrap: bool = False
+    drain: PrefillTask[None] | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Terminal:
+    """The prefill already finished the request (S7): ``output`` is the client's answer,
+    with ``disaggregated_params`` removed. No decode is dispatched."""
+
+    output: Annotated[LLMEngineOutput]
+
+
+PrefillCompletion = Handoff | Terminal
+
+
+def is_bootstrap_params(params: Any) -> bool:
+    """True if ``params`` is an object with the SGLang bootstrap triple (S5)."""
+    return isinstance(params, Mapping) and all(key in params for key in _BOOTSTRAP_KEYS)
+
+
+def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
+    """Check a later prefill output (T4).
+
+    Raises:
+        PrefillError: on an error envelope, ``finish_reason = error`` or
+            ``finish_reason = cancelled``; the message carries the worker's text.
+    """
+    if item.event == "error":
+        raise PrefillError(f"Prefill returned an error in its output stream: "
+                           f"{item.error_message()}")
+    data = item.data
+    if data is None or data.finish_reason is None:
+        return
+    kind = data.finish_reason.kind
+    if kind is FinishKind.ERROR:
+        raise PrefillError(f"Prefill backend failed: {data.finish_reason.message}")
+    if kind is FinishKind.CANCELLED:
+        raise PrefillError("Prefill backend cancelled before completing the handoff")
+
+
+def classify_first_output(
+    first: Annotated[LLMEngineOutput], tracker: RequestTracker | None = None
+) -> PrefillCompletion:
+    """Classify a prefill's first output (S2, S3, S5, S7-S10).
+
+    Records prefill complete on ``tracker`` for any output that is not an error.
+
+    Raises:
+        PrefillError: the first output is an error (S2); the tracker is not touched.
+        NoDisaggregatedParams: a handoff is needed but there is nothing usable to hand
+            off (S8), or a TRT-LLM context has no usable ``ctx_request_id`` (S9).
+    """
+    if first.event == "error":
+        raise PrefillError(f"Prefill returned an error: {first.error_message()}")
+    if tracker is not None:
+        tracker.record_prefill_complete()
+    data = first.data
+    finish = data.finish_reason if data is not None else None
+    if finish is not None and finish.kind is not FinishKind.LENGTH:
+        # S7: eos, stop, cancelled, error or content_filter on the first token: the prefill
+        # finished the request and staged nothing to hand off.
+        assert data is not None
+        answer = attrs.evolve(data, disaggregated_params=None)
+        return Terminal(output=attrs.evolve(first, data=answer))
+    if data is None:
+        raise NoDisaggregatedParams("Prefill output has no data field")
+    params = data.disaggregated_params
+    if params is None:
+        raise NoDisaggregatedParams("Prefill output is missing disaggregated_params")
+    if isinstance(params, Mapping):
+        # S9: TRT-LLM sends ctx_request_id: null on a terminal context; a non-terminal one
+        # without an id cannot be decoded, so refuse it before dispatching generation.
+        context_only = params.get("request_type") == "context_only"
+        if ("ctx_request_id" in params and params["ctx_request_id"] is None) or (
+            context_only and "ctx_request_id" not in params
+        ):
+            raise NoDisaggregatedParams(
+                "Prefill output has no usable ctx_request_id for a non-terminal handoff"
+            )
+    usage = data.completion_usage
+    return Handoff(
+        result=PrefillResult(
+            disaggregated_params=params,
+            prompt_tokens_details=usage.prompt_tokens_details if usage else None,
+        ),
+        worker_link=data.worker_trace_link,
+        bootstrap=is_bootstrap_params(params),
+    )
+
+
+async def drain_prefill_outputs(
+    outputs: trio.abc.ReceiveChannel[Annotated[LLMEngineOutput]],
+) -> PromptTokensDetails | None:
+    """Read a prefill stream to its end, checking every output (S6, T4).
+
+    Returns:
+        The first ``prompt_tokens_details`` seen in a usage, if any (S4).
+
+    Raises:
+        PrefillError: on the first failed output (T4); the channel is closed either way.
+    """
+    details: PromptTokensDetails | None = None
+    with outputs:
+        async for item in outputs:
+            check_prefill_output(item)
+            if details is None and item.data is not None and item.data.completion_usage:
+                details = item.data.completion_usage.prompt_tokens_details
+    return details
+
+
+async def consume_prefill_stream(
+    outputs: trio.abc.ReceiveChannel[Annotated[LLMEngineOutput]],
+    *,
+    tracker: RequestTracker | None = None,
+    keeper: TransferKeeper | None = None,
+    guard: AbstractContextManager[Any] | None = None,
+) -> PrefillCompletion:
+    """Read a prefill stream and say what the router must do next (S1-S10, T4).
+
+    For a bootstrap handoff (S5) with a ``keeper``, the rest of the stream is drained by the
+    keeper, which holds ``guard`` until that drain ends; the returned :class:`Handoff`'s
+    ``drain`` observes it. Otherwise the whole stream is read here before returning (S6),
+    and ``guard`` is held meanwhile.
+
+    Args:
+        outputs: the prefill leg's stream; it is closed when fully read.
+        tracker: records prefill complete on the first valid output (S3).
+        keeper: drains the rest of a bootstrap stream in the background.
+        guard: a teardown guard to hold until the stream is fully read.
+
+    Returns:
+        A :class:`Handoff` or a :class:`Terminal`.
+
+    Raises:
+        PrefillError: no output at all (S1), an error first output (S2), or a later
+            failed output (S6, T4) when the stream is read here.
+        NoDisaggregatedParams: S8, S9.
+
+    On cancellation the channel is closed; with a keeper, a bootstrap drain already
+    started is not affected (T1).
+    """
+    try:
+        first = await outputs.receive()
+    except trio.EndOfChannel:
+        outputs.close()
+        raise PrefillError("Prefill returned no output (stream ended)") from None
+    except BaseException:
+        outputs.close()
+        raise
+    try:
+        completion = classify_first_output(first, tracker)
+    except BaseException:
+        outputs.close()
+        raise
+    if isinstance(completion, Handoff) and completion.bootstrap and keeper is not None:
+        async def drain_rest() -> None:
+            await drain_prefill_outputs(outputs)
+
+        task = keeper.start(drain_rest, name=_task_name(first), guard=guard)
+        return attrs.evolve(completion, drain=task)
+    if guard is not None:
+        with guard:
+            later_details = await drain_prefill_outputs(outputs)
+    else:
+        later_details = await drain_prefill_outputs(outputs)
+    if (
+        isinstance(completion, Handoff)
+        and completion.result.prompt_tokens_details is None
+        and later_details is not None
+    ):  # S4
+        result = attrs.evolve(completion.result, prompt_tokens_details=later_details)
+        completion = attrs.evolve(completion, result=result)
+    return completion
+
+
+def _task_name(first: Annotated[LLMEngineOutput]) -> str:
+    return first.id or "prefill"

@@ -1,0 +1,352 @@
+"""The engine protocol types and their JSON wire form.
+
+These mirror Dynamo's ``LLMEngineOutput``, ``FinishReason``, ``Annotated<T>`` and friends
+(SEMANTICS.md, "Vocabulary"). They are plain attrs classes so the per-token hot path costs a
+slotted object and nothing more; :data:`converter` turns them into and out of JSON-ready
+Python values, and :func:`from_wire` raises :class:`~trio_disagg.WireFormatError` with a
+readable message on bad input.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, ClassVar, Generic, TypeVar, get_origin
+
+import attrs
+import cattrs
+import cattrs.cols
+import cattrs.gen
+import orjson
+
+from ._errors import WireFormatError
+
+T = TypeVar("T")
+
+#: Any JSON value as the stdlib ``json`` / ``orjson`` produce it.
+JSON = Any
+
+
+class FinishKind(enum.Enum):
+    """Why a stream ended; the wire form is the value (``"abort"`` is read as ``CANCELLED``)."""
+
+    EOS = "eos"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    CONTENT_FILTER = "content_filter"
+    ERROR = "error"
+
+
+@attrs.frozen(slots=True)
+class FinishReason:
+    """A finish reason: one of :class:`FinishKind`, with a message for ``ERROR``.
+
+    Use the constants (``FinishReason.EOS``, ``FinishReason.LENGTH``, ...) and
+    :meth:`error` rather than the constructor. Wire forms: ``"eos"``, ``"stop"``,
+    ``"length"``, ``"cancelled"`` (alias ``"abort"``), ``"content_filter"`` and
+    ``{"error": "message"}``.
+    """
+
+    kind: FinishKind
+    message: str | None = None
+
+    EOS: ClassVar[FinishReason]
+    STOP: ClassVar[FinishReason]
+    LENGTH: ClassVar[FinishReason]
+    CANCELLED: ClassVar[FinishReason]
+    CONTENT_FILTER: ClassVar[FinishReason]
+
+    @classmethod
+    def error(cls, message: str) -> FinishReason:
+        """An ``error`` finish carrying the worker's message."""
+        return cls(FinishKind.ERROR, message)
+
+    @property
+    def is_failure(self) -> bool:
+        """True for ``error`` and ``cancelled``: the request did not complete (G4, T4)."""
+        return self.kind is FinishKind.ERROR or self.kind is FinishKind.CANCELLED
+
+    def __str__(self) -> str:
+        if self.kind is FinishKind.ERROR:
+            return f"error: {self.message}"
+        return self.kind.value
+
+
+FinishReason.EOS = FinishReason(FinishKind.EOS)
+FinishReason.STOP = FinishReason(FinishKind.STOP)
+FinishReason.LENGTH = FinishReason(FinishKind.LENGTH)
+FinishReason.CANCELLED = FinishReason(FinishKind.CANCELLED)
+FinishReason.CONTENT_FILTER = FinishReason(FinishKind.CONTENT_FILTER)
+
+_FINISH_BY_WIRE: dict[str, FinishReason] = {
+    "eos": FinishReason.EOS,
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "cancelled": FinishReason.CANCELLED,
+    "abort": FinishReason.CANCELLED,
+    "content_filter": FinishReason.CONTENT_FILTER,
+}
+
+
+@attrs.define(slots=True, kw_only=True)
+class PromptTokensDetails:
+    """OpenAI's ``usage.prompt_tokens_details``; ``cached_tokens`` counts prompt tokens."""
+
+    cached_tokens: int | None = None
+    audio_tokens: int | None = None
+
+
+@attrs.define(slots=True, kw_only=True)
+class CompletionUsage:
+    """OpenAI's ``usage`` object. All counts are tokens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class TraceLink:
+    """Where a worker served a request, for tracing across the handoff."""
+
+    worker_id: str
+    request_id: str | None = None
+    trace_id: str | None = None
+
+
+@attrs.define(slots=True, kw_only=True)
+class LLMEngineOutput:
+    """One item of an engine's stream.
+
+    ``token_ids`` are the tokens produced by this item (not cumulative); ``text`` their
+    detokenized text if the engine has it; ``index`` the choice index for ``n > 1``.
+    ``disaggregated_params`` is the opaque handoff payload of a prefill worker.
+    """
+
+    token_ids: list[int] = attrs.Factory(list)
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    disaggregated_params: JSON | None = None
+    completion_usage: CompletionUsage | None = None
+    worker_trace_link: TraceLink | None = None
+    index: int | None = None
+
+    @classmethod
+    def length(cls) -> LLMEngineOutput:
+        """An empty output that finished on ``length``."""
+        return cls(finish_reason=FinishReason.LENGTH)
+
+
+@attrs.define(slots=True, kw_only=True)
+class Annotated(Generic[T]):
+    """Dynamo's envelope around a stream item.
+
+    It *is an error* when ``event == "error"``; the message is then in ``error`` (or in
+    ``comment``, as Dynamo's older producers put it).
+    """
+
+    data: T | None = None
+    id: str | None = None
+    event: str | None = None
+    comment: list[str] | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_data(cls, data: T) -> Annotated[T]:
+        return cls(data=data)
+
+    @classmethod
+    def from_error(cls, message: str) -> Annotated[T]:
+        return cls(event="error", error=message)
+
+    @property
+    def is_error(self) -> bool:
+        return self.event == "error"
+
+    def error_message(self) -> str | None:
+        """The error text if this item is an error, else None."""
+        if self.event != "error":
+            return None
+        if self.error:
+            return self.error
+        if self.comment:
+            return "; ".join(self.comment)
+        return "unknown error"
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class PrefillResult:
+    """What a prefill hands to the decode request (S10)."""
+
+    disaggregated_params: JSON
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class BootstrapInfo:
+    """SGLang's bootstrap triple (PROTOCOLS.md section 3). ``room`` is in [0, 2**63 - 1]."""
+
+    host: str
+    port: int
+    room: int
+
+    def as_params(self) -> dict[str, Any]:
+        return {"bootstrap_host": self.host, "bootstrap_port": self.port,
+                "bootstrap_room": self.room}
+
+
+@attrs.define(slots=True, kw_only=True)
+class RoutingHints:
+    """What worker selection may use: a session id for affinity, pinned workers."""
+
+    session_id: str | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+
+
+@attrs.define(slots=True, kw_only=True)
+class PreprocessedRequest:
+    """What the router needs of one client request.
+
+    ``body`` is the client's OpenAI request body as received; adapters build their wire
+    request from it. ``max_tokens`` is the resolved completion budget in tokens.
+    ``prefill_result`` is filled in after the handoff; ``bootstrap_info`` for the
+    concurrent (SGLang) style.
+    """
+
+    request_id: str
+    model: str
+    body: dict[str, Any] = attrs.Factory(dict)
+    max_tokens: int | None = None
+    stream: bool = False
+    routing: RoutingHints = attrs.Factory(RoutingHints)
+    prefill_result: PrefillResult | None = None
+    bootstrap_info: BootstrapInfo | None = None
+
+
+# --- wire form -------------------------------------------------------------------------
+
+
+def _unstructure_finish(reason: FinishReason) -> JSON:
+    if reason.kind is FinishKind.ERROR:
+        return {"error": reason.message}
+    return reason.kind.value
+
+
+def _structure_finish(value: Any, _: type) -> FinishReason:
+    if isinstance(value, str):
+        try:
+            return _FINISH_BY_WIRE[value]
+        except KeyError:
+            raise ValueError(f"unknown finish_reason {value!r}") from None
+    if isinstance(value, Mapping) and len(value) == 1 and isinstance(value.get("error"), str):
+        return FinishReason.error(value["error"])
+    raise ValueError(f"finish_reason must be a string or {{'error': str}}, got {value!r}")
+
+
+def _strict(kind: type, name: str) -> Any:
+    # cattrs' defaults coerce ("3" -> 3, 3.7 -> 3); the wire must be typed exactly.
+    def structure(value: Any, _: type) -> Any:
+        if type(value) is kind or (kind is float and type(value) is int):
+            return value
+        raise TypeError(f"expected {name}, got {type(value).__name__} {value!r:.40}")
+
+    return structure
+
+
+def _strict_list_factory(cls: Any, conv: cattrs.Converter) -> Any:
+    # A JSON string is iterable; without this check "abc" would structure as a list.
+    base = cattrs.cols.list_structure_factory(cls, conv)
+
+    def structure(value: Any, type_: Any) -> Any:
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list, got {type(value).__name__}")
+        return base(value, type_)
+
+    return structure
+
+
+def _is_attrs(cls: Any) -> bool:
+    return attrs.has(get_origin(cls) or cls)
+
+
+def _strict_object_factory(cls: Any, conv: cattrs.Converter) -> Any:
+    base = cattrs.gen.make_dict_structure_fn(cls, conv)
+
+    def structure(value: Any, type_: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        return base(value, type_)
+
+    return structure
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
+    conv.register_unstructure_hook(FinishReason, _unstructure_finish)
+    conv.register_structure_hook(FinishReason, _structure_finish)
+    conv.register_structure_hook(
+        FinishReason | None, lambda v, t: None if v is None else _structure_finish(v, t)
+    )
+    conv.register_structure_hook(int, _strict(int, "an integer"))
+    conv.register_structure_hook(float, _strict(float, "a number"))
+    conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
+    conv.register_structure_hook_factory(cattrs.cols.is_sequence, _strict_list_factory)
+    conv.register_structure_hook_factory(_is_attrs, _strict_object_factory)
+    # Opaque JSON stays as it is in both directions.
+    conv.register_structure_hook(Any, lambda v, _: v)
+    return conv
+
+
+#: The cattrs converter for the wire form of every type in this module.
+converter = _make_converter()
+
+
+def to_wire(value: Any) -> Any:
+    """Turn a protocol object into JSON-ready Python values (omitting defaults)."""
+    return converter.unstructure(value)
+
+
+def from_wire(value: Any, cls: type[T]) -> T:
+    """Build ``cls`` from JSON-ready Python values.
+
+    Raises:
+        WireFormatError: if ``value`` does not have the shape of ``cls``; the message
+            names each offending path (``$.finish_reason: unknown finish_reason 'x'``).
+    """
+    try:
+        return converter.structure(value, cls)
+    except Exception as exc:  # cattrs raises ClassValidationError, TypeError, ValueError...
+        if isinstance(exc, cattrs.BaseValidationError):
+            details = "; ".join(cattrs.transform_error(exc, path="$", format_exception=_explain))
+        else:
+            details = str(exc)
+        name = getattr(cls, "__name__", str(cls))
+        raise WireFormatError(f"invalid {name}: {details}") from None
+
+
+def _explain(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, KeyError):
+        return "required field missing"
+    return str(exc) or type(exc).__name__
+
+
+def dumps(value: Any) -> bytes:
+    """Serialize a protocol object to JSON bytes."""
+    return orjson.dumps(to_wire(value))
+
+
+def loads(data: bytes | str, cls: type[T]) -> T:
+    """Parse JSON bytes into ``cls``.
+
+    Raises:
+        WireFormatError: on malformed JSON or a value of the wrong shape.
+    """
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise WireFormatError(f"malformed JSON: {exc}") from None
+    return from_wire(value, cls)

@@ -1,0 +1,119 @@
+"""Per-request phases and timing (SEMANTICS.md S3, S11)."""
+
+from __future__ import annotations
+
+import enum
+
+import trio
+
+
+class Phase(enum.Enum):
+    """Where a request is in its life."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class PhasePermit:
+    """The request's one phase-transition permit, held by the prefill phase (S11).
+
+    Release it when the prefill drain starts; releasing twice is harmless.
+    """
+
+    __slots__ = ("_sem", "released")
+
+    def __init__(self, sem: trio.Semaphore) -> None:
+        self._sem = sem
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._sem.release()
+
+
+class RequestTracker:
+    """Phase and timing of one request.
+
+    Times are ``trio.current_time()`` values in seconds, so they follow a test's autojump
+    clock. ``record_prefill_complete()`` and ``record_decode_first_token()`` are first-call
+    wins: only the first call records and returns True (S3).
+    """
+
+    __slots__ = (
+        "_permit",
+        "created_at",
+        "decode_first_token_at",
+        "finished_at",
+        "phase",
+        "prefill_complete_at",
+    )
+
+    def __init__(self) -> None:
+        self.phase = Phase.QUEUED
+        self.created_at: float | None = _now()
+        self.prefill_complete_at: float | None = None
+        self.decode_first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._permit = trio.Semaphore(1)
+
+    def enter_prefill(self) -> PhasePermit:
+        """Enter the prefill phase and take the phase-transition permit (S11).
+
+        Raises:
+            RuntimeError: if the permit is already held (one prefill per request).
+        """
+        try:
+            self._permit.acquire_nowait()
+        except trio.WouldBlock:
+            raise RuntimeError("the phase-transition permit is already held") from None
+        self.phase = Phase.PREFILL
+        return PhasePermit(self._permit)
+
+    async def enter_decode(self) -> None:
+        """Flip to the decode phase once the prefill phase released its permit (S11)."""
+        async with self._permit:
+            self.phase = Phase.DECODE
+
+    def finish(self) -> None:
+        self.phase = Phase.DONE
+        if self.finished_at is None:
+            self.finished_at = _now()
+
+    def record_prefill_complete(self) -> bool:
+        """Record that the prefill produced its first valid output; first call wins (S3)."""
+        if self.prefill_complete_at is not None:
+            return False
+        self.prefill_complete_at = _now()
+        return True
+
+    def record_decode_first_token(self) -> bool:
+        """Record the decode worker's first token; first call wins."""
+        if self.decode_first_token_at is not None:
+            return False
+        self.decode_first_token_at = _now()
+        return True
+
+    @property
+    def kv_transfer_latency(self) -> float | None:
+        """Seconds from prefill complete to the decode's first token, an upper bound on the
+        KV transfer time; None until both are known."""
+        if self.prefill_complete_at is None or self.decode_first_token_at is None:
+            return None
+        return max(0.0, self.decode_first_token_at - self.prefill_complete_at)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from creation to the decode's first token (TTFT)."""
+        if self.created_at is None or self.decode_first_token_at is None:
+            return None
+        return self.decode_first_token_at - self.created_at
+
+
+def _now() -> float | None:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # created outside a trio run
+        return None
