@@ -10,7 +10,9 @@ from ._engine import HandoffStyle as HandoffStyle
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import NoDisaggregatedParams as NoDisaggregatedParams
 from ._errors import NoWorkerAvailable as NoWorkerAvailable
+from ._errors import PrefillDeadlineExceeded as PrefillDeadlineExceeded
 from ._errors import PrefillError as PrefillError
+from ._errors import RouterClosed as RouterClosed
 from ._errors import TrioDisaggError as TrioDisaggError
 from ._errors import WireFormatError as WireFormatError
 from ._errors import WorkerError as WorkerError
@@ -18,6 +20,12 @@ from ._gate import Gatekeeper as Gatekeeper
 from ._gate import is_decode_failure as is_decode_failure
 from ._keeper import PrefillTask as PrefillTask
 from ._keeper import TransferKeeper as TransferKeeper
+from ._pool import LeastOutstanding as LeastOutstanding
+from ._pool import RoundRobin as RoundRobin
+from ._pool import SelectionPolicy as SelectionPolicy
+from ._pool import SessionAffinity as SessionAffinity
+from ._pool import Worker as Worker
+from ._pool import WorkerPool as WorkerPool
 from ._prefill import Handoff as Handoff
 from ._prefill import PrefillCompletion as PrefillCompletion
 from ._prefill import Terminal as Terminal
@@ -40,6 +48,10 @@ from ._protocols import TraceLink as TraceLink
 from ._protocols import converter as converter
 from ._protocols import from_wire as from_wire
 from ._protocols import to_wire as to_wire
+from ._router import Deadlines as Deadlines
+from ._router import DisaggRouter as DisaggRouter
+from ._router import RequestStream as RequestStream
+from ._router import RouterCounters as RouterCounters
 from ._tracker import Phase as Phase
 from ._tracker import PhasePermit as PhasePermit
 from ._tracker import RequestTracker as RequestTracker

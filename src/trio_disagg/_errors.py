@@ -54,3 +54,11 @@ class WorkerError(TrioDisaggError):
         super().__init__(message)
         self.status = status
         self.worker = worker
+
+
+class PrefillDeadlineExceeded(DeadlineExceeded, PrefillError):
+    """The prefill leg ran past its deadline (B2); it is both a deadline and a prefill error."""
+
+
+class RouterClosed(TrioDisaggError):
+    """The router is shutting down and admits no new requests (SEMANTICS.md B3)."""

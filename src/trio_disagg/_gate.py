@@ -91,21 +91,28 @@ class Gatekeeper:
             return await nursery.start(start_decode, *args)  # G2
         started: Any = None
         if not self.prefill.done:
+            # The watcher lives in ``nursery`` rather than in a nursery of its own, so an
+            # error from start_decode reaches the caller bare, not in an ExceptionGroup.
+            watcher = trio.CancelScope()
             with trio.CancelScope() as race:
-                async with trio.open_nursery() as watchers:
-                    watchers.start_soon(self._cancel_on_prefill_failure, race)
+                nursery.start_soon(self._cancel_on_prefill_failure, race, watcher)
+                try:
                     started = await nursery.start(start_decode, *args)
-                    watchers.cancel_scope.cancel()
+                finally:
+                    watcher.cancel()
         if self.prefill.failed:  # looked at first, also on a tie (G1)
             self.client_context.stop_generating()
             assert self.prefill.error is not None
             raise self.prefill.error
         return started
 
-    async def _cancel_on_prefill_failure(self, scope: trio.CancelScope) -> None:
-        await self.prefill.wait_done()
-        if self.prefill.failed:
-            scope.cancel()
+    async def _cancel_on_prefill_failure(
+        self, scope: trio.CancelScope, watcher: trio.CancelScope | None = None
+    ) -> None:
+        with watcher if watcher is not None else trio.CancelScope():
+            await self.prefill.wait_done()
+            if self.prefill.failed:
+                scope.cancel()
 
     async def forward(
         self,

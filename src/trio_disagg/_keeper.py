@@ -56,6 +56,11 @@ class PrefillTask(Generic[T]):
         """The failure, once the task failed; else None."""
         return self._error
 
+    @property
+    def value(self) -> T | None:
+        """The drain's result once it succeeded; None before that or after a failure."""
+        return self._value
+
     async def wait_done(self) -> None:
         """Return once the drain ended, however it ended. Never raises but ``Cancelled``."""
         await self._done.wait()

@@ -1,0 +1,183 @@
+"""Worker pools and worker selection (SEMANTICS.md S12; DESIGN.md "Beyond one machine")."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import trio
+
+from ._engine import Engine
+from ._errors import NoWorkerAvailable
+from ._protocols import PreprocessedRequest
+
+
+class Worker:
+    """One engine in a pool, with the counters selection and metrics need.
+
+    Attributes:
+        engine: the engine itself.
+        outstanding: requests dispatched to it and not yet finished (SEMANTICS.md B5).
+        consecutive_failures: failures since its last success.
+        unhealthy_until: ``trio.current_time()`` before which it is skipped.
+        served_total, failures_total: lifetime counts.
+    """
+
+    __slots__ = (
+        "consecutive_failures",
+        "engine",
+        "failures_total",
+        "outstanding",
+        "served_total",
+        "unhealthy_until",
+    )
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.outstanding = 0
+        self.consecutive_failures = 0
+        self.unhealthy_until = -float("inf")
+        self.served_total = 0
+        self.failures_total = 0
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.name!r} outstanding={self.outstanding}>"
+
+
+class SelectionPolicy(Protocol):
+    """Chooses one of the healthy workers for a request."""
+
+    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker: ...
+
+
+class RoundRobin:
+    """Each worker in turn."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+        return workers[next(self._counter) % len(workers)]
+
+
+class LeastOutstanding:
+    """The worker with the fewest outstanding requests (first one on a tie)."""
+
+    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+        return min(workers, key=lambda worker: worker.outstanding)
+
+
+class SessionAffinity:
+    """A consistent hash of the session id over the workers.
+
+    Rendezvous (highest random weight) hashing: every router replica with the same worker
+    list picks the same worker for a session with no shared state, and removing a worker
+    moves only its own sessions. Requests without a session id go to ``fallback``.
+    """
+
+    def __init__(self, fallback: SelectionPolicy | None = None) -> None:
+        self.fallback = fallback if fallback is not None else LeastOutstanding()
+
+    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+        session = request.routing.session_id
+        if session is None:
+            return self.fallback.choose(workers, request)
+        return max(workers, key=lambda worker: _weight(session, worker.name))
+
+
+def _weight(session: str, worker: str) -> bytes:
+    return hashlib.blake2b(f"{session}\x00{worker}".encode(), digest_size=8).digest()
+
+
+class WorkerPool:
+    """The workers of one role (prefill or decode) and how to pick among them.
+
+    A worker that fails ``failure_threshold`` times in a row is skipped for ``cooldown``
+    seconds; a success resets its count.
+
+    Args:
+        engines: the workers; names must be unique.
+        policy: how to choose among healthy workers (default :class:`LeastOutstanding`).
+        failure_threshold: consecutive failures that make a worker unhealthy.
+        cooldown: seconds an unhealthy worker is skipped.
+
+    Raises:
+        ValueError: on duplicate worker names.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        policy: SelectionPolicy | None = None,
+        failure_threshold: int = 3,
+        cooldown: float = 5.0,
+    ) -> None:
+        self.workers = [Worker(engine) for engine in engines]
+        names = [worker.name for worker in self.workers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"worker names must be unique, got {names}")
+        self._by_name = {worker.name: worker for worker in self.workers}
+        self.policy: SelectionPolicy = policy if policy is not None else LeastOutstanding()
+        self.failure_threshold = failure_threshold
+        self.cooldown = cooldown
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def healthy(self) -> list[Worker]:
+        now = trio.current_time()
+        return [worker for worker in self.workers if worker.unhealthy_until <= now]
+
+    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker:
+        """Choose a worker for ``request``.
+
+        Args:
+            request: the request; session affinity reads ``request.routing.session_id``.
+            pinned: a worker name the request asked for; used if healthy.
+
+        Raises:
+            NoWorkerAvailable: the pool is empty, or every worker is cooling down.
+        """
+        if pinned is not None:
+            worker = self._by_name.get(pinned)
+            if worker is not None and worker.unhealthy_until <= trio.current_time():
+                return worker
+        candidates = self.healthy()
+        if not candidates:
+            if not self.workers:
+                raise NoWorkerAvailable("no workers configured")
+            raise NoWorkerAvailable(
+                f"all {len(self.workers)} workers are unhealthy (cooling down)"
+            )
+        return self.policy.choose(candidates, request)
+
+    @contextmanager
+    def lease(self, worker: Worker) -> Iterator[Worker]:
+        """Count ``worker`` as having one more outstanding request for the block."""
+        worker.outstanding += 1
+        try:
+            yield worker
+        finally:
+            worker.outstanding -= 1
+
+    def record_success(self, worker: Worker) -> None:
+        worker.consecutive_failures = 0
+        worker.served_total += 1
+
+    def record_failure(self, worker: Worker) -> None:
+        worker.consecutive_failures += 1
+        worker.failures_total += 1
+        if worker.consecutive_failures >= self.failure_threshold:
+            worker.unhealthy_until = trio.current_time() + self.cooldown
+
+    @property
+    def outstanding(self) -> int:
+        return sum(worker.outstanding for worker in self.workers)
