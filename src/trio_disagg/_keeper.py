@@ -222,9 +222,9 @@ class TransferKeeper:
                 raise
             self.failed_total += 1
             logger.warning("prefill drain %s crashed", task.name, exc_info=exc)  # T2
-            error = PrefillError(f"Prefill background task did not complete: {exc!r}")
-            error.__cause__ = exc
-            task._finish(None, error)
+            crash = PrefillError(f"Prefill background task did not complete: {exc!r}")
+            crash.__cause__ = exc
+            task._finish(None, crash)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and friends are not ours to swallow
         else:

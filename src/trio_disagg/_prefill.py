@@ -128,7 +128,7 @@ def classify_first_output(
 
 
 async def drain_prefill_outputs(
-    outputs: trio.abc.ReceiveChannel[Annotated[LLMEngineOutput]],
+    outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
 ) -> PromptTokensDetails | None:
     """Read a prefill stream to its end, checking every output (S6, T4).
 
@@ -148,7 +148,7 @@ async def drain_prefill_outputs(
 
 
 async def consume_prefill_stream(
-    outputs: trio.abc.ReceiveChannel[Annotated[LLMEngineOutput]],
+    outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
     *,
     tracker: RequestTracker | None = None,
     keeper: TransferKeeper | None = None,

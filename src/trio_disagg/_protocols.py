@@ -70,7 +70,7 @@ class FinishReason:
     def __str__(self) -> str:
         if self.kind is FinishKind.ERROR:
             return f"error: {self.message}"
-        return self.kind.value
+        return str(self.kind.value)
 
 
 FinishReason.EOS = FinishReason(FinishKind.EOS)
