@@ -14,9 +14,11 @@ from ._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 class HandoffStyle(enum.Enum):
     """How a prefill worker hands KV to a decode worker (SEMANTICS.md S5-S7)."""
 
-    #: vLLM / TRT-LLM: prefill first, its ``disaggregated_params`` go into the decode request.
+    #: vLLM and TRT-LLM style; prefill first, its ``disaggregated_params`` go into the decode
+    #: request.
     SEQUENTIAL = "sequential"
-    #: SGLang: the router picks a bootstrap room and dispatches prefill and decode together.
+    #: SGLang style; the router picks a bootstrap room and dispatches prefill and decode
+    #: together.
     BOOTSTRAP = "bootstrap"
 
 

@@ -137,10 +137,16 @@ class Gatekeeper:
             error: Exception | None = None
             try:
                 if not self.prefill.done:
+                    escaped: Exception | None = None
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._cancel_on_prefill_failure, nursery.cancel_scope)
-                        error = await self._forward_while_pending(decode_outputs, send_channel)
+                        try:
+                            error = await self._forward_while_pending(decode_outputs, send_channel)
+                        except Exception as exc:  # e.g. BrokenResourceError: the client closed
+                            escaped = exc  # re-raised bare below, as in the pass-through path
                         nursery.cancel_scope.cancel()
+                    if escaped is not None:
+                        raise escaped
                 if not self._ended and error is None:
                     if self.prefill.failed:
                         error = self.prefill.error  # G5, G6
@@ -159,6 +165,11 @@ class Gatekeeper:
             pass
         except trio.EndOfChannel:
             return None
+        if self.idle_timeout == math.inf:  # no deadline: no cancel scope per wait
+            try:
+                return await decode_outputs.receive()
+            except trio.EndOfChannel:
+                return None
         with trio.move_on_after(self.idle_timeout) as idle:
             try:
                 return await decode_outputs.receive()
@@ -181,8 +192,10 @@ class Gatekeeper:
             except DeadlineExceeded as exc:
                 return exc
             if item is not None and is_decode_failure(item):
-                self._ended = True  # G4: a decode failure does not wait for prefill
+                # G4: a decode failure does not wait for prefill. Ended only once sent: if a
+                # prefill failure cancels the send, the prefill error is sent instead (B4).
                 await send_channel.send(item)
+                self._ended = True
                 return None
             if item is None or _is_terminal(item):
                 with trio.move_on_after(self.terminal_hold_timeout):
@@ -191,9 +204,9 @@ class Gatekeeper:
                     return DeadlineExceeded("terminal hold", self.terminal_hold_timeout)
                 if prefill.failed:
                     return None  # the caller replaces the terminal with the prefill error
-                self._ended = True
                 if item is not None:
                     await send_channel.send(item)
+                self._ended = True
                 return None
             await send_channel.send(item)  # G3
         return None

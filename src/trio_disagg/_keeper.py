@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -138,17 +138,17 @@ class TransferKeeper:
     ) -> bool:
         nursery, self._nursery = self._nursery, None  # admit no more drains
         assert nursery is not None
-        try:
-            with trio.move_on_after(self.drain_window, shield=True):
-                await self.wait_idle()
-        finally:
-            if self._in_flight:
-                logger.warning(
-                    "drain window of %g s over; cancelling %d prefill drain(s)",
-                    self.drain_window, len(self._in_flight),
-                )
-            nursery.cancel_scope.cancel()
-            result: bool = await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        # Shielded and bounded: even a cancelled service gives its transfers the window.
+        with trio.move_on_after(self.drain_window, shield=True):
+            await self.wait_idle()
+        if self._in_flight:
+            logger.warning(
+                "drain window of %g s over; cancelling %d prefill drain(s)",
+                self.drain_window, len(self._in_flight),
+            )
+        nursery.cancel_scope.cancel()
+        # The nursery must be exited here; its drains are cancelled by now.
+        result: bool = await self._nursery_manager.__aexit__(exc_type, exc, tb)  # noqa: ASYNC102
         return result
 
     async def wait_idle(self) -> None:
@@ -171,7 +171,7 @@ class TransferKeeper:
                 task's result; a :class:`PrefillError` it raises becomes the task's error;
                 any other exception, or cancellation, becomes "did not complete" (T3).
             name: shown in logs; usually the request id.
-            guard: a teardown guard held (entered) for as long as the drain runs (S5).
+            guard: a teardown guard, entered here and held until the drain ends (S5).
             permit: the request's phase-transition permit, released as the drain
                 starts (S11).
 
@@ -184,23 +184,26 @@ class TransferKeeper:
         if self._nursery is None:
             raise RuntimeError("the TransferKeeper is not open; no new drains are accepted")
         task: PrefillTask[T] = PrefillTask(name)
+        held = ExitStack()
+        if guard is not None:
+            held.enter_context(guard)  # S5: held from the handoff on, not from the first run
         self._in_flight[task] = None
         self._idle = trio.Event() if len(self._in_flight) == 1 else self._idle
         self.started_total += 1
-        self._nursery.start_soon(self._run, task, async_fn, guard, permit, name=f"drain {name}")
+        self._nursery.start_soon(self._run, task, async_fn, held, permit, name=f"drain {name}")
         return task
 
     async def _run(
         self,
         task: PrefillTask[T],
         async_fn: Callable[[], Awaitable[T]],
-        guard: AbstractContextManager[Any] | None,
+        held: ExitStack,
         permit: PhasePermit | None,
     ) -> None:
         try:
             if permit is not None:
                 permit.release()  # S11: the decode phase may begin once the drain runs
-            with guard if guard is not None else nullcontext():
+            with held:
                 value = await async_fn()
         except trio.Cancelled:
             self.cancelled_total += 1
@@ -213,6 +216,13 @@ class TransferKeeper:
             logger.warning("prefill drain %s failed: %s", task.name, error)  # T2
             task._finish(None, error)
         except BaseException as exc:
+            if isinstance(exc, BaseExceptionGroup) and exc.split(PrefillError)[1] is None:
+                # A PrefillError raised inside a nursery of the drain arrives wrapped.
+                leaf = _first_leaf(exc)
+                self.failed_total += 1
+                logger.warning("prefill drain %s failed: %s", task.name, leaf)  # T2
+                task._finish(None, leaf)
+                return
             if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None:
                 # only cancellation inside a nursery of the drain
                 self.cancelled_total += 1
@@ -233,3 +243,11 @@ class TransferKeeper:
             del self._in_flight[task]
             if not self._in_flight:
                 self._idle.set()
+
+
+def _first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, PrefillError)
+    return exc

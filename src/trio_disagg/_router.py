@@ -371,7 +371,7 @@ class DisaggRouter:
             tracker.finish()
             self._release()
 
-    async def _decode_leg(
+    async def _decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         self,
         worker: Worker,
         request: PreprocessedRequest,
@@ -413,7 +413,8 @@ class DisaggRouter:
                         handed_off = attrs.evolve(request, prefill_result=completion.result)
                         await self._consume_if_abandoned(slot, handed_off)
         except* PrefillError as group:
-            raise _single(group) from None  # one typed error for the PrefillTask
+            leaf = _single(group)  # one typed error for the PrefillTask, its cause kept
+            raise leaf from leaf.__cause__
         finally:
             slot.offer(None)  # wake the request if the leg ended without a completion
             if room is not None:
@@ -446,7 +447,8 @@ class DisaggRouter:
                         completion = await consume_prefill_stream(receive, tracker=tracker)
             except* PrefillError as group:
                 self.prefill.record_failure(worker)
-                raise _single(group) from None
+                leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
+                raise leaf from leaf.__cause__
             except* WorkerError as group:
                 self.prefill.record_failure(worker)
                 raise PrefillError(

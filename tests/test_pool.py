@@ -1,0 +1,127 @@
+"""Worker selection (SEMANTICS.md S12; DESIGN.md "Beyond one machine")."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+
+from trio_disagg import (
+    Annotated,
+    HandoffStyle,
+    LeastOutstanding,
+    LLMEngineOutput,
+    NoWorkerAvailable,
+    PreprocessedRequest,
+    RequestContext,
+    RoundRobin,
+    RoutingHints,
+    SessionAffinity,
+    WorkerPool,
+)
+
+
+@attrs.define
+class NullEngine:
+    name: str
+    handoff_style: HandoffStyle = HandoffStyle.SEQUENTIAL
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        send_channel.close()
+
+
+def request(session: str | None = None) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id="r", model="m", routing=RoutingHints(session_id=session)
+    )
+
+
+def pool(n: int, **kwargs: object) -> WorkerPool:
+    return WorkerPool([NullEngine(f"w{i}") for i in range(n)], **kwargs)  # type: ignore[arg-type]
+
+
+async def test_S12_round_robin_visits_each_worker_in_turn() -> None:
+    workers = pool(3, policy=RoundRobin())
+    picks = [workers.select(request()).name for _ in range(6)]
+    assert picks == ["w0", "w1", "w2", "w0", "w1", "w2"]
+
+
+async def test_S12_least_outstanding_prefers_the_idle_worker() -> None:
+    workers = pool(3, policy=LeastOutstanding())
+    busy = workers.workers[0]
+    with workers.lease(busy), workers.lease(workers.workers[1]):
+        assert workers.select(request()).name == "w2"
+        assert busy.outstanding == 1
+    assert busy.outstanding == 0
+
+
+async def test_S12_session_affinity_is_stable_across_replicas() -> None:
+    # Two router replicas with the same worker list, no shared state.
+    replica_a = pool(5, policy=SessionAffinity())
+    replica_b = pool(5, policy=SessionAffinity())
+    sessions = [f"session-{i}" for i in range(200)]
+    picks_a = [replica_a.select(request(s)).name for s in sessions]
+    picks_b = [replica_b.select(request(s)).name for s in sessions]
+    assert picks_a == picks_b
+    assert len(set(picks_a)) == 5  # spread over every worker
+
+
+async def test_S12_session_affinity_moves_only_the_removed_workers_sessions() -> None:
+    full = pool(5, policy=SessionAffinity())
+    smaller = WorkerPool([w.engine for w in full.workers[:4]], policy=SessionAffinity())
+    for i in range(200):
+        before = full.select(request(f"s{i}")).name
+        after = smaller.select(request(f"s{i}")).name
+        if before != "w4":
+            assert after == before
+
+
+async def test_S12_pinned_worker_is_used_when_healthy() -> None:
+    workers = pool(3, policy=RoundRobin())
+    assert workers.select(request(), pinned="w2").name == "w2"
+    assert workers.select(request(), pinned="nope").name == "w0"
+
+
+async def test_unhealthy_worker_is_skipped_for_the_cooldown(autojump_clock: trio.abc.Clock) -> None:
+    workers = pool(2, policy=RoundRobin(), failure_threshold=2, cooldown=5.0)
+    bad = workers.workers[0]
+    workers.record_failure(bad)
+    assert {workers.select(request()).name for _ in range(4)} == {"w0", "w1"}
+    workers.record_failure(bad)  # second in a row: cooling down
+    assert {workers.select(request()).name for _ in range(4)} == {"w1"}
+    await trio.sleep(5.0)
+    assert {workers.select(request()).name for _ in range(4)} == {"w0", "w1"}
+
+
+async def test_success_resets_consecutive_failures() -> None:
+    workers = pool(1, failure_threshold=2)
+    worker = workers.workers[0]
+    workers.record_failure(worker)
+    workers.record_success(worker)
+    workers.record_failure(worker)
+    assert workers.select(request()).name == "w0"
+    assert worker.failures_total == 2
+
+
+async def test_no_worker_available_when_all_cool_down() -> None:
+    workers = pool(1, failure_threshold=1)
+    workers.record_failure(workers.workers[0])
+    with pytest.raises(NoWorkerAvailable, match="unhealthy"):
+        workers.select(request())
+    with pytest.raises(NoWorkerAvailable, match="no workers"):
+        pool(0).select(request())
+
+
+def test_duplicate_worker_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        WorkerPool([NullEngine("a"), NullEngine("a")])
