@@ -98,6 +98,14 @@ class Gatekeeper:
                 nursery.start_soon(self._cancel_on_prefill_failure, race, watcher)
                 try:
                     started = await nursery.start(start_decode, *args)
+                except Exception as exc:
+                    if not self.prefill.failed:
+                        raise
+                    # A decode refusal in the same instant as a prefill failure: the
+                    # prefill is looked at first (G1).
+                    self.client_context.stop_generating()
+                    assert self.prefill.error is not None
+                    raise self.prefill.error from exc
                 finally:
                     watcher.cancel()
         if self.prefill.failed:  # looked at first, also on a tie (G1)
@@ -134,28 +142,42 @@ class Gatekeeper:
         the keeper and is not affected (G9).
         """
         with send_channel, decode_outputs:
-            error: Exception | None = None
             try:
-                if not self.prefill.done:
-                    escaped: Exception | None = None
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._cancel_on_prefill_failure, nursery.cancel_scope)
-                        try:
-                            error = await self._forward_while_pending(decode_outputs, send_channel)
-                        except Exception as exc:  # e.g. BrokenResourceError: the client closed
-                            escaped = exc  # re-raised bare below, as in the pass-through path
-                        nursery.cancel_scope.cancel()
-                    if escaped is not None:
-                        raise escaped
-                if not self._ended and error is None:
-                    if self.prefill.failed:
-                        error = self.prefill.error  # G5, G6
-                    else:
-                        await self._pass_through(decode_outputs, send_channel)
-            except DeadlineExceeded as exc:
-                error = exc
-            if error is not None:
-                await self._fail(error, send_channel, decode_context)
+                await self._forward(decode_outputs, send_channel, decode_context)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # The client closed its end: nobody is listening, so stop the decode leg
+                # and end quietly. The prefill is not ours to stop (G9).
+                if decode_context is not None:
+                    decode_context.stop_generating()
+
+    async def _forward(
+        self,
+        decode_outputs: trio.MemoryReceiveChannel[Item],
+        send_channel: trio.MemorySendChannel[Item],
+        decode_context: RequestContext | None,
+    ) -> None:
+        error: Exception | None = None
+        try:
+            if not self.prefill.done:
+                escaped: Exception | None = None
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._cancel_on_prefill_failure, nursery.cancel_scope)
+                    try:
+                        error = await self._forward_while_pending(decode_outputs, send_channel)
+                    except Exception as exc:  # e.g. BrokenResourceError: the client closed
+                        escaped = exc  # re-raised bare below, as in the pass-through path
+                    nursery.cancel_scope.cancel()
+                if escaped is not None:
+                    raise escaped
+            if not self._ended and error is None:
+                if self.prefill.failed:
+                    error = self.prefill.error  # G5, G6
+                else:
+                    await self._pass_through(decode_outputs, send_channel)
+        except DeadlineExceeded as exc:
+            error = exc
+        if error is not None:
+            await self._fail(error, send_channel, decode_context)
 
     async def _receive(self, decode_outputs: trio.MemoryReceiveChannel[Item]) -> Item | None:
         """The next decode output, or None at the end of the stream (B2 decode idle)."""

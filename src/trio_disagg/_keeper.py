@@ -138,7 +138,8 @@ class TransferKeeper:
     ) -> bool:
         nursery, self._nursery = self._nursery, None  # admit no more drains
         assert nursery is not None
-        # Shielded and bounded: even a cancelled service gives its transfers the window.
+        # Shielded and bounded, so that exiting on an exception still gives the drains their
+        # window. (If the code around the keeper was cancelled, so were the drains.)
         with trio.move_on_after(self.drain_window, shield=True):
             await self.wait_idle()
         if self._in_flight:

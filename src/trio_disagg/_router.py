@@ -252,6 +252,7 @@ class DisaggRouter:
         """
         self._admit()
         owned = True  # until the forwarding task takes over the in-flight count
+        room: int | None = None  # bound before anything can raise: the finally reads it
         try:
             prefill_worker = self.prefill.select(request, pinned=request.routing.prefill_worker)
             request.routing.prefill_worker = prefill_worker.name  # S12
@@ -261,7 +262,6 @@ class DisaggRouter:
             slot = _HandoffSlot()
             engine = prefill_worker.engine
             bootstrap = engine.handoff_style is HandoffStyle.BOOTSTRAP
-            room: int | None = None
             if bootstrap:
                 if engine.bootstrap_host is None or engine.bootstrap_port is None:
                     raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")

@@ -43,7 +43,9 @@ class RequestTracker:
     """
 
     __slots__ = (
+        "_decode_recorded",
         "_permit",
+        "_prefill_recorded",
         "created_at",
         "decode_first_token_at",
         "finished_at",
@@ -57,6 +59,9 @@ class RequestTracker:
         self.prefill_complete_at: float | None = None
         self.decode_first_token_at: float | None = None
         self.finished_at: float | None = None
+        # Flags, not the times: outside a trio run the times are None (S3 first call wins).
+        self._prefill_recorded = False
+        self._decode_recorded = False
         self._permit = trio.Semaphore(1)
 
     def enter_prefill(self) -> PhasePermit:
@@ -84,15 +89,17 @@ class RequestTracker:
 
     def record_prefill_complete(self) -> bool:
         """Record that the prefill produced its first valid output; first call wins (S3)."""
-        if self.prefill_complete_at is not None:
+        if self._prefill_recorded:
             return False
+        self._prefill_recorded = True
         self.prefill_complete_at = _now()
         return True
 
     def record_decode_first_token(self) -> bool:
         """Record the decode worker's first token; first call wins."""
-        if self.decode_first_token_at is not None:
+        if self._decode_recorded:
             return False
+        self._decode_recorded = True
         self.decode_first_token_at = _now()
         return True
 

@@ -1,0 +1,733 @@
+"""The gatekeeper between the decode stream and the client: SEMANTICS.md G1-G9 (and B2).
+
+Ports every test of the 1.6.2 reference (``dynamo-llm-1.6.2-handoff.rs.txt``). A decode leg
+is a memory channel the test feeds; the prefill is a real drain in a real
+:class:`~trio_disagg.TransferKeeper` whose outcome the test decides.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_disagg import (
+    Annotated,
+    DeadlineExceeded,
+    FinishReason,
+    Gatekeeper,
+    LLMEngineOutput,
+    PrefillError,
+    PrefillTask,
+    RequestContext,
+    TransferKeeper,
+    WorkerError,
+)
+
+Item = Annotated[LLMEngineOutput]
+LOST = "prefill connection lost"
+SUCCESS_FINISHES = [
+    FinishReason.EOS,
+    FinishReason.STOP,
+    FinishReason.LENGTH,
+    FinishReason.CONTENT_FILTER,
+]
+
+
+def token(*ids: int) -> Item:
+    return Annotated.from_data(LLMEngineOutput(token_ids=list(ids)))
+
+
+def finished(reason: FinishReason, *ids: int) -> Item:
+    return Annotated.from_data(LLMEngineOutput(token_ids=list(ids), finish_reason=reason))
+
+
+def decode_failures() -> list[Item]:
+    return [
+        Annotated[LLMEngineOutput].from_error("decode failed"),
+        finished(FinishReason.error("decode failed")),
+        finished(FinishReason.CANCELLED),
+    ]
+
+
+class Prefill:
+    """A prefill drain owned by the keeper; the test decides when and how it ends."""
+
+    def __init__(self, keeper: TransferKeeper, name: str = "r-1") -> None:
+        self._go = trio.Event()
+        self._error: PrefillError | None = None
+        self.completed = False
+        self.task: PrefillTask[None] = keeper.start(self._drain, name=name)
+
+    async def _drain(self) -> None:
+        await self._go.wait()
+        if self._error is not None:
+            raise self._error
+        self.completed = True
+
+    def succeed(self) -> None:
+        self._go.set()
+
+    def fail(self, message: str = LOST) -> None:
+        self._error = PrefillError(message)
+        self._go.set()
+
+    async def succeed_after(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+        self.succeed()
+
+    async def fail_after(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+        self.fail()
+
+    async def settled(self) -> None:
+        """Resolve by hand, then let the drain run so the outcome is known."""
+        with trio.fail_after(1):
+            await self.task.wait_done()
+
+
+class Stream:
+    """One request: decode leg -> gatekeeper -> client, each end a memory channel."""
+
+    def __init__(
+        self,
+        prefill: PrefillTask[Any],
+        *,
+        client_buffer: float = math.inf,
+        idle_timeout: float = math.inf,
+        terminal_hold_timeout: float = math.inf,
+    ) -> None:
+        self.client = RequestContext("r-1")
+        self.decode_ctx = RequestContext("r-1")  # not linked: the gate must stop it itself
+        self.gate = Gatekeeper(
+            prefill,
+            self.client,
+            idle_timeout=idle_timeout,
+            terminal_hold_timeout=terminal_hold_timeout,
+        )
+        self.decode_send, self.decode_recv = trio.open_memory_channel[Item](math.inf)
+        self.client_send, self.client_recv = trio.open_memory_channel[Item](client_buffer)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self.gate.forward, self.decode_recv, self.client_send, self.decode_ctx)
+
+    def feed(self, *items: Item, end: bool = False) -> None:
+        for item in items:
+            self.decode_send.send_nowait(item)
+        if end:
+            self.decode_send.close()
+
+    async def next(self) -> Item:
+        with trio.fail_after(10):
+            return await self.client_recv.receive()
+
+    async def assert_nothing_yet(self) -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.WouldBlock):
+            self.client_recv.receive_nowait()
+
+    async def assert_ended(self) -> None:
+        with trio.fail_after(1), pytest.raises(trio.EndOfChannel):
+            await self.client_recv.receive()
+
+    async def rest(self) -> list[Item]:
+        """Everything the client still gets, up to the end of the stream."""
+        with trio.fail_after(10):
+            return [item async for item in self.client_recv]
+
+
+def error_text(item: Item) -> str:
+    assert item.is_error, item
+    message = item.error_message()
+    assert message is not None
+    return message
+
+
+async def decode_leg(  # noqa: ASYNC114
+    value: Any, delay: float = 0, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A decode dispatch that the worker accepts after ``delay`` seconds."""
+    await trio.sleep(delay)
+    task_status.started(value)
+    await trio.sleep_forever()
+
+
+# --- G1 ---------------------------------------------------------------------------------
+
+
+async def test_G1_failure_interrupts_pending_decode_dispatch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ports 1.6.2 ``failure_interrupts_pending_decode_dispatch``."""
+    dispatch_cancelled: list[bool] = []
+
+    async def never_accepts(  # noqa: ASYNC114, ASYNC128 (a worker that never accepts)
+        *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            dispatch_cancelled.append(True)
+            raise
+
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        client = RequestContext("r-1")
+        gate = Gatekeeper(prefill.task, client)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(prefill.fail_after, 5)
+            with trio.fail_after(10), pytest.raises(PrefillError, match=LOST):
+                await gate.dispatch(nursery, never_accepts)
+            assert trio.current_time() == 5.0
+    assert client.is_stopped
+    assert dispatch_cancelled == [True]
+
+
+async def test_G1_tie_prefill_looked_at_first(autojump_clock: trio.testing.MockClock) -> None:
+    """The prefill drain fails in the very instant the decode worker accepts: the prefill
+    failure still wins, and the decode leg that did start is stopped through the client
+    context it is linked to. Repeated, so both scheduling orders of the tie occur."""
+
+    async def prefill_fails_in(seconds: float) -> None:
+        await trio.sleep(seconds)
+        raise PrefillError(LOST)
+
+    async with TransferKeeper() as keeper:
+        for _ in range(20):
+            task = keeper.start(functools.partial(prefill_fails_in, 1), name="r-1")
+            client = RequestContext("r-1")
+            decode_ctx = RequestContext("r-1")
+            client.link_child(decode_ctx)
+            gate = Gatekeeper(task, client)
+            async with trio.open_nursery() as nursery:
+                with trio.fail_after(10), pytest.raises(PrefillError, match=LOST):
+                    await gate.dispatch(nursery, decode_leg, "decode stream", 1)
+                nursery.cancel_scope.cancel()
+            assert client.is_stopped
+            assert decode_ctx.is_stopped
+
+
+async def test_G1_tie_already_failed_prefill_dispatches_no_decode(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    dispatched: list[bool] = []
+
+    async def accepts_at_once(*, task_status: trio.TaskStatus[str]) -> None:  # noqa: ASYNC114
+        dispatched.append(True)
+        task_status.started("decode stream")
+        await trio.sleep_forever()
+
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.fail()
+        await prefill.settled()
+        client = RequestContext("r-1")
+        gate = Gatekeeper(prefill.task, client)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(PrefillError, match=LOST):
+                await gate.dispatch(nursery, accepts_at_once)
+    assert dispatched == []
+    assert client.is_stopped
+
+
+@pytest.mark.parametrize("prefill_state", ["pending", "succeeded"])
+async def test_G1_decode_dispatch_error_is_raised_as_is(
+    autojump_clock: trio.testing.MockClock, prefill_state: str
+) -> None:
+    """A decode worker that refuses the request raises its own error from dispatch, the same
+    whether or not the prefill is still racing it (no ExceptionGroup wrapping)."""
+
+    async def refuses(  # noqa: ASYNC114, ASYNC128 (a worker that refuses)
+        *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        await trio.sleep(1)
+        raise WorkerError("decode worker refused", status=503, worker="decode-0")
+
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        if prefill_state == "succeeded":
+            prefill.succeed()
+            await prefill.settled()
+        client = RequestContext("r-1")
+        gate = Gatekeeper(prefill.task, client)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(WorkerError, match="decode worker refused") as info:
+                await gate.dispatch(nursery, refuses)
+        assert info.value.status == 503
+        assert not client.is_stopped
+        prefill.succeed()
+
+
+# --- G2 ---------------------------------------------------------------------------------
+
+
+async def test_G2_prefill_success_while_dispatch_pending_returns_decode_stream(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(prefill.succeed_after, 1)
+            with trio.fail_after(10):
+                got = await stream.gate.dispatch(nursery, decode_leg, stream.decode_recv, 3)
+            assert got is stream.decode_recv  # returned unchanged
+            assert trio.current_time() == 3.0  # waited for the worker, not cut short
+            assert not stream.client.is_stopped
+            nursery.cancel_scope.cancel()
+
+
+async def test_G2_dispatch_after_prefill_succeeded_just_starts_decode(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        await prefill.settled()
+        gate = Gatekeeper(prefill.task, RequestContext("r-1"))
+        async with trio.open_nursery() as nursery:
+            assert await gate.dispatch(nursery, decode_leg, "decode stream", 2) == "decode stream"
+            assert trio.current_time() == 2.0
+            nursery.cancel_scope.cancel()
+
+
+# --- G3 ---------------------------------------------------------------------------------
+
+
+async def test_G3_tokens_flow_while_prefill_is_pending_but_success_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ports 1.6.2 ``tokens_flow_while_prefill_is_pending_but_success_waits``."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(42), Annotated.from_data(LLMEngineOutput.length()), end=True)
+            first = await stream.next()
+            assert first.data is not None
+            assert first.data.token_ids == [42]
+            await stream.assert_nothing_yet()
+            prefill.succeed()
+            last = await stream.next()
+            assert last.data is not None
+            assert last.data.finish_reason == FinishReason.LENGTH
+            await stream.assert_ended()
+    assert not stream.client.is_stopped
+
+
+async def test_G3_each_token_is_forwarded_as_it_arrives(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        arrivals: list[tuple[float, list[int]]] = []
+
+        async def decode_worker() -> None:
+            for i in range(3):
+                await trio.sleep(1)
+                stream.feed(token(i))
+
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            nursery.start_soon(decode_worker)
+            for _ in range(3):
+                item = await stream.next()
+                assert item.data is not None
+                arrivals.append((trio.current_time(), item.data.token_ids))
+            prefill.succeed()
+            stream.feed(finished(FinishReason.EOS), end=True)
+    assert arrivals == [(1.0, [0]), (2.0, [1]), (3.0, [2])]
+
+
+# --- G4 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "failure", decode_failures(), ids=["envelope", "finish-error", "finish-cancelled"]
+)
+async def test_G4_decode_failure_does_not_wait_for_prefill(
+    autojump_clock: trio.testing.MockClock, failure: Item
+) -> None:
+    """Ports 1.6.2 ``decode_failure_does_not_wait_for_prefill``."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            first = token(1)
+            stream.feed(first, failure, token(2))
+            await trio.testing.wait_all_tasks_blocked()
+            assert stream.client_recv.receive_nowait() is first
+            assert stream.client_recv.receive_nowait() is failure  # at once, unchanged
+            await stream.assert_ended()
+        assert stream.gate.failure is None  # the decode's error, not one of the gate's
+        prefill.succeed()
+
+
+# --- G5 ---------------------------------------------------------------------------------
+
+
+async def test_G5_late_prefill_failure_replaces_decode_success(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ports 1.6.2 ``late_prefill_failure_replaces_decode_success``."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(Annotated.from_data(LLMEngineOutput.length()), end=True)
+            await stream.assert_nothing_yet()
+            prefill.fail()
+            assert LOST in error_text(await stream.next())
+            await stream.assert_ended()
+
+
+@pytest.mark.parametrize("reason", SUCCESS_FINISHES, ids=str)
+async def test_G5_held_terminal_replaced_and_both_contexts_stopped(
+    autojump_clock: trio.testing.MockClock, reason: FinishReason
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(1), finished(reason, 2), end=True)
+            nursery.start_soon(prefill.fail_after, 3)
+            items = await stream.rest()
+    assert [i.data.token_ids for i in items[:-1] if i.data] == [[1]]
+    assert len(items) == 2
+    assert error_text(items[1]) == LOST
+    assert stream.client.is_stopped
+    assert stream.decode_ctx.is_stopped
+    assert isinstance(stream.gate.failure, PrefillError)
+
+
+@pytest.mark.parametrize("reason", SUCCESS_FINISHES, ids=str)
+async def test_G5_success_terminal_held_until_prefill_succeeds(
+    autojump_clock: trio.testing.MockClock, reason: FinishReason
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        terminal = finished(reason, 9)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(terminal, end=True)
+            nursery.start_soon(prefill.succeed_after, 4)
+            assert await stream.next() is terminal
+            assert trio.current_time() == 4.0
+            await stream.assert_ended()
+    assert not stream.client.is_stopped
+    assert not stream.decode_ctx.is_stopped
+
+
+@pytest.mark.parametrize("outcome", ["fails", "succeeds"])
+async def test_G5_stream_end_without_terminal_is_held_too(
+    autojump_clock: trio.testing.MockClock, outcome: str
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(1), end=True)
+            assert await stream.next() is not None
+            await trio.sleep(2)
+            await stream.assert_nothing_yet()  # the end is not passed on yet
+            if outcome == "fails":
+                prefill.fail()
+                assert error_text(await stream.next()) == LOST
+            else:
+                prefill.succeed()
+            await stream.assert_ended()
+            assert trio.current_time() == 2.0
+
+
+# --- G6 ---------------------------------------------------------------------------------
+
+
+async def test_G6_failure_interrupts_wait_for_decode_tokens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ports 1.6.2 ``failure_interrupts_wait_for_decode_tokens``."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)  # the decode leg never sends anything
+            await trio.sleep(7)
+            prefill.fail()
+            assert LOST in error_text(await stream.next())
+            assert trio.current_time() == 7.0
+            assert stream.client.is_stopped
+            assert stream.decode_ctx.is_stopped
+            await stream.assert_ended()
+
+
+async def test_G6_tokens_already_forwarded_stay_and_one_error_follows(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(1), token(2))
+            await trio.testing.wait_all_tasks_blocked()
+            prefill.fail()
+            items = await stream.rest()
+    assert [i.data.token_ids for i in items if i.data] == [[1], [2]]
+    assert len(items) == 3
+    assert error_text(items[2]) == LOST
+
+
+async def test_G6_prefill_failure_during_blocked_decode_error_send_still_ends_with_one_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The client is slow: the decode's error item is waiting to be taken when the prefill
+    fails. The client must still get exactly one error item, then the end of the stream."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task, client_buffer=0)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(Annotated[LLMEngineOutput].from_error("decode failed"), end=True)
+            await trio.testing.wait_all_tasks_blocked()  # the gate blocks in its send
+            prefill.fail()
+            await trio.testing.wait_all_tasks_blocked()
+            items = await stream.rest()
+    # The decode error never reached the client, so the prefill failure does (B4, G6).
+    assert len(items) == 1, items
+    assert error_text(items[0]) == LOST
+    assert stream.client.is_stopped and stream.decode_ctx.is_stopped
+
+
+# --- G7 ---------------------------------------------------------------------------------
+
+
+async def test_G7_completed_prefill_leaves_decode_stream_unchanged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ports 1.6.2 ``completed_prefill_leaves_decode_stream_unchanged``."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        await prefill.settled()
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            decode = await stream.gate.dispatch(nursery, decode_leg, stream.decode_recv)
+            assert decode is stream.decode_recv
+            stream.start(nursery)
+            terminal = Annotated.from_data(LLMEngineOutput.length())
+            stream.feed(terminal, end=True)
+            item = await stream.next()
+            assert item is terminal
+            assert item.data is not None
+            assert item.data.finish_reason == FinishReason.LENGTH
+            await stream.assert_ended()
+            nursery.cancel_scope.cancel()
+    assert not stream.client.is_stopped
+
+
+async def test_G7_after_prefill_succeeds_mid_stream_outputs_pass_unchanged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        before = [token(1), token(2)]
+        after = [
+            token(3),
+            Annotated(data=LLMEngineOutput(token_ids=[4], text="x"), id="r-1", event="delta"),
+            finished(FinishReason.STOP, 5),
+        ]
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(*before)
+            await trio.testing.wait_all_tasks_blocked()
+            prefill.succeed()
+            await prefill.settled()
+            stream.feed(*after, end=True)
+            items = await stream.rest()
+    assert len(items) == 5
+    assert all(got is sent for got, sent in zip(items, before + after, strict=True))
+    assert stream.gate.failure is None
+    assert not stream.client.is_stopped
+
+
+# --- G8 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill_at", ["before", "during"])
+@pytest.mark.parametrize(
+    "terminal",
+    [finished(FinishReason.EOS), *decode_failures()],
+    ids=["eos", "envelope", "finish-error", "finish-cancelled"],
+)
+async def test_G8_nothing_forwarded_after_a_decode_terminal(
+    autojump_clock: trio.testing.MockClock, prefill_at: str, terminal: Item
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        if prefill_at == "before":
+            prefill.succeed()
+            await prefill.settled()
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(1), terminal, token(2), finished(FinishReason.EOS), token(3))
+            if prefill_at == "during":
+                await trio.testing.wait_all_tasks_blocked()
+                prefill.succeed()
+            items = await stream.rest()
+    assert len(items) == 2
+    assert items[1] is terminal
+
+
+async def test_G8_nothing_forwarded_after_the_gates_own_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        sent_after: list[int] = []
+
+        async def decode_worker_that_keeps_going() -> None:
+            for i in range(5):
+                await trio.sleep(1)
+                try:
+                    stream.decode_send.send_nowait(token(i))
+                except trio.BrokenResourceError:
+                    return
+                sent_after.append(i)
+
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            nursery.start_soon(decode_worker_that_keeps_going)
+            nursery.start_soon(prefill.fail_after, 2.5)
+            items = await stream.rest()
+    assert [i.data.token_ids for i in items if i.data] == [[0], [1]]
+    assert error_text(items[-1]) == LOST
+    assert len(items) == 3
+    assert sent_after == [0, 1]  # the decode channel was closed by the gate
+
+
+# --- G9 ---------------------------------------------------------------------------------
+
+
+async def test_G9_disconnected_client_does_not_drop_prefill_transfer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ports 1.6.2 ``disconnected_client_does_not_drop_prefill_transfer``."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as request:  # the request's nursery
+            stream.start(request)
+            await trio.testing.wait_all_tasks_blocked()
+            stream.client.stop_generating()
+            request.cancel_scope.cancel()  # the client disconnected
+        assert keeper.in_flight == 1
+        prefill.succeed()
+        with trio.fail_after(1):
+            await keeper.wait_idle()
+        assert prefill.completed
+        assert keeper.in_flight == 0
+
+
+async def test_G9_client_cancelled_while_terminal_held_prefill_still_completes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A cancelled client whose prefill still completes: the keeper's count is back at 0."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        with trio.move_on_after(2):
+            async with trio.open_nursery() as request:
+                stream.start(request)
+                stream.feed(token(1), finished(FinishReason.EOS), end=True)
+                await stream.next()
+                await trio.sleep_forever()  # the client waits for the held terminal...
+        assert not prefill.task.done  # ...and goes away; the prefill is untouched
+        assert keeper.in_flight == 1
+        await trio.sleep(3)
+        prefill.succeed()
+        await prefill.settled()
+        assert prefill.task.succeeded and prefill.completed
+        assert keeper.in_flight == 0
+
+
+@pytest.mark.parametrize("prefill_state", ["pending", "succeeded"])
+async def test_G9_client_closing_its_stream_does_not_stop_prefill(
+    autojump_clock: trio.testing.MockClock, prefill_state: str
+) -> None:
+    """A client that closes its end makes the forwarder end quietly and stop the decode
+    leg (nobody is listening), and never touches the prefill."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        if prefill_state == "succeeded":
+            prefill.succeed()
+            await prefill.settled()
+        stream = Stream(prefill.task)
+        stream.client_recv.close()
+        stream.feed(token(1))
+        with trio.fail_after(1):
+            await stream.gate.forward(stream.decode_recv, stream.client_send, stream.decode_ctx)
+        assert stream.decode_ctx.is_stopped
+        prefill.succeed()
+        with trio.fail_after(1):
+            await keeper.wait_idle()
+        assert prefill.completed
+
+
+# --- B2: every wait has a deadline ------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill_state", ["pending", "succeeded"])
+async def test_B2_decode_idle_deadline_ends_stream_with_one_error(
+    autojump_clock: trio.testing.MockClock, prefill_state: str
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        if prefill_state == "succeeded":
+            prefill.succeed()
+            await prefill.settled()
+        stream = Stream(prefill.task, idle_timeout=3)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(1))
+            items = await stream.rest()
+        assert trio.current_time() == 3.0
+        assert len(items) == 2
+        assert error_text(items[1]) == "decode idle deadline of 3 s exceeded"
+        assert isinstance(stream.gate.failure, DeadlineExceeded)
+        assert stream.gate.failure.what == "decode idle"
+        assert stream.client.is_stopped and stream.decode_ctx.is_stopped
+        prefill.succeed()
+
+
+async def test_B2_terminal_hold_deadline_ends_stream_with_one_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task, terminal_hold_timeout=2)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(finished(FinishReason.EOS), end=True)
+            items = await stream.rest()
+        assert trio.current_time() == 2.0
+        assert len(items) == 1
+        assert error_text(items[0]) == "terminal hold deadline of 2 s exceeded"
+        assert isinstance(stream.gate.failure, DeadlineExceeded)
+        assert stream.client.is_stopped and stream.decode_ctx.is_stopped
+        assert not prefill.task.done  # the keeper still owns the prefill
+        prefill.succeed()
+
