@@ -1,0 +1,34 @@
+"""Engines for trio-disagg: in-process mock prefill and decode workers, and the pieces a
+mock worker needs (latency model, fault injection, KV block accounting).
+
+The shared pieces live in small modules (``_latency``, ``_faults``, ``_kv``, ``_text``)
+that do not import the in-process engines, so an HTTP mock worker can reuse them.
+"""
+
+from ._faults import Fault as Fault
+from ._faults import FaultKind as FaultKind
+from ._faults import FaultPlan as FaultPlan
+from ._faults import fault_for as fault_for
+from ._faults import parse_fault as parse_fault
+from ._faults import parse_faults as parse_faults
+from ._kv import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+from ._kv import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
+from ._kv import DEFAULT_BOOTSTRAP_TIMEOUT as DEFAULT_BOOTSTRAP_TIMEOUT
+from ._kv import DEFAULT_KV_TTL as DEFAULT_KV_TTL
+from ._kv import BootstrapRoom as BootstrapRoom
+from ._kv import KVBlockPool as KVBlockPool
+from ._kv import KVCounters as KVCounters
+from ._kv import KVRegistry as KVRegistry
+from ._kv import KVState as KVState
+from ._kv import KVTransferError as KVTransferError
+from ._kv import StagedKV as StagedKV
+from ._latency import LatencyModel as LatencyModel
+from ._mock import INPROC_HOST as INPROC_HOST
+from ._mock import MockCluster as MockCluster
+from ._mock import MockDecodeEngine as MockDecodeEngine
+from ._mock import MockPrefillEngine as MockPrefillEngine
+from ._mock import mock_cluster as mock_cluster
+from ._text import TokenStream as TokenStream
+from ._text import cached_prompt_tokens as cached_prompt_tokens
+from ._text import count_prompt_tokens as count_prompt_tokens
+from ._text import resolve_max_tokens as resolve_max_tokens
