@@ -1,0 +1,569 @@
+"""The DisaggRouter on in-process mock engines: handoff styles, faults, B1-B5, S11, S12."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from trio_disagg import (
+    Annotated,
+    DeadlineExceeded,
+    Deadlines,
+    DisaggRouter,
+    FinishKind,
+    HandoffStyle,
+    LLMEngineOutput,
+    Phase,
+    PrefillDeadlineExceeded,
+    PrefillError,
+    PreprocessedRequest,
+    RequestContext,
+    RequestStream,
+    RouterClosed,
+    RoutingHints,
+    SessionAffinity,
+    TransferKeeper,
+    WorkerError,
+    WorkerPool,
+)
+from trio_disagg.engines import LatencyModel, MockCluster, MockDecodeEngine, mock_cluster
+
+SEQ = HandoffStyle.SEQUENTIAL
+BOOT = HandoffStyle.BOOTSTRAP
+STYLES = [SEQ, BOOT]
+LATENCY = LatencyModel(
+    ttft_per_prompt_token=0.01, inter_token_latency=0.1, kv_transfer_per_token=0.001
+)
+Item = Annotated[LLMEngineOutput]
+
+
+def make_request(
+    request_id: str = "req-1",
+    *,
+    fault: str | None = None,
+    max_tokens: int = 4,
+    words: int = 10,
+    session: str | None = None,
+) -> PreprocessedRequest:
+    body: dict[str, Any] = {"model": "mock", "prompt": " ".join(["w"] * words),
+                            "max_tokens": max_tokens}
+    if fault is not None:
+        body["fault"] = fault
+    return PreprocessedRequest(
+        request_id=request_id, model="mock", body=body, max_tokens=max_tokens,
+        routing=RoutingHints(session_id=session),
+    )
+
+
+@attrs.define
+class Harness:
+    cluster: MockCluster
+    keeper: TransferKeeper
+    router: DisaggRouter
+
+    async def run(self, request: PreprocessedRequest) -> tuple[RequestStream, list[Item]]:
+        """Send ``request`` and read its stream to the end; a routing error is raised bare."""
+        try:
+            async with trio.open_nursery() as nursery:
+                stream = await self.router.stream(
+                    nursery, request, RequestContext(request.request_id)
+                )
+                items = [item async for item in stream.outputs]
+        except* (PrefillError, DeadlineExceeded, WorkerError, RouterClosed) as group:
+            raise leaf(group)  # noqa: B904 (keeps its own __cause__)
+        return stream, items
+
+    async def settle(self) -> None:
+        """Wait until nothing is in flight anywhere."""
+        with trio.fail_after(600):
+            await self.router.wait_idle()
+            await self.keeper.wait_idle()
+
+    def assert_clean(self) -> None:
+        """B5: no request, drain, lease or KV block outlives its purpose."""
+        counters = self.cluster.counters()
+        assert self.router.in_flight == 0
+        assert self.keeper.in_flight == 0
+        assert self.router.prefill.outstanding == 0
+        assert self.router.decode.outstanding == 0
+        assert counters.held_blocks == 0, counters
+        assert counters.stranded_blocks == 0, counters
+
+
+def harness_for(
+    keeper: TransferKeeper,
+    style: HandoffStyle = SEQ,
+    *,
+    deadlines: Deadlines | None = None,
+    cluster: MockCluster | None = None,
+    **cluster_args: Any,
+) -> Harness:
+    cluster = cluster or mock_cluster(style=style, latency=LATENCY, **cluster_args)
+    router = DisaggRouter(
+        WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper,
+        deadlines=deadlines or Deadlines(prefill=5, handoff=5, decode_idle=5, terminal_hold=5,
+                                         transfer=30),
+    )
+    return Harness(cluster, keeper, router)
+
+
+def leaf(group: BaseExceptionGroup[Exception]) -> Exception:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, Exception)
+    return exc
+
+
+def tokens_of(items: list[Item]) -> list[int]:
+    return [t for item in items if item.data is not None for t in item.data.token_ids]
+
+
+def finish_of(item: Item) -> FinishKind | None:
+    if item.data is None or item.data.finish_reason is None:
+        return None
+    return item.data.finish_reason.kind
+
+
+# --- the three handoff styles ------------------------------------------------------------
+
+
+async def test_sequential_handoff_streams_decode_tokens(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        stream, items = await h.run(make_request(max_tokens=4))
+        assert stream.style == "sequential"
+        assert len(tokens_of(items)) == 4
+        assert finish_of(items[-1]) is FinishKind.LENGTH
+        assert stream.tracker.phase is Phase.DONE
+        assert stream.tracker.prefill_complete_at is not None
+        assert stream.prompt_tokens_details is not None  # from the prefill (S4, S10)
+        await h.settle()
+        h.assert_clean()
+        assert h.cluster.counters().served == 1
+
+
+async def test_S5_bootstrap_handoff_dispatches_prefill_and_decode_together(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        request = make_request(max_tokens=4)
+        start = trio.current_time()
+        stream, items = await h.run(request)
+        assert stream.style == "bootstrap"
+        assert request.bootstrap_info is not None
+        assert 0 <= request.bootstrap_info.room < 2**63
+        assert len(tokens_of(items)) == 4
+        assert finish_of(items[-1]) is FinishKind.LENGTH
+        # Decode started while the prefill computed: no serial prefill + decode.
+        assert trio.current_time() - start < 10 * 0.01 + 4 * 0.1 + 0.2
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_S5_bootstrap_rooms_are_unique_per_request(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        requests = [make_request(f"r{i}") for i in range(50)]
+        async with trio.open_nursery() as nursery:
+            for request in requests:
+                nursery.start_soon(h.run, request)
+        rooms = {r.bootstrap_info.room for r in requests if r.bootstrap_info is not None}
+        assert len(rooms) == 50
+        await h.settle()
+        h.assert_clean()
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [("eos_first_token", FinishKind.EOS), ("prefill_error_finish", FinishKind.ERROR),
+     ("prefill_cancelled_finish", FinishKind.CANCELLED)],
+)
+async def test_S7_terminal_prefill_answers_without_decode(
+    autojump_clock: trio.abc.Clock, fault: str, kind: FinishKind
+) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        stream, items = await h.run(make_request(fault=fault))
+        assert stream.style == "terminal"
+        assert stream.decode_worker is None
+        assert len(items) == 1
+        assert finish_of(items[0]) is kind
+        assert items[0].data is not None and items[0].data.disaggregated_params is None
+        await h.settle()
+        h.assert_clean()
+        assert h.cluster.counters().staged_blocks == 0
+
+
+# --- faults --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("fault", ["prefill_fail_before_handoff", "prefill_fail_after_handoff",
+                                   "prefill_reset"])
+async def test_prefill_failure_reaches_the_client(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, fault: str
+) -> None:
+    """Before the stream (raised by ``stream()``) or after it started (one error item
+    last): never a false success (S1, T4, G1, G5, G6)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        try:
+            _, items = await h.run(make_request(fault=fault))
+        except PrefillError:
+            pass
+        else:
+            assert items[-1].is_error, items[-1]
+            assert all(finish_of(item) is None for item in items[:-1])
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_prefill_rejection_keeps_the_worker_status(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        with pytest.raises(PrefillError) as info:
+            await h.run(make_request(fault="prefill_reject:429"))
+        assert isinstance(info.value.__cause__, WorkerError)
+        assert info.value.__cause__.status == 429
+        await h.settle()
+        h.assert_clean()
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_G4_decode_error_at_token_k(autojump_clock: trio.abc.Clock, style: HandoffStyle
+                                          ) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        _, items = await h.run(make_request(fault="decode_error_at:3", max_tokens=8))
+        assert len(tokens_of(items)) == 3
+        assert items[-1].is_error
+        await h.settle()
+        h.assert_clean()
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_G4_decode_fails_before_first_token(autojump_clock: trio.abc.Clock,
+                                                  style: HandoffStyle) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        _, items = await h.run(make_request(fault="decode_fail_before_first_token"))
+        assert tokens_of(items) == []
+        assert items[-1].is_error
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_decode_rejection_is_raised_and_kv_consumed(autojump_clock: trio.abc.Clock) -> None:
+    """A decode worker that refuses the request: the error reaches the caller, and the
+    staged KV is consumed by the keeper's cleanup decode (B1), not left for the TTL."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, decode=2)
+        with pytest.raises(WorkerError):
+            await h.run(make_request(fault="decode_reject:503"))
+        await h.settle()
+        h.assert_clean()
+        assert h.router.counters.staged_kv_cleanups == 1
+
+
+async def test_decode_reset_mid_stream_is_not_a_success(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        _, items = await h.run(make_request(fault="decode_reset_at:2", max_tokens=8))
+        # The stream ends without a terminal; the server turns that into an error (B4).
+        assert len(tokens_of(items)) == 2
+        assert all(finish_of(item) is None for item in items)
+        await h.settle()
+        h.assert_clean()
+
+
+# --- B1: staged KV is never stranded ---------------------------------------------------------
+
+
+class SlowAcceptDecode:
+    """A decode worker that takes ``accept_delay`` seconds to accept a request."""
+
+    def __init__(self, inner: MockDecodeEngine, accept_delay: float) -> None:
+        self.inner = inner
+        self.accept_delay = accept_delay
+        self.name = inner.name
+        self.handoff_style = inner.handoff_style
+        self.bootstrap_host = inner.bootstrap_host
+        self.bootstrap_port = inner.bootstrap_port
+
+    async def generate(  # noqa: ASYNC114
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await trio.sleep(self.accept_delay)
+        await self.inner.generate(request, context, send_channel, task_status=task_status)
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("phase", ["prefill", "handoff", "stream"])
+async def test_B1_disconnect_at_every_phase_leaves_no_held_blocks(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, phase: str
+) -> None:
+    """The client goes away during the prefill, between the handoff and the decode's
+    acceptance, or mid-stream: every block is freed at once, not by its TTL (B1, G9)."""
+    cluster = mock_cluster(style=style, latency=LATENCY, kv_ttl=1000.0)
+    cluster.decode[0] = SlowAcceptDecode(cluster.decode[0], 1.0)  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style, cluster=cluster)
+        prefill_time = 100 * 0.01  # 100 prompt words
+        cut = {"prefill": prefill_time / 2, "handoff": prefill_time + 0.5,
+               "stream": prefill_time + 1.0 + 0.35}[phase]
+        start = trio.current_time()
+        with trio.move_on_after(cut) as client:
+            await h.run(make_request(words=100, max_tokens=20))
+        assert client.cancelled_caught
+        await h.settle()
+        h.assert_clean()
+        # Well before the 1000 s lease: the blocks were freed, not expired.
+        assert trio.current_time() - start < 60
+        counters = h.cluster.counters()
+        assert counters.staged_blocks == counters.freed_blocks
+
+
+async def test_B1_cleanup_decode_is_minimal(autojump_clock: trio.abc.Clock) -> None:
+    seen: list[PreprocessedRequest] = []
+    cluster = mock_cluster(style=SEQ, latency=LATENCY)
+    inner = cluster.decode[0]
+
+    class Recording(SlowAcceptDecode):
+        async def generate(  # noqa: ASYNC114
+            self, request: PreprocessedRequest, context: RequestContext,
+            send_channel: trio.MemorySendChannel[Item], *,
+            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            seen.append(request)
+            await super().generate(request, context, send_channel, task_status=task_status)
+
+    cluster.decode[0] = Recording(inner, 1.0)  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, cluster=cluster)
+        with trio.move_on_after(10 * 0.01 + 0.5):
+            await h.run(make_request(max_tokens=50))
+        await h.settle()
+        h.assert_clean()
+    cleanup = seen[-1]
+    assert cleanup.max_tokens == 1
+    assert cleanup.stream is False
+    assert cleanup.body["max_tokens"] == 1
+    assert cleanup.prefill_result is not None
+    assert h.router.counters.staged_kv_cleanups == 1
+
+
+# --- B2: every wait has a deadline -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_B2_prefill_deadline(autojump_clock: trio.abc.Clock, style: HandoffStyle) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style, deadlines=Deadlines(prefill=2, handoff=5, decode_idle=5,
+                                                           terminal_hold=5))
+        start = trio.current_time()
+        try:
+            _, items = await h.run(make_request(fault="prefill_stall"))
+        except PrefillDeadlineExceeded as exc:
+            assert exc.what == "prefill"
+        else:
+            assert items[-1].is_error
+            assert "prefill deadline of 2 s exceeded" in (items[-1].error_message() or "")
+        assert trio.current_time() - start == pytest.approx(2, abs=0.5)
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_B2_handoff_deadline(autojump_clock: trio.abc.Clock) -> None:
+    cluster = mock_cluster(style=SEQ, latency=LATENCY)
+    cluster.decode[0] = SlowAcceptDecode(cluster.decode[0], 10.0)  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, cluster=cluster, deadlines=Deadlines(handoff=2, decode_idle=30))
+        with pytest.raises(DeadlineExceeded, match="handoff deadline of 2 s"):
+            await h.run(make_request())
+        await h.settle()
+        h.assert_clean()
+
+
+@pytest.mark.parametrize("fault", ["decode_stall", "decode_stall_at:2"])
+async def test_B2_decode_idle_deadline(autojump_clock: trio.abc.Clock, fault: str) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, deadlines=Deadlines(decode_idle=3))
+        _, items = await h.run(make_request(fault=fault, max_tokens=8))
+        assert items[-1].is_error
+        assert "decode idle deadline of 3 s exceeded" in (items[-1].error_message() or "")
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_B2_terminal_hold_deadline(autojump_clock: trio.abc.Clock) -> None:
+    """The decode finished, but the bootstrap prefill never ends: the success terminal is
+    not held forever."""
+    cluster = mock_cluster(style=BOOT, latency=LatencyModel.zero())
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, cluster=cluster, deadlines=Deadlines(terminal_hold=2,
+                                                                     transfer=10))
+        stall = trio.Event()
+        inner = cluster.prefill[0]
+
+        class NeverEnding:
+            name, handoff_style = inner.name, inner.handoff_style
+            bootstrap_host, bootstrap_port = inner.bootstrap_host, inner.bootstrap_port
+
+            async def generate(  # noqa: ASYNC114
+                self, request: PreprocessedRequest, context: RequestContext,
+                send_channel: trio.MemorySendChannel[Item], *,
+                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+            ) -> None:
+                relay_send, relay_receive = trio.open_memory_channel[Item](math.inf)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(inner.generate, request, context, relay_send)
+                    task_status.started()
+                    with send_channel:
+                        async for item in relay_receive:
+                            if finish_of(item) is None:
+                                await send_channel.send(item)
+                        await stall.wait()  # the prefill stream never ends
+
+        h.router.prefill.workers[0].engine = NeverEnding()
+        _, items = await h.run(make_request())
+        assert items[-1].is_error
+        assert "terminal hold deadline of 2 s exceeded" in (items[-1].error_message() or "")
+        await h.settle()  # the transfer deadline ends the stuck prefill
+        assert h.keeper.in_flight == 0
+
+
+# --- B3: graceful shutdown ------------------------------------------------------------------
+
+
+async def test_B3_graceful_shutdown_finishes_in_flight_requests(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    results: list[list[Item]] = []
+    async with TransferKeeper(drain_window=30) as keeper:
+        h = harness_for(keeper, SEQ)
+
+        async def client(i: int) -> None:
+            results.append((await h.run(make_request(f"r{i}", max_tokens=10)))[1])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(client, i)
+            await trio.sleep(0.5)
+            assert h.router.in_flight == 8
+            h.router.close()  # stop admitting
+            with pytest.raises(RouterClosed):
+                await h.run(make_request("late"))
+            await h.router.wait_idle()
+        assert len(results) == 8
+        assert all(finish_of(items[-1]) is FinishKind.LENGTH for items in results)
+    h.assert_clean()
+
+
+async def test_B3_keeper_cancels_drains_left_after_the_window(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with TransferKeeper(drain_window=3) as keeper:
+        h = harness_for(keeper, BOOT, deadlines=Deadlines(transfer=1000, decode_idle=1000,
+                                                          terminal_hold=1000))
+        with trio.move_on_after(0.05):
+            await h.run(make_request(fault="prefill_stall"))
+        assert keeper.in_flight == 1
+        start = trio.current_time()
+    assert trio.current_time() - start == pytest.approx(3)
+    assert keeper.in_flight == 0
+    assert keeper.cancelled_total == 1
+
+
+# --- B5, S11, S12, C4/C5 ----------------------------------------------------------------------
+
+
+async def client_with_faults(h: Harness, i: int, fault: str | None) -> None:
+    """One client of the fault mix; every third one disconnects early."""
+    with (
+        trio.move_on_after(0.3 if i % 3 == 0 else 100),
+        contextlib.suppress(PrefillError, DeadlineExceeded, WorkerError),
+    ):
+        await h.run(make_request(f"r{i}", fault=fault, words=20))
+
+
+async def test_B5_counters_back_to_zero_after_a_mix_of_faults(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    faults = [None, "prefill_fail_before_handoff", "prefill_fail_after_handoff",
+              "eos_first_token", "decode_error_at:2", "decode_fail_before_first_token",
+              "decode_stall", "prefill_stall", "decode_reset_at:1", None]
+    for style in STYLES:
+        async with TransferKeeper() as keeper:
+            h = harness_for(keeper, style, prefill=2, decode=2,
+                            deadlines=Deadlines(prefill=3, decode_idle=3, terminal_hold=3,
+                                                handoff=3, transfer=20))
+
+            async with trio.open_nursery() as nursery:
+                for i, fault in enumerate(faults * 3):
+                    nursery.start_soon(client_with_faults, h, i, fault)
+            await h.settle()
+            h.assert_clean()
+
+
+async def test_S11_decode_phase_waits_for_the_drain_to_start(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(), RequestContext("req-1"))
+            assert stream.tracker.phase is Phase.DECODE  # the permit was released
+            async for _ in stream.outputs:
+                pass
+
+
+async def test_S12_selection_writes_the_chosen_workers_into_the_request(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        cluster = mock_cluster(prefill=3, decode=3, style=SEQ, latency=LATENCY)
+        router = DisaggRouter(
+            WorkerPool(cluster.prefill, policy=SessionAffinity()),
+            WorkerPool(cluster.decode, policy=SessionAffinity()), keeper,
+        )
+        h = Harness(cluster, keeper, router)
+        chosen = set()
+        for i in range(4):
+            request = make_request(f"r{i}", session="user-42")
+            stream, _ = await h.run(request)
+            assert request.routing.prefill_worker == stream.prefill_worker
+            chosen.add((stream.prefill_worker, stream.decode_worker))
+        assert len(chosen) == 1  # the same session always lands on the same workers
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_C4_C5_client_stop_reaches_decode_but_not_prefill(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        context = RequestContext("req-1")
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=50), context)
+            first = await stream.outputs.receive()
+            assert tokens_of([first])
+            context.stop_generating()
+            rest = [item async for item in stream.outputs]
+        assert finish_of(rest[-1]) is FinishKind.CANCELLED  # the decode stopped (C4)
+        await h.settle()
+        assert stream.prefill.succeeded  # the prefill was not stopped (C5, G9)
+        h.assert_clean()
