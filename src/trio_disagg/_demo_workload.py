@@ -92,7 +92,7 @@ def default_scenarios(backend: str, *, terminal: bool) -> list[Scenario]:
                  fault="decode_error_at:3", backend=backend),
         Scenario(prefix + "decode fails before 1st token", Outcome.ERROR,
                  fault="decode_fail_before_first_token", backend=backend),
-        Scenario(prefix + "decode stalls", Outcome.ERROR, fault="decode_stall",
+        Scenario(prefix + "decode stalls", Outcome.TIMEOUT, fault="decode_stall",
                  backend=backend),
     ]
     if terminal:
@@ -102,7 +102,7 @@ def default_scenarios(backend: str, *, terminal: bool) -> list[Scenario]:
                      backend=backend),
             Scenario(prefix + "prefill error finish", Outcome.ERROR,
                      fault="prefill_error_finish", backend=backend),
-            Scenario(prefix + "prefill cancelled finish", Outcome.ABORTED,
+            Scenario(prefix + "prefill cancelled finish", Outcome.ERROR,
                      fault="prefill_cancelled_finish", backend=backend),
         ]
     return scenarios

@@ -1,0 +1,20 @@
+"""The OpenAI-compatible HTTP server of trio-disagg.
+
+A plain ASGI 3 application (:func:`create_app`) served by hypercorn's trio worker
+(:func:`serve`). All HTTP lives here; the router and the core know nothing of it.
+"""
+
+from ._app import OpenAIApp as OpenAIApp
+from ._app import create_app as create_app
+from ._metrics import OUTCOMES as OUTCOMES
+from ._metrics import RouterCollector as RouterCollector
+from ._metrics import ServerMetrics as ServerMetrics
+from ._openai import ApiError as ApiError
+from ._openai import ChatCompletionRequest as ChatCompletionRequest
+from ._openai import ChatMessage as ChatMessage
+from ._openai import ChunkEncoder as ChunkEncoder
+from ._openai import CompletionRequest as CompletionRequest
+from ._openai import StreamOptions as StreamOptions
+from ._openai import error_for_exception as error_for_exception
+from ._serve import serve as serve
+from ._serve import wait_for_signals as wait_for_signals

@@ -1,0 +1,733 @@
+"""The OpenAI-compatible ASGI application in front of a :class:`~trio_disagg.DisaggRouter`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import orjson
+import trio
+
+from .._context import RequestContext
+from .._protocols import CompletionUsage, FinishReason, PreprocessedRequest, RoutingHints
+from .._router import DisaggRouter, RequestStream
+from ._metrics import ServerMetrics
+from ._openai import (
+    DONE_EVENT,
+    OPENAI_FINISH,
+    ApiError,
+    ChatCompletionRequest,
+    ChunkEncoder,
+    CompletionRequest,
+    check_chat,
+    check_common,
+    check_completion,
+    check_max_tokens,
+    completion_response,
+    error_for_exception,
+    failure_error,
+    parse_json,
+    structure_body,
+    usage_dict,
+)
+
+logger = logging.getLogger("trio_disagg.server")
+
+Scope = Mapping[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Bytes of an oversized body read (and thrown away) before answering 413, so the client
+#: sees the answer rather than a connection reset.
+_DRAIN_LIMIT = 8 * 1024 * 1024
+_MAX_REQUEST_ID = 256
+
+_JSON = b"application/json"
+
+
+def _outcome(error: ApiError) -> str:
+    status = error.status
+    if status == 503:
+        return "unavailable"
+    if status == 504:
+        return "timeout"
+    if status < 500:
+        return "invalid_request"
+    if status == 500:
+        return "internal_error"
+    return "upstream_error"
+
+
+class _Responder:
+    """One HTTP response, and where it is: not started, streaming, or finished.
+
+    Before the final bytes go out it cancels the disconnect listener, because hypercorn
+    reports the end of a response to the app as an ``http.disconnect`` too.
+    """
+
+    __slots__ = ("finished", "listener", "request_id", "send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.request_id: bytes | None = None
+        self.started = False
+        self.finished = False
+        self.listener: trio.CancelScope | None = None
+
+    def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", content_type)]
+        if self.request_id is not None:
+            headers.append((b"x-request-id", self.request_id))
+        return headers
+
+    async def start_stream(self) -> None:
+        headers = self._headers(b"text/event-stream")
+        headers.append((b"cache-control", b"no-cache"))
+        headers.append((b"x-accel-buffering", b"no"))
+        self.started = True
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def body(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, data: bytes) -> None:
+        if self.listener is not None:
+            self.listener.cancel()
+        self.finished = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def respond(
+        self,
+        status: int,
+        data: bytes,
+        content_type: bytes = _JSON,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        headers = self._headers(content_type)
+        headers.extend(extra)
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.finish(data)
+
+    async def error(self, error: ApiError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """An error response, or, once streaming, an error event and ``[DONE]`` (B4)."""
+        if not self.started:
+            await self.respond(error.status, error.to_json(), extra=extra)
+        elif not self.finished:
+            await self.finish(error.to_event() + DONE_EVENT)
+        else:
+            await trio.lowlevel.checkpoint()
+
+
+class _RequestState:
+    __slots__ = ("disconnected",)
+
+    def __init__(self) -> None:
+        self.disconnected = False
+
+
+async def _watch_disconnect(
+    receive: Receive,
+    request_scope: trio.CancelScope,
+    listener: trio.CancelScope,
+    state: _RequestState,
+) -> None:
+    """Cancel the request's nursery, and only it, when the client goes away.
+
+    Hypercorn never cancels an app by itself: a client that disconnects is only an
+    ``http.disconnect`` message on ``receive``.
+    """
+    with listener:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                state.disconnected = True
+                request_scope.cancel()
+                return
+
+
+class OpenAIApp:
+    """An ASGI 3 application serving the OpenAI API through a :class:`DisaggRouter`.
+
+    Build it with :func:`create_app`; serve it with :func:`serve` (or any ASGI server
+    running on trio). Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``
+    (streamed and not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+    Attributes:
+        router: the router every generation request goes through.
+        models: the model names served; any other is a 404 ``model_not_found``.
+        metrics: this app's :class:`ServerMetrics` (its own registry).
+    """
+
+    def __init__(
+        self,
+        router: DisaggRouter,
+        *,
+        models: Sequence[str],
+        max_body_bytes: int,
+        max_tokens_limit: int,
+        default_max_tokens: int,
+        linger: float,
+    ) -> None:
+        self.router = router
+        self.models = tuple(models)
+        self._model_set = frozenset(self.models)
+        self.max_body_bytes = max_body_bytes
+        self.max_tokens_limit = max_tokens_limit
+        self.default_max_tokens = default_max_tokens
+        self.linger = linger
+        self.metrics = ServerMetrics(router, http_in_flight=lambda: self._in_flight)
+        self._created = int(time.time())
+        self._in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
+            "/v1/completions": (frozenset({"POST"}), self._completions),
+            "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
+            "/v1/models": (frozenset({"GET", "HEAD"}), self._list_models),
+            "/health": (frozenset({"GET", "HEAD"}), self._health),
+            "/metrics": (frozenset({"GET", "HEAD"}), self._metrics),
+        }
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests being handled, until their nursery closed (SEMANTICS.md B5);
+        a request's decode leg may outlive the response by up to ``linger`` seconds."""
+        return self._in_flight
+
+    async def wait_idle(self) -> None:
+        """Return once no generation request is being handled."""
+        while not self._idle.is_set():
+            await self._idle.wait()
+        await trio.lowlevel.checkpoint()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:  # websocket: refused by the server when the app returns
+            await trio.lowlevel.checkpoint()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        responder = _Responder(send)
+        try:
+            route = self._routes.get(scope["path"])
+            if route is None:
+                method = scope["method"]
+                await responder.error(ApiError(
+                    404, f"Invalid URL ({method} {scope['path']})", code="unknown_url"))
+                return
+            methods, handler = route
+            if scope["method"] not in methods:
+                allow = ", ".join(sorted(methods)).encode()
+                await responder.error(
+                    ApiError(405, f"Method {scope['method']} not allowed for {scope['path']}; "
+                             f"use {allow.decode()}", code="method_not_allowed"),
+                    extra=[(b"allow", allow)],
+                )
+                return
+            await handler(scope, receive, responder)
+        except Exception as exc:  # a bug: never crash the server, never an opaque close
+            logger.error("unexpected error serving %s %s", scope.get("method"),
+                         scope.get("path"), exc_info=exc)
+            await self._internal_error(responder)
+
+    async def _internal_error(self, responder: _Responder) -> None:
+        try:
+            await responder.error(error_for_exception(RuntimeError()))
+        except Exception as exc:
+            logger.debug("could not report an internal error: %r", exc)
+            await trio.lowlevel.checkpoint()
+
+    # --- simple endpoints -------------------------------------------------------------
+
+    async def _list_models(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        data = [
+            {"id": model, "object": "model", "created": self._created, "owned_by": "trio-disagg"}
+            for model in self.models
+        ]
+        await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
+
+    async def _health(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        router = self.router
+        prefill = len(router.prefill.healthy())
+        decode = len(router.decode.healthy())
+        if router.closing:
+            status, state = 503, "closing"
+        elif prefill == 0 or decode == 0:
+            status, state = 503, "no healthy workers"
+        else:
+            status, state = 200, "ok"
+        await responder.respond(status, orjson.dumps({
+            "status": state,
+            "in_flight": router.in_flight,
+            "prefill_workers_healthy": prefill,
+            "decode_workers_healthy": decode,
+        }))
+
+    async def _metrics(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        data, content_type = self.metrics.render()
+        await responder.respond(200, data, content_type.encode())
+
+    # --- generation -------------------------------------------------------------------
+
+    async def _completions(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        await self._generate(scope, receive, responder, chat=False)
+
+    async def _chat_completions(
+        self, scope: Scope, receive: Receive, responder: _Responder
+    ) -> None:
+        await self._generate(scope, receive, responder, chat=True)
+
+    async def _generate(
+        self, scope: Scope, receive: Receive, responder: _Responder, *, chat: bool
+    ) -> None:
+        endpoint = "chat_completions" if chat else "completions"
+        outcome = "disconnected"  # unless the request gets further
+        self._in_flight += 1
+        if self._in_flight == 1:
+            self._idle = trio.Event()
+        try:
+            outcome = await self._serve_generation(scope, receive, responder, chat=chat)
+        except Exception as exc:
+            logger.error("unexpected error serving %s", endpoint, exc_info=exc)
+            outcome = "internal_error"
+            await self._internal_error(responder)
+        finally:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The request body, or None if the client went away first.
+
+        Raises:
+            ApiError: 413 if the body is over ``max_body_bytes``.
+        """
+        limit = self.max_body_bytes
+        declared = _header(scope, b"content-length")
+        too_large = declared is not None and declared.isdigit() and int(declared) > limit
+        if too_large and declared is not None and int(declared) > limit + _DRAIN_LIMIT:
+            raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            data = message.get("body", b"")
+            size += len(data)
+            if size > limit:
+                too_large = True
+                chunks.clear()
+            if not too_large:
+                chunks.append(data)
+            if not message.get("more_body", False):
+                break
+            if size > limit + _DRAIN_LIMIT:
+                break  # stop draining: the server closes the connection after the 413
+        if too_large:
+            raise _too_large(limit)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _build_request(
+        self, scope: Scope, data: bytes, request_id: str, *, chat: bool
+    ) -> tuple[PreprocessedRequest, bool]:
+        """Validate a generation request at the edge.
+
+        Returns:
+            The router's request, and whether the client asked for a usage chunk.
+
+        Raises:
+            ApiError: 400 for malformed JSON, wrong types, missing fields, out-of-range
+                values, ``n`` > 1; 404 for an unknown model.
+        """
+        raw = parse_json(data)
+        if not isinstance(raw, dict):
+            raise ApiError(400, f"the request body must be a JSON object, "
+                           f"got {type(raw).__name__}", code="invalid_type")
+        budget_name = "max_tokens"
+        if chat:
+            chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
+            check_chat(chat_request)
+            parsed: CompletionRequest | ChatCompletionRequest = chat_request
+            budget = chat_request.max_tokens
+            if chat_request.max_completion_tokens is not None:
+                if budget is not None:  # both given: both must be valid; the newer wins
+                    check_max_tokens("max_tokens", budget, self.max_tokens_limit)
+                budget_name, budget = "max_completion_tokens", chat_request.max_completion_tokens
+        else:
+            completion_request: CompletionRequest = structure_body(raw, CompletionRequest)
+            check_completion(completion_request)
+            parsed = completion_request
+            budget = completion_request.max_tokens
+        if budget is None:
+            budget = self.default_max_tokens
+        else:
+            check_max_tokens(budget_name, budget, self.max_tokens_limit)
+        check_common(parsed, budget, param=budget_name)
+        if parsed.model not in self._model_set:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.",
+                           param="model", code="model_not_found")
+        session = _header(scope, b"x-session-id") or parsed.user
+        options = parsed.stream_options
+        include_usage = bool(options is not None and options.include_usage)
+        request = PreprocessedRequest(
+            request_id=request_id,
+            model=parsed.model,
+            body=raw,
+            max_tokens=budget,
+            stream=bool(parsed.stream),
+            routing=RoutingHints(session_id=session),
+        )
+        return request, include_usage
+
+    async def _serve_generation(
+        self, scope: Scope, receive: Receive, responder: _Responder, *, chat: bool
+    ) -> str:
+        """Read, validate, route and answer one generation request; return its outcome."""
+        # The request id goes out on every answer, errors included: the client's if it is
+        # usable, else a fresh uuid4.
+        request_id = _header(scope, b"x-request-id")
+        bad_id = request_id is not None and (
+            len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable()
+        )
+        if request_id is None or bad_id or not request_id.strip():
+            request_id = str(uuid.uuid4())
+        responder.request_id = request_id.encode()
+        try:
+            data = await self._read_body(scope, receive)
+            if data is None:
+                return "disconnected"
+            if bad_id:
+                raise ApiError(400, f"X-Request-Id must be 1 to {_MAX_REQUEST_ID} printable "
+                               "characters", param="X-Request-Id", code="invalid_value")
+            request, include_usage = self._build_request(scope, data, request_id, chat=chat)
+        except ApiError as error:
+            await responder.error(error)
+            return _outcome(error)
+        context = RequestContext(
+            request.request_id, {"session_id": request.routing.session_id}
+        )
+        state = _RequestState()
+        outcome: str | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                listener = trio.CancelScope()
+                responder.listener = listener
+                nursery.start_soon(
+                    _watch_disconnect, receive, nursery.cancel_scope, listener, state
+                )
+                try:
+                    stream = await self.router.stream(nursery, request, context)
+                except Exception as exc:
+                    refusal = error_for_exception(exc)
+                    if refusal.status == 500:
+                        logger.error("unexpected error routing %s", request.request_id,
+                                     exc_info=exc)
+                    await responder.error(refusal)
+                    outcome = _outcome(refusal)
+                else:
+                    created = int(time.time())
+                    response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+                    if request.stream:
+                        encoder = ChunkEncoder(
+                            chat=chat, response_id=response_id, model=request.model,
+                            created=created, include_usage=include_usage,
+                        )
+                        outcome = await self._write_stream(
+                            responder, stream, encoder, include_usage
+                        )
+                    else:
+                        outcome = await self._write_json(
+                            responder, stream, chat=chat, response_id=response_id,
+                            model=request.model, created=created,
+                        )
+                    self._observe_phases(stream)
+                # The answer is complete: let the decode leg end on its own (it records
+                # the worker's success), but not for longer than ``linger`` seconds.
+                listener.cancel()
+                nursery.cancel_scope.deadline = min(
+                    nursery.cancel_scope.deadline, trio.current_time() + self.linger
+                )
+        except* Exception as group:
+            # A task of the request crashed (an engine raising after it started, a bug).
+            if not responder.finished:
+                crash = error_for_exception(group)
+                if crash.status == 500:
+                    logger.error("unexpected error in request %s", request.request_id,
+                                 exc_info=group)
+                else:
+                    logger.warning("request %s failed: %s", request.request_id, crash.message)
+                await responder.error(crash)
+                outcome = _outcome(crash)
+            else:
+                logger.warning("request %s: a task failed after the answer was complete",
+                               request.request_id, exc_info=group)
+        if outcome is None:
+            return "disconnected" if state.disconnected else "internal_error"
+        return outcome
+
+    def _observe_phases(self, stream: RequestStream) -> None:
+        tracker = stream.tracker
+        metrics = self.metrics
+        if tracker.prefill_complete_at is not None and tracker.created_at is not None:
+            metrics.prefill_time.observe(tracker.prefill_complete_at - tracker.created_at)
+        if stream.style != "terminal":
+            latency = tracker.kv_transfer_latency
+            if latency is not None:
+                metrics.kv_transfer.observe(latency)
+
+    def _failure(
+        self,
+        stream: RequestStream,
+        finish: FinishReason | None = None,
+        message: str | None = None,
+    ) -> ApiError:
+        """Why a stream failed: the gate's own error, else the prefill's, else the item's."""
+        gate = stream.gate
+        if gate is not None and gate.failure is not None:
+            return error_for_exception(gate.failure)
+        prefill = stream.prefill
+        if prefill.error is not None:
+            return error_for_exception(prefill.error)
+        return failure_error(finish, message)
+
+    def _first_token(self, stream: RequestStream) -> None:
+        tracker = stream.tracker
+        tracker.record_decode_first_token()
+        ttft = tracker.time_to_first_token
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft)
+
+    async def _write_stream(
+        self,
+        responder: _Responder,
+        stream: RequestStream,
+        encoder: ChunkEncoder,
+        include_usage: bool,
+    ) -> str:
+        """Forward ``stream.outputs`` as server-sent events; exactly one ``[DONE]`` (B4).
+
+        Outputs already waiting in the channel are sent in one write. The response starts
+        with the first token, not before: a request that fails before producing anything
+        (a bootstrap prefill that failed, a decode that never started) gets a real HTTP
+        status and error body (PROTOCOLS.md section 1), not a 200 with an error event.
+        """
+        observe_itl = self.metrics.itl.observe
+        now = trio.current_time
+        outputs = stream.outputs
+        parts: list[bytes] = []
+        tokens = 0
+        usage: CompletionUsage | None = None
+        last: float | None = None
+        failure: ApiError
+        with outputs:
+            while True:
+                try:
+                    item = outputs.receive_nowait()
+                except trio.WouldBlock:
+                    if parts:
+                        if not responder.started:
+                            await responder.start_stream()
+                        await responder.body(b"".join(parts))
+                        parts = []
+                        continue
+                    try:
+                        item = await outputs.receive()
+                    except trio.EndOfChannel:
+                        failure = self._failure(stream)
+                        break
+                except trio.EndOfChannel:
+                    failure = self._failure(stream)
+                    break
+                if item.event == "error":
+                    failure = self._failure(stream, message=item.error_message())
+                    break
+                data = item.data
+                if data is None:
+                    continue
+                if last is None:
+                    last = now()
+                    self._first_token(stream)
+                else:
+                    current = now()
+                    observe_itl(current - last)
+                    last = current
+                tokens += len(data.token_ids)
+                if data.completion_usage is not None:
+                    usage = data.completion_usage
+                finish = data.finish_reason
+                if finish is None:
+                    if data.text:
+                        parts.append(encoder.token(data.text))
+                    continue
+                name = OPENAI_FINISH.get(finish.kind)
+                if name is None:  # error or cancelled: the request did not complete
+                    if data.text:
+                        parts.append(encoder.token(data.text))
+                    failure = self._failure(stream, finish)
+                    break
+                parts.append(encoder.final(data.text, name))
+                if include_usage:
+                    parts.append(encoder.usage(usage_dict(usage, tokens, _cached(stream))))
+                parts.append(DONE_EVENT)
+                if not responder.started:
+                    await responder.start_stream()
+                await responder.finish(b"".join(parts))
+                return "success"
+        if failure.status == 500:
+            logger.error("request stream failed: %s", failure.message)
+        if not responder.started and not parts:
+            await responder.error(failure)  # nothing sent yet: a real status
+            return _outcome(failure)
+        parts.append(failure.to_event())
+        parts.append(DONE_EVENT)
+        if not responder.started:
+            await responder.start_stream()
+        await responder.finish(b"".join(parts))
+        return _outcome(failure)
+
+    async def _write_json(
+        self,
+        responder: _Responder,
+        stream: RequestStream,
+        *,
+        chat: bool,
+        response_id: str,
+        model: str,
+        created: int,
+    ) -> str:
+        """Collect ``stream.outputs`` into one JSON answer, or an error response."""
+        texts: list[str] = []
+        tokens = 0
+        usage: CompletionUsage | None = None
+        failure: ApiError
+        first = True
+        with stream.outputs as outputs:
+            while True:
+                try:
+                    item = await outputs.receive()
+                except trio.EndOfChannel:
+                    failure = self._failure(stream)
+                    break
+                if item.event == "error":
+                    failure = self._failure(stream, message=item.error_message())
+                    break
+                data = item.data
+                if data is None:
+                    continue
+                if first:
+                    first = False
+                    self._first_token(stream)
+                tokens += len(data.token_ids)
+                if data.text:
+                    texts.append(data.text)
+                if data.completion_usage is not None:
+                    usage = data.completion_usage
+                finish = data.finish_reason
+                if finish is None:
+                    continue
+                name = OPENAI_FINISH.get(finish.kind)
+                if name is None:
+                    failure = self._failure(stream, finish)
+                    break
+                body = completion_response(
+                    chat=chat, response_id=response_id, model=model, created=created,
+                    text="".join(texts), finish_reason=name,
+                    usage=usage_dict(usage, tokens, _cached(stream)),
+                )
+                await responder.respond(200, body)
+                return "success"
+        await responder.error(failure)
+        return _outcome(failure)
+
+
+def _cached(stream: RequestStream) -> int | None:
+    details = stream.prompt_tokens_details
+    return details.cached_tokens if details is not None else None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body too large (the limit is {limit} bytes)",
+                    code="request_too_large")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def create_app(
+    router: DisaggRouter,
+    *,
+    models: Sequence[str],
+    max_body_bytes: int = 1024 * 1024,
+    max_tokens_limit: int = 32768,
+    default_max_tokens: int = 16,
+    linger: float = 5.0,
+) -> OpenAIApp:
+    """Build the OpenAI-compatible ASGI app for ``router``.
+
+    Each generation request runs in a nursery of its own, in which the router starts the
+    decode leg; a disconnect listener cancels that nursery, and only it, when the client
+    goes away (the prefill runs on in the router's keeper). Validation errors are 4xx
+    OpenAI errors; nothing a client sends makes a 500 or stops the server.
+
+    Args:
+        router: the router; its keeper must stay open while the app serves.
+        models: the model names to accept (``GET /v1/models`` lists them); requests for any
+            other get 404 ``model_not_found``.
+        max_body_bytes: the largest request body accepted, in bytes; a larger one gets 413.
+        max_tokens_limit: the largest ``max_tokens`` / ``max_completion_tokens`` accepted.
+        default_max_tokens: the completion budget, in tokens, of a request that names none
+            (16 is OpenAI's legacy completions default). The client's body is passed to the
+            workers unchanged; this is ``PreprocessedRequest.max_tokens``.
+        linger: seconds a finished request's decode leg may take to wind down before it
+            is cancelled.
+
+    Returns:
+        An :class:`OpenAIApp`.
+
+    Raises:
+        ValueError: no models, or a limit that is not positive.
+    """
+    if not models or any(not isinstance(model, str) or not model for model in models):
+        raise ValueError(f"models must be a non-empty list of names, got {models!r}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if max_tokens_limit < 1:
+        raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
+    if not 1 <= default_max_tokens <= max_tokens_limit:
+        raise ValueError(
+            f"default_max_tokens must be in [1, {max_tokens_limit}], got {default_max_tokens}"
+        )
+    if not linger >= 0 or math.isnan(linger):
+        raise ValueError(f"linger must be >= 0 seconds, got {linger}")
+    return OpenAIApp(
+        router,
+        models=models,
+        max_body_bytes=max_body_bytes,
+        max_tokens_limit=max_tokens_limit,
+        default_max_tokens=default_max_tokens,
+        linger=linger,
+    )

@@ -1,0 +1,191 @@
+"""Prometheus metrics of the server, in a registry of its own per app.
+
+Histograms and the requests counter are updated by the request handlers; everything the
+router already counts (in-flight requests, keeper drains, per-worker outstanding requests
+and failures, staged-KV cleanups) is read live at scrape time by a custom collector, so the
+hot path pays nothing for it and the numbers can never drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from .._router import DisaggRouter
+
+#: Every request outcome the ``trio_disagg_requests_total`` counter uses.
+OUTCOMES = (
+    "success",          # a complete answer (finish reason stop, length, content_filter)
+    "invalid_request",  # 4xx: rejected at the edge, or by a worker
+    "unavailable",      # 503: router closed or no worker
+    "timeout",          # 504, or a deadline error event
+    "upstream_error",   # 502, or an error event (a worker failed or died)
+    "internal_error",   # 500: a bug; should never happen
+    "disconnected",     # the client went away first
+)
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+_ITL_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
+
+class ServerMetrics:
+    """The metrics of one app.
+
+    Attributes:
+        registry: a :class:`prometheus_client.CollectorRegistry` of this app alone.
+        requests: ``trio_disagg_requests_total{endpoint, outcome}``; see :data:`OUTCOMES`.
+        ttft: ``trio_disagg_time_to_first_token_seconds``: request admitted to first token
+            forwarded to the client.
+        itl: ``trio_disagg_inter_token_latency_seconds``: between two forwarded outputs.
+        prefill_time: ``trio_disagg_prefill_time_seconds``: request admitted to the
+            prefill's first valid output.
+        kv_transfer: ``trio_disagg_kv_transfer_latency_seconds``: prefill complete to the
+            decode's first token, an upper bound on the KV transfer time.
+
+    Args:
+        router: whose live counters the collector reads at scrape time.
+        http_in_flight: reads the number of generation requests the server is handling
+            (``trio_disagg_http_requests_in_flight``), if given.
+    """
+
+    def __init__(
+        self, router: DisaggRouter, *, http_in_flight: Callable[[], int] | None = None
+    ) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "trio_disagg_requests", "Generation requests by endpoint and outcome.",
+            ["endpoint", "outcome"], registry=registry,
+        )
+        self.ttft = Histogram(
+            "trio_disagg_time_to_first_token_seconds",
+            "Seconds from admission to the first token forwarded to the client.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.itl = Histogram(
+            "trio_disagg_inter_token_latency_seconds",
+            "Seconds between two outputs forwarded to the client.",
+            buckets=_ITL_BUCKETS, registry=registry,
+        )
+        self.prefill_time = Histogram(
+            "trio_disagg_prefill_time_seconds",
+            "Seconds from admission to the prefill worker's first valid output.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.kv_transfer = Histogram(
+            "trio_disagg_kv_transfer_latency_seconds",
+            "Seconds from prefill complete to the decode's first token "
+            "(an upper bound on the KV transfer time).",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        registry.register(RouterCollector(router, http_in_flight=http_in_flight))
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RouterCollector(Collector):
+    """Reads a router's live values at scrape time.
+
+    Families: ``trio_disagg_requests_in_flight``, ``trio_disagg_router_admitted_total``,
+    ``trio_disagg_router_closing``, ``trio_disagg_keeper_drains_in_flight``,
+    ``trio_disagg_keeper_drains_started_total`` / ``_failed_total`` / ``_cancelled_total``,
+    ``trio_disagg_staged_kv_cleanups_total``, ``trio_disagg_staged_kv_cleanup_failures_total``,
+    and per worker (labels ``role``, ``worker``): ``trio_disagg_worker_outstanding``,
+    ``trio_disagg_worker_healthy``, ``trio_disagg_worker_served_total``,
+    ``trio_disagg_worker_failures_total``; with ``http_in_flight``, also
+    ``trio_disagg_http_requests_in_flight``.
+    """
+
+    def __init__(
+        self, router: DisaggRouter, *, http_in_flight: Callable[[], int] | None = None
+    ) -> None:
+        self.router = router
+        self.http_in_flight = http_in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        router = self.router
+        keeper = router.keeper
+        counters = router.counters
+        if self.http_in_flight is not None:
+            yield GaugeMetricFamily(
+                "trio_disagg_http_requests_in_flight",
+                "Generation requests the server is handling (until their nursery closed).",
+                value=self.http_in_flight(),
+            )
+        yield GaugeMetricFamily(
+            "trio_disagg_requests_in_flight", "Requests admitted by the router and not finished.",
+            value=router.in_flight,
+        )
+        yield CounterMetricFamily(
+            "trio_disagg_router_admitted", "Requests the router admitted.",
+            value=counters.requests_total,
+        )
+        yield GaugeMetricFamily(
+            "trio_disagg_router_closing", "1 once the router stopped admitting requests.",
+            value=1 if router.closing else 0,
+        )
+        yield GaugeMetricFamily(
+            "trio_disagg_keeper_drains_in_flight",
+            "Prefill drains running in the transfer keeper.", value=keeper.in_flight,
+        )
+        yield CounterMetricFamily(
+            "trio_disagg_keeper_drains_started", "Prefill drains started.",
+            value=keeper.started_total,
+        )
+        yield CounterMetricFamily(
+            "trio_disagg_keeper_drains_failed", "Prefill drains that failed.",
+            value=keeper.failed_total,
+        )
+        yield CounterMetricFamily(
+            "trio_disagg_keeper_drains_cancelled", "Prefill drains cancelled before completing.",
+            value=keeper.cancelled_total,
+        )
+        yield CounterMetricFamily(
+            "trio_disagg_staged_kv_cleanups",
+            "Minimal decodes dispatched to consume KV staged for a request that ended (B1).",
+            value=counters.staged_kv_cleanups,
+        )
+        yield CounterMetricFamily(
+            "trio_disagg_staged_kv_cleanup_failures", "Staged-KV cleanup decodes that failed.",
+            value=counters.staged_kv_cleanup_failures,
+        )
+        labels = ["role", "worker"]
+        outstanding = GaugeMetricFamily(
+            "trio_disagg_worker_outstanding", "Requests outstanding on a worker.", labels=labels
+        )
+        healthy = GaugeMetricFamily(
+            "trio_disagg_worker_healthy", "1 unless the worker is cooling down after failures.",
+            labels=labels,
+        )
+        served = CounterMetricFamily(
+            "trio_disagg_worker_served", "Requests a worker completed.", labels=labels
+        )
+        failures = CounterMetricFamily(
+            "trio_disagg_worker_failures", "Requests a worker failed.", labels=labels
+        )
+        try:
+            now = trio.current_time()
+        except RuntimeError:  # scraped outside a trio run
+            now = float("inf")
+        for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
+            for worker in pool.workers:
+                values = [role, worker.name]
+                outstanding.add_metric(values, worker.outstanding)
+                healthy.add_metric(values, 1 if worker.unhealthy_until <= now else 0)
+                served.add_metric(values, worker.served_total)
+                failures.add_metric(values, worker.failures_total)
+        yield outstanding
+        yield healthy
+        yield served
+        yield failures

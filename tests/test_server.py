@@ -1,0 +1,732 @@
+"""The OpenAI-compatible server end to end: real hypercorn on 127.0.0.1, the official
+``openai`` client and raw httpx, the in-process mock engines, the real clock.
+
+PROTOCOLS.md section 1 (SSE framing, errors, cached_tokens, X-Request-Id), SEMANTICS.md
+B1-B5 through HTTP, and the disconnect listener's regression test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, TypeVar
+
+import attrs
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import openai
+import orjson
+import pytest
+import trio
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_disagg import (
+    Annotated,
+    Deadlines,
+    DisaggRouter,
+    HandoffStyle,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    RequestContext,
+    TransferKeeper,
+    WorkerPool,
+)
+from trio_disagg.engines import (
+    LatencyModel,
+    MockCluster,
+    cached_prompt_tokens,
+    count_prompt_tokens,
+    mock_cluster,
+)
+from trio_disagg.server import OpenAIApp, create_app, serve, wait_for_signals
+
+MODEL = "mock-model"
+PROMPT = " ".join(f"word{i}" for i in range(45))  # 45 tokens: a partial prefix-cache hit
+T = TypeVar("T")
+
+
+class Watched:
+    """An engine wrapper recording the requests it saw and the cancellations it took."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.name: str = engine.name
+        self.handoff_style: HandoffStyle = engine.handoff_style
+        self.bootstrap_host: str | None = engine.bootstrap_host
+        self.bootstrap_port: int | None = engine.bootstrap_port
+        self.requests: list[PreprocessedRequest] = []
+        self.cancelled = 0
+        self.was_cancelled = trio.Event()
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.requests.append(request)
+        try:
+            await self.engine.generate(request, context, send_channel, task_status=task_status)
+        except trio.Cancelled:
+            self.cancelled += 1
+            self.was_cancelled.set()
+            raise
+
+
+@attrs.define(eq=False)
+class Server:
+    url: str
+    app: OpenAIApp
+    router: DisaggRouter
+    keeper: TransferKeeper
+    cluster: MockCluster
+    prefill: Watched
+    decode: Watched
+    stop: trio.Event
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=10.0)
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=10.0)
+
+    async def settled(self) -> None:
+        """B5: wait until no request is handled, in flight or draining; then no KV block
+        may be staged."""
+        with trio.fail_after(5):
+            await self.app.wait_idle()
+            await self.router.wait_idle()
+            await self.keeper.wait_idle()
+        assert self.app.in_flight == self.router.in_flight == self.keeper.in_flight == 0
+        assert self.cluster.counters().held_blocks == 0
+
+
+@asynccontextmanager
+async def running(
+    *,
+    latency: LatencyModel | None = None,
+    deadlines: Deadlines | None = None,
+    graceful_timeout: float = 5.0,
+    failure_threshold: int = 1000,
+    style: HandoffStyle = HandoffStyle.SEQUENTIAL,
+    **app_options: Any,
+) -> AsyncIterator[Server]:
+    cluster = mock_cluster(latency=latency if latency is not None else LatencyModel.zero(),
+                           style=style)
+    prefill = Watched(cluster.prefill[0])
+    decode = Watched(cluster.decode[0])
+    async with TransferKeeper(drain_window=5.0) as keeper:
+        router = DisaggRouter(
+            WorkerPool([prefill], failure_threshold=failure_threshold),
+            WorkerPool([decode], failure_threshold=failure_threshold),
+            keeper, deadlines=deadlines,
+        )
+        app = create_app(router, models=[MODEL, "other-model"], **app_options)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(
+                serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait,
+                graceful_timeout=graceful_timeout,
+            ))
+            yield Server(f"http://127.0.0.1:{port}", app, router, keeper, cluster,
+                         prefill, decode, stop)
+            stop.set()
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    with trio.fail_after(10):
+        return await trio.to_thread.run_sync(fn)
+
+
+def events(body: bytes) -> list[bytes]:
+    """Split a server-sent-event body, checking the framing on the way."""
+    assert body.endswith(b"\n\n"), body[-50:]
+    chunks = body[:-2].split(b"\n\n")
+    for chunk in chunks:
+        assert chunk.startswith(b"data: "), chunk
+        assert b"\n" not in chunk, chunk
+    return [chunk[len(b"data: "):] for chunk in chunks]
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def expected_cached(body: dict[str, Any]) -> int:
+    prefill = mock_cluster().prefill[0]
+    return cached_prompt_tokens(prefill.seed, body, count_prompt_tokens(body),
+                                prefill.kv.block_size)
+
+
+# --- the happy paths --------------------------------------------------------------------
+
+
+async def test_completion_not_streamed_with_usage_from_the_prefill() -> None:
+    async with running() as server:
+        client = server.openai()
+        raw = await in_thread(lambda: client.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=7))
+        completion: Completion = raw.parse()
+        assert raw.http_response.status_code == 200
+        assert raw.headers["content-type"] == "application/json"
+        assert completion.object == "text_completion"
+        assert completion.model == MODEL
+        (choice,) = completion.choices
+        assert choice.finish_reason == "length"
+        assert choice.text
+        usage = completion.usage
+        assert usage is not None
+        assert usage.completion_tokens == 7
+        assert usage.prompt_tokens == 45
+        assert usage.total_tokens == 52
+        cached = expected_cached({"prompt": PROMPT})
+        assert cached != 45  # the decode worker reports 45: this must be the prefill's
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens == cached
+        request_id = raw.headers["x-request-id"]
+        assert completion.id == f"cmpl-{request_id}"
+        assert uuid.UUID(request_id).version == 4
+        await server.settled()
+
+
+async def test_completion_default_max_tokens_is_16() -> None:
+    async with running() as server:
+        client = server.openai()
+        completion = await in_thread(lambda: client.completions.create(
+            model=MODEL, prompt="hello there"))
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == 16
+        assert server.decode.requests[0].max_tokens == 16
+        # the client's body reaches the workers unchanged
+        assert "max_tokens" not in server.decode.requests[0].body
+        tokens = await in_thread(lambda: client.completions.create(
+            model=MODEL, prompt=[5, 6, 7, 8], max_tokens=2))
+        assert tokens.usage is not None
+        assert tokens.usage.prompt_tokens == 4
+
+
+@pytest.mark.parametrize("style", list(HandoffStyle), ids=lambda style: style.value)
+async def test_completion_streamed_with_usage_chunk(style: HandoffStyle) -> None:
+    async with running(style=style) as server:
+        client = server.openai()
+
+        def call() -> list[Completion]:
+            return list(client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=6, stream=True,
+                stream_options={"include_usage": True}))
+
+        chunks = await in_thread(call)
+        *token_chunks, usage_chunk = chunks
+        assert len(token_chunks) == 6
+        assert all(chunk.choices[0].finish_reason is None for chunk in token_chunks[:-1])
+        assert token_chunks[-1].choices[0].finish_reason == "length"
+        assert all(chunk.usage is None for chunk in token_chunks)
+        assert usage_chunk.choices == []
+        usage = usage_chunk.usage
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (45, 6, 51)
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens == expected_cached({"prompt": PROMPT})
+        assert len({chunk.id for chunk in chunks}) == 1
+        await server.settled()
+
+
+async def test_chat_completion_not_streamed() -> None:
+    async with running() as server:
+        client = server.openai()
+        messages: Any = [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": "say something"}]
+        chat: ChatCompletion = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=messages, max_completion_tokens=5))
+        assert chat.object == "chat.completion"
+        (choice,) = chat.choices
+        assert choice.message.role == "assistant"
+        assert choice.message.content
+        assert choice.finish_reason == "length"
+        assert chat.usage is not None
+        assert chat.usage.completion_tokens == 5
+        assert server.decode.requests[0].max_tokens == 5
+
+
+async def test_chat_completion_streamed() -> None:
+    async with running() as server:
+        client = server.openai()
+
+        def call() -> list[ChatCompletionChunk]:
+            return list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi there"}],
+                max_tokens=4, stream=True, stream_options={"include_usage": True}))
+
+        *chunks, usage_chunk = await in_thread(call)
+        assert len(chunks) == 4
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        assert text
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert usage_chunk.usage is not None
+        assert usage_chunk.usage.completion_tokens == 4
+
+
+async def test_sse_framing_is_exact() -> None:
+    async with running() as server, server.http() as http:
+        response = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "one two three", "max_tokens": 5, "stream": True})
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream"
+        data = events(response.content)
+        assert data[-1] == b"[DONE]"
+        assert data.count(b"[DONE]") == 1
+        chunks = [orjson.loads(item) for item in data[:-1]]
+        assert len(chunks) == 5
+        for chunk in chunks:
+            assert set(chunk) == {"id", "object", "created", "model", "choices"}
+            (choice,) = chunk["choices"]
+            assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+            assert choice["index"] == 0
+            assert choice["logprobs"] is None
+        assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None] * 4 + [
+            "length"]
+
+
+async def test_request_id_round_trip_and_session_id() -> None:
+    async with running() as server, server.http() as http:
+        response = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"X-Request-Id": "client-id-42", "X-Session-Id": "session-7"},
+        )
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "client-id-42"
+        assert response.json()["id"] == "cmpl-client-id-42"
+        assert server.prefill.requests[-1].request_id == "client-id-42"
+        assert server.decode.requests[-1].request_id == "client-id-42"
+        assert server.decode.requests[-1].routing.session_id == "session-7"
+
+        response = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "user": "alice", "stream": True})
+        fresh = response.headers["x-request-id"]
+        assert uuid.UUID(fresh).version == 4
+        assert server.prefill.requests[-1].request_id == fresh
+        assert server.decode.requests[-1].request_id == fresh
+        assert server.decode.requests[-1].routing.session_id == "alice"
+
+
+async def test_models_health_metrics() -> None:
+    async with running() as server, server.http() as http:
+        models = (await http.get("/v1/models")).json()
+        assert models["object"] == "list"
+        assert [model["id"] for model in models["data"]] == [MODEL, "other-model"]
+        health = await http.get("/health")
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+
+        response = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "a b c", "max_tokens": 3, "stream": True})
+        assert response.status_code == 200
+        await server.settled()
+        response = await http.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        samples = metric_samples(response.text)
+        assert samples[("trio_disagg_requests_total",
+                        (("endpoint", "completions"), ("outcome", "success")))] == 1
+        for name in ("time_to_first_token", "prefill_time", "kv_transfer_latency"):
+            assert samples[(f"trio_disagg_{name}_seconds_count", ())] == 1
+        assert samples[("trio_disagg_inter_token_latency_seconds_count", ())] == 2
+        assert samples[("trio_disagg_requests_in_flight", ())] == 0
+        assert samples[("trio_disagg_http_requests_in_flight", ())] == 0
+        assert samples[("trio_disagg_keeper_drains_in_flight", ())] == 0
+        assert samples[("trio_disagg_keeper_drains_started_total", ())] == 1
+        assert samples[("trio_disagg_staged_kv_cleanups_total", ())] == 0
+        for role in ("prefill", "decode"):
+            labels = (("role", role), ("worker", f"{role}-0"))
+            assert samples[("trio_disagg_worker_outstanding", labels)] == 0
+            assert samples[("trio_disagg_worker_failures_total", labels)] == 0
+            assert samples[("trio_disagg_worker_served_total", labels)] == 1
+            assert samples[("trio_disagg_worker_healthy", labels)] == 1
+
+
+async def test_many_concurrent_streams() -> None:
+    async with running() as server, server.http() as http:
+        bodies: list[bytes] = []
+
+        async def one(i: int) -> None:
+            response = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": f"prompt {i}", "max_tokens": 20, "stream": True})
+            assert response.status_code == 200
+            bodies.append(response.content)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for i in range(32):
+                    nursery.start_soon(one, i)
+        for body in bodies:
+            data = events(body)
+            assert data[-1] == b"[DONE]"
+            assert len(data) == 21
+        await server.settled()
+
+
+# --- bad input: a 4xx OpenAI error, and the server keeps serving ---------------------------
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+CHAT_GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+class Chunks:
+    """A request body sent in ``count`` chunks of ``size`` bytes (chunked encoding)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.left = count
+        self.size = size
+
+    def __aiter__(self) -> Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.left:
+            raise StopAsyncIteration
+        self.left -= 1
+        return b" " * self.size
+
+
+def _with(base: dict[str, Any], **changes: Any) -> bytes:
+    body = dict(base)
+    for key, value in changes.items():
+        if value is _DROP:
+            del body[key]
+        else:
+            body[key] = value
+    return orjson.dumps(body)
+
+
+_DROP = object()
+
+BAD_INPUTS: list[tuple[str, str, bytes, int, str | None, str | None]] = [
+    # (method, path, body, status, param, code)
+    ("POST", COMPLETIONS, b'{"model": "mock-model", "prompt": ', 400, None, "invalid_json"),
+    ("POST", COMPLETIONS, b"", 400, None, "invalid_json"),
+    ("POST", COMPLETIONS, b"[1, 2]", 400, None, "invalid_type"),
+    ("POST", COMPLETIONS, b"[" * 3000, 400, None, "invalid_json"),
+    ("POST", COMPLETIONS, b"\xff\xfe{}", 400, None, "invalid_json"),
+    ("POST", COMPLETIONS, b'{"model": "mock-model", "prompt": "x", "max_tokens": 1e400}', 400,
+     None, "invalid_json"),
+    ("POST", COMPLETIONS, b'{"model": "mock-model", "prompt": "x", "max_tokens": '
+     b"99999999999999999999999}", 400, "max_tokens", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, max_tokens="5"), 400, "max_tokens", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, max_tokens=2.5), 400, "max_tokens", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, max_tokens=True), 400, "max_tokens", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, model=_DROP), 400, "model",
+     "missing_required_parameter"),
+    ("POST", COMPLETIONS, _with(GOOD, prompt=_DROP), 400, "prompt",
+     "missing_required_parameter"),
+    ("POST", COMPLETIONS, _with(GOOD, prompt=17), 400, "prompt", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, prompt=["a", "b"]), 400, "prompt", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, prompt=""), 400, "prompt", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, model="gpt-17"), 404, "model", "model_not_found"),
+    ("POST", COMPLETIONS, _with(GOOD, model=None), 400, "model", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, max_tokens=-3), 400, "max_tokens", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, max_tokens=10**12), 400, "max_tokens", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, n=2), 400, "n", "unsupported_value"),
+    ("POST", COMPLETIONS, _with(GOOD, n=0), 400, "n", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, best_of=3), 400, "best_of", "unsupported_value"),
+    ("POST", COMPLETIONS, _with(GOOD, stream="yes"), 400, "stream", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, stream_options={"include_usage": True}), 400,
+     "stream_options", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, stream=True, stream_options={"include_usage": 1}), 400,
+     "stream_options.include_usage", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, temperature="hot"), 400, "temperature",
+     "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, temperature=9), 400, "temperature", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, stop=[1]), 400, "stop", "invalid_type"),
+    ("POST", COMPLETIONS, _with(GOOD, min_tokens=9), 400, "min_tokens", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, messages=_DROP), 400, "messages",
+     "missing_required_parameter"),
+    ("POST", CHAT, _with(CHAT_GOOD, messages=[]), 400, "messages", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, messages="hi"), 400, "messages", "invalid_type"),
+    ("POST", CHAT, _with(CHAT_GOOD, messages=[{"role": "robot", "content": "x"}]), 400,
+     "messages[0].role", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, messages=[{"role": "user", "content": 5}]), 400,
+     "messages[0].content", "invalid_type"),
+    ("POST", CHAT, _with(CHAT_GOOD, messages=[{"content": "x"}]), 400, "messages[0].role",
+     "missing_required_parameter"),
+    ("POST", CHAT, _with(CHAT_GOOD, max_completion_tokens=100000), 400,
+     "max_completion_tokens", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, model="nope"), 404, "model", "model_not_found"),
+    ("POST", "/v1/embeddings", orjson.dumps(GOOD), 404, None, "unknown_url"),
+    ("GET", COMPLETIONS, b"", 405, None, "method_not_allowed"),
+    ("POST", "/health", b"", 405, None, "method_not_allowed"),
+    ("DELETE", "/v1/models", b"", 405, None, "method_not_allowed"),
+]
+
+
+async def test_bad_input_is_a_4xx_openai_error_and_the_server_keeps_serving() -> None:
+    async with running(max_body_bytes=4096) as server, server.http() as http:
+        for method, path, body, status, param, code in BAD_INPUTS:
+            response = await http.request(method, path, content=body,
+                                          headers={"content-type": "application/json"})
+            assert response.status_code == status, (path, body, response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            assert (error["param"], error["code"]) == (param, code), (body, error)
+            assert error["message"]
+            assert error["type"] == "invalid_request_error"
+
+        # An oversized body, with a content-length and chunked.
+        big = orjson.dumps({**GOOD, "prompt": "x " * 5000})
+        response = await http.post(COMPLETIONS, content=big)
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+
+        response = await http.post(COMPLETIONS, content=Chunks(10, 1000))
+        assert response.status_code == 413
+
+        too_long = {"X-Request-Id": "r" * 300}
+        response = await http.post(COMPLETIONS, json=GOOD, headers=too_long)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "X-Request-Id"
+        assert uuid.UUID(response.headers["x-request-id"]).version == 4
+
+        # errors carry the request id too
+        response = await http.post(COMPLETIONS, json={**GOOD, "n": 2},
+                                   headers={"X-Request-Id": "bad-one"})
+        assert response.headers["x-request-id"] == "bad-one"
+
+        # ... and the server still serves, with no 500 anywhere.
+        response = await http.post(COMPLETIONS, json=GOOD)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+        samples = metric_samples((await http.get("/metrics")).text)
+        outcomes = {labels: value for (name, labels), value in samples.items()
+                    if name == "trio_disagg_requests_total"}
+        assert not any(dict(labels)["outcome"] == "internal_error" for labels in outcomes)
+        # only the good request reached the workers
+        assert len(server.prefill.requests) == len(server.decode.requests) == 1
+
+
+async def test_the_openai_client_sees_typed_errors() -> None:
+    async with running() as server:
+        client = server.openai()
+        with pytest.raises(openai.NotFoundError) as not_found:
+            await in_thread(lambda: client.completions.create(model="nope", prompt="x"))
+        assert not_found.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as bad:
+            await in_thread(lambda: client.completions.create(model=MODEL, prompt="x", n=3))
+        assert bad.value.param == "n"
+
+
+# --- worker failures ----------------------------------------------------------------------
+
+
+WORKER_FAULTS: list[tuple[str, int, str, str | None]] = [
+    # (fault, status, error code, a piece of the message)
+    ("prefill_reject:429", 429, "prefill_rejected", "refused request"),
+    ("prefill_reject:503", 502, "prefill_failed", "refused request"),
+    ("prefill_fail_before_handoff", 502, "prefill_failed", "prefill_fail_before_handoff"),
+    ("prefill_reset", 502, "prefill_failed", "no output"),
+    ("prefill_error_finish", 502, "generation_failed", "prefill_error_finish"),
+    ("prefill_cancelled_finish", 502, "cancelled", None),
+    ("decode_reject:503", 503, "worker_error", "refused request"),
+    ("decode_fail_before_first_token", 502, "generation_failed", "decode_fail_before"),
+    ("decode_error_at:3", 502, "generation_failed", "decode_error_at"),
+    ("decode_reset_at:3", 502, "incomplete_stream", None),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_worker_failures_reach_the_client(stream: bool) -> None:
+    async with running() as server, server.http() as http:
+        for fault, status, code, text in WORKER_FAULTS:
+            response = await http.post(COMPLETIONS, json={
+                **GOOD, "max_tokens": 6, "fault": fault, "stream": stream})
+            # A stream starts with its first token: a failure before it gets a real status.
+            after_first_token = fault.startswith(("decode_error_at", "decode_reset_at"))
+            if stream and after_first_token:
+                # The stream started: an error event, then exactly one [DONE] (B4).
+                assert response.status_code == 200, fault
+                data = events(response.content)
+                assert data[-1] == b"[DONE]" and data.count(b"[DONE]") == 1, fault
+                error = orjson.loads(data[-2])["error"]
+                assert all(b"finish_reason" in item for item in data[:-2]), fault
+                assert all(orjson.loads(item)["choices"][0]["finish_reason"] is None
+                           for item in data[:-2]), fault
+            else:
+                assert response.status_code == status, (fault, response.text)
+                assert response.headers["content-type"] == "application/json"
+                error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == code, (fault, error)
+            if text is not None:
+                assert text in error["message"], (fault, error)
+            await server.settled()  # B5 after every fault: no drain, no staged block left
+        samples = metric_samples((await http.get("/metrics")).text)
+        assert samples[("trio_disagg_staged_kv_cleanups_total", ())] >= 1  # decode_reject
+        response = await http.post(COMPLETIONS, json=GOOD)
+        assert response.status_code == 200
+
+
+async def test_eos_on_the_first_token_is_a_terminal_answer() -> None:
+    async with running() as server, server.http() as http:
+        response = await http.post(COMPLETIONS, json={**GOOD, "fault": "eos_first_token"})
+        assert response.status_code == 200
+        (choice,) = response.json()["choices"]
+        assert choice["finish_reason"] == "stop"
+        assert choice["text"]
+        assert server.decode.requests == []
+        response = await http.post(COMPLETIONS, json={
+            **GOOD, "fault": "eos_first_token", "stream": True})
+        data = events(response.content)
+        assert len(data) == 2
+        assert orjson.loads(data[0])["choices"][0]["finish_reason"] == "stop"
+        assert data[1] == b"[DONE]"
+
+
+async def test_a_prefill_deadline_is_a_504() -> None:
+    async with running(deadlines=Deadlines(prefill=0.2)) as server, server.http() as http:
+        response = await http.post(COMPLETIONS, json={**GOOD, "fault": "prefill_stall"})
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+        await server.settled()
+
+
+# --- client disconnects -------------------------------------------------------------------
+
+
+async def test_disconnect_mid_stream_cancels_the_request_nursery() -> None:
+    """Regression: hypercorn never cancels the app; the disconnect listener must."""
+    latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.005,
+                           kv_transfer_per_token=0.0)
+    async with running(latency=latency) as server, server.http() as http:
+        with trio.fail_after(10):
+            async with http.stream("POST", COMPLETIONS, json={
+                **GOOD, "max_tokens": 5000, "stream": True}) as response:
+                assert response.status_code == 200
+                received = 0
+                async for _ in response.aiter_raw():
+                    received += 1
+                    if received == 3:
+                        break
+            # the response is closed unread: httpx drops the connection
+            await server.decode.was_cancelled.wait()
+        assert server.prefill.cancelled == 0  # the prefill is the keeper's, never cancelled
+        await server.settled()  # in_flight, keeper drains and staged KV all back to 0
+        assert server.cluster.counters().served == 1
+        samples = metric_samples((await http.get("/metrics")).text)
+        assert samples[("trio_disagg_requests_total",
+                        (("endpoint", "completions"), ("outcome", "disconnected")))] == 1
+        response = await http.post(COMPLETIONS, json=GOOD)
+        assert response.status_code == 200
+
+
+async def test_disconnect_during_prefill_leaves_the_transfer_to_the_keeper() -> None:
+    """G9 and B1 through HTTP: the prefill finishes and its staged KV is consumed."""
+    latency = LatencyModel(ttft_per_prompt_token=0.005, inter_token_latency=0.0,
+                           kv_transfer_per_token=0.0)  # 45 tokens: 0.225 s of prefill
+    async with running(latency=latency) as server, server.http() as http:
+        with trio.move_on_after(0.05):
+            await http.post(COMPLETIONS, json={**GOOD, "prompt": PROMPT, "stream": True})
+        assert server.prefill.requests and not server.decode.requests
+        await server.settled()
+        assert server.prefill.cancelled == 0
+        assert server.router.counters.staged_kv_cleanups == 1
+        (cleanup,) = server.decode.requests
+        assert cleanup.max_tokens == 1 and not cleanup.stream
+        counters = server.cluster.counters()
+        assert counters.served == 1 and counters.stranded_blocks == 0
+
+
+async def test_no_healthy_worker_answers_503() -> None:
+    async with running(failure_threshold=1) as server, server.http() as http:
+        response = await http.post(COMPLETIONS, json={**GOOD, "fault": "prefill_reject:500"})
+        assert response.status_code == 502
+        response = await http.post(COMPLETIONS, json=GOOD)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_worker_available"
+        health = await http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["prefill_workers_healthy"] == 0
+        await server.settled()
+
+
+# --- shutdown -----------------------------------------------------------------------------
+
+
+async def test_closed_router_answers_503() -> None:
+    async with running() as server, server.http() as http:
+        server.router.close()
+        response = await http.post(COMPLETIONS, json=GOOD)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "router_closed"
+        health = await http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "closing"
+
+
+async def test_graceful_shutdown_finishes_streams_in_flight() -> None:
+    latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.01,
+                           kv_transfer_per_token=0.0)
+    cluster = mock_cluster(latency=latency)
+    async with TransferKeeper(drain_window=5.0) as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
+        app = create_app(router, models=[MODEL])
+        stop = trio.Event()
+        body = b""
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(partial(
+                    serve, app, port=0, shutdown_trigger=stop.wait, graceful_timeout=5.0))
+                http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")
+                async with http, http.stream("POST", COMPLETIONS, json={
+                        **GOOD, "max_tokens": 30, "stream": True}) as response:
+                    async for chunk in response.aiter_raw():
+                        if not stop.is_set():
+                            stop.set()  # shut down while the stream is in flight
+                        body += chunk
+            # serve returned: the stream was finished first, and the router is closed
+            assert router.closing
+            assert router.in_flight == 0
+            data = events(body)
+            assert len(data) == 31 and data[-1] == b"[DONE]"
+            with pytest.raises(httpx.ConnectError):
+                async with httpx.AsyncClient() as http:
+                    await http.get(f"http://127.0.0.1:{port}/health")
+
+
+async def test_a_signal_shuts_the_server_down() -> None:
+    cluster = mock_cluster(latency=LatencyModel.zero())
+    async with TransferKeeper(drain_window=1.0) as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
+        app = create_app(router, models=[MODEL])
+        installed = trio.Event()
+        received: list[int] = []
+
+        async def trigger() -> None:
+            installed.set()  # wait_for_signals installs its handler before it first blocks
+            received.append(await wait_for_signals(signal.SIGUSR1))
+
+        # a guard: a signal that came too early must not kill the test run
+        with trio.open_signal_receiver(signal.SIGUSR1), trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(partial(serve, app, port=0, shutdown_trigger=trigger))
+                await installed.wait()
+                os.kill(os.getpid(), signal.SIGUSR1)
+        assert received == [signal.SIGUSR1]
+        assert router.closing
