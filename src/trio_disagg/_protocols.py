@@ -246,12 +246,19 @@ def _structure_finish(value: Any, _: type) -> FinishReason:
     raise ValueError(f"finish_reason must be a string or {{'error': str}}, got {value!r}")
 
 
+def describe_value(value: Any) -> str:
+    """A short description of a JSON value for an error message: ``str '3'``, ``null``."""
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r:.40}"
+
+
 def _strict(kind: type, name: str) -> Any:
     # cattrs' defaults coerce ("3" -> 3, 3.7 -> 3); the wire must be typed exactly.
     def structure(value: Any, _: type) -> Any:
         if type(value) is kind or (kind is float and type(value) is int):
             return value
-        raise TypeError(f"expected {name}, got {type(value).__name__} {value!r:.40}")
+        raise TypeError(f"expected {name}, got {describe_value(value)}")
 
     return structure
 
@@ -262,7 +269,7 @@ def _strict_list_factory(cls: Any, conv: cattrs.Converter) -> Any:
 
     def structure(value: Any, type_: Any) -> Any:
         if not isinstance(value, list):
-            raise TypeError(f"expected a list, got {type(value).__name__}")
+            raise TypeError(f"expected a list, got {describe_value(value)}")
         return base(value, type_)
 
     return structure
@@ -277,27 +284,43 @@ def _strict_object_factory(cls: Any, conv: cattrs.Converter) -> Any:
 
     def structure(value: Any, type_: Any) -> Any:
         if not isinstance(value, Mapping):
-            raise TypeError(f"expected an object, got {type(value).__name__}")
+            raise TypeError(f"expected an object, got {describe_value(value)}")
         return base(value, type_)
 
     return structure
 
 
-def _make_converter() -> cattrs.Converter:
+def make_strict_converter() -> cattrs.Converter:
+    """A cattrs converter that takes JSON exactly as typed.
+
+    Numbers, strings and booleans are not coerced (``"3"`` is not an ``int``), a list must
+    be a JSON array and an attrs class a JSON object; unknown keys are ignored and ``Any``
+    passes through. Add hooks of your own on top. Wire formats of every layer (the engine
+    protocol here, request bodies at the HTTP edge) build on it.
+    """
     conv = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
-    conv.register_unstructure_hook(FinishReason, _unstructure_finish)
-    conv.register_structure_hook(FinishReason, _structure_finish)
-    conv.register_structure_hook(
-        FinishReason | None, lambda v, t: None if v is None else _structure_finish(v, t)
-    )
     conv.register_structure_hook(int, _strict(int, "an integer"))
     conv.register_structure_hook(float, _strict(float, "a number"))
     conv.register_structure_hook(str, _strict(str, "a string"))
     conv.register_structure_hook(bool, _strict(bool, "a boolean"))
     conv.register_structure_hook_factory(cattrs.cols.is_sequence, _strict_list_factory)
     conv.register_structure_hook_factory(_is_attrs, _strict_object_factory)
-    # Opaque JSON stays as it is in both directions.
-    conv.register_structure_hook(Any, lambda v, _: v)
+    conv.register_structure_hook(Any, lambda v, _: v)  # opaque JSON stays as it is
+    return conv
+
+
+def wire_problems(exc: cattrs.BaseValidationError) -> list[str]:
+    """Each problem of a cattrs validation error as ``"<what> @ $.path"``."""
+    return cattrs.transform_error(exc, path="$", format_exception=_explain)
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = make_strict_converter()
+    conv.register_unstructure_hook(FinishReason, _unstructure_finish)
+    conv.register_structure_hook(FinishReason, _structure_finish)
+    conv.register_structure_hook(
+        FinishReason | None, lambda v, t: None if v is None else _structure_finish(v, t)
+    )
     return conv
 
 
@@ -321,7 +344,7 @@ def from_wire(value: Any, cls: type[T]) -> T:
         return converter.structure(value, cls)
     except Exception as exc:  # cattrs raises ClassValidationError, TypeError, ValueError...
         if isinstance(exc, cattrs.BaseValidationError):
-            details = "; ".join(cattrs.transform_error(exc, path="$", format_exception=_explain))
+            details = "; ".join(wire_problems(exc))
         else:
             details = str(exc)
         name = getattr(cls, "__name__", str(cls))

@@ -29,7 +29,14 @@ from .._errors import (
     RouterClosed,
     WorkerError,
 )
-from .._protocols import CompletionUsage, FinishKind, FinishReason
+from .._protocols import (
+    CompletionUsage,
+    FinishKind,
+    FinishReason,
+    describe_value,
+    make_strict_converter,
+    wire_problems,
+)
 
 logger = logging.getLogger("trio_disagg.server")
 
@@ -200,21 +207,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
-def _strict(kind: type, name: str) -> Any:
-    def structure(value: Any, _: type) -> Any:
-        if type(value) is kind or (kind is float and type(value) is int):
-            return value
-        raise TypeError(f"expected {name}, got {_describe(value)}")
-
-    return structure
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {value!r:.40}"
-
-
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
 
@@ -230,7 +222,7 @@ def _structure_prompt(value: Any, _: type) -> Any:
         isinstance(item, str) or _is_token_list(item) for item in value
     ):
         raise ValueError("batched prompts (a list of several prompts) are not supported")
-    raise TypeError(f"expected a string or a list of token ids, got {_describe(value)}")
+    raise TypeError(f"expected a string or a list of token ids, got {describe_value(value)}")
 
 
 def _structure_stop(value: Any, _: type) -> Any:
@@ -238,7 +230,7 @@ def _structure_stop(value: Any, _: type) -> Any:
         return value
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return value
-    raise TypeError(f"expected a string or a list of strings, got {_describe(value)}")
+    raise TypeError(f"expected a string or a list of strings, got {describe_value(value)}")
 
 
 def _structure_content(value: Any, _: type) -> Any:
@@ -249,59 +241,24 @@ def _structure_content(value: Any, _: type) -> Any:
             if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
                 raise TypeError(
                     f"content part {index}: expected an object with a string 'type', "
-                    f"got {_describe(part)}"
+                    f"got {describe_value(part)}"
                 )
             if part["type"] == "text" and not isinstance(part.get("text"), str):
                 raise TypeError(f"content part {index}: a text part needs a string 'text'")
         return value
-    raise TypeError(f"expected a string or a list of content parts, got {_describe(value)}")
-
-
-def _strict_list_factory(cls: Any, conv: cattrs.Converter) -> Any:
-    base = cattrs.cols.list_structure_factory(cls, conv)
-
-    def structure(value: Any, type_: Any) -> Any:
-        if not isinstance(value, list):
-            raise TypeError(f"expected a list, got {_describe(value)}")
-        return base(value, type_)
-
-    return structure
-
-
-def _strict_object_factory(cls: Any, conv: cattrs.Converter) -> Any:
-    base = cattrs.gen.make_dict_structure_fn(cls, conv)
-
-    def structure(value: Any, type_: Any) -> Any:
-        if not isinstance(value, Mapping):
-            raise TypeError(f"expected an object, got {_describe(value)}")
-        return base(value, type_)
-
-    return structure
+    raise TypeError(f"expected a string or a list of content parts, got {describe_value(value)}")
 
 
 def _make_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=False)
-    conv.register_structure_hook(int, _strict(int, "an integer"))
-    conv.register_structure_hook(float, _strict(float, "a number"))
-    conv.register_structure_hook(str, _strict(str, "a string"))
-    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
+    conv = make_strict_converter()
     conv.register_structure_hook(Prompt, _structure_prompt)
     conv.register_structure_hook(Stop, _structure_stop)
     conv.register_structure_hook(Content, _structure_content)
-    conv.register_structure_hook_factory(cattrs.cols.is_sequence, _strict_list_factory)
-    conv.register_structure_hook_factory(attrs.has, _strict_object_factory)
-    conv.register_structure_hook(Any, lambda value, _: value)
     return conv
 
 
 #: The strict converter for request bodies.
 request_converter = _make_converter()
-
-
-def _explain(exc: BaseException, _: Any) -> str:
-    if isinstance(exc, KeyError):
-        return "required field missing"
-    return str(exc) or type(exc).__name__
 
 
 def structure_body(body: Any, cls: type[Any]) -> Any:
@@ -316,7 +273,7 @@ def structure_body(body: Any, cls: type[Any]) -> Any:
     except Exception as exc:
         if not isinstance(exc, cattrs.BaseValidationError):
             raise ApiError(400, f"invalid request body: {exc}", code="invalid_type") from None
-        problems = cattrs.transform_error(exc, path="$", format_exception=_explain)
+        problems = wire_problems(exc)
         param: str | None = None
         details: list[str] = []
         for problem in problems:
