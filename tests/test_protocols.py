@@ -184,7 +184,7 @@ def test_wire_error_envelope_form() -> None:
         ({"finish_reason": {"error": 3}}, LLMEngineOutput, "$.finish_reason"),
         ({"finish_reason": {"error": "x", "y": 1}}, LLMEngineOutput, "$.finish_reason"),
         ({"finish_reason": 7}, LLMEngineOutput, "finish_reason must be a string"),
-        ({"token_ids": "abc"}, LLMEngineOutput, "expected a list, got str @ $.token_ids"),
+        ({"token_ids": "abc"}, LLMEngineOutput, "expected a list, got str 'abc' @ $.token_ids"),
         ({"token_ids": [1, "2"]}, LLMEngineOutput, "expected an integer, got str '2'"),
         ({"token_ids": [1, "2"]}, LLMEngineOutput, "$.token_ids[1]"),
         ({"token_ids": [1.0]}, LLMEngineOutput, "expected an integer, got float"),
