@@ -3,6 +3,7 @@ mock worker needs (latency model, fault injection, KV block accounting).
 
 The shared pieces live in small modules (``_latency``, ``_faults``, ``_kv``, ``_text``)
 that do not import the in-process engines, so an HTTP mock worker can reuse them.
+:class:`VllmEngine` drives real (or mock) vLLM workers over HTTP.
 """
 
 from ._faults import Fault as Fault
@@ -32,3 +33,12 @@ from ._text import TokenStream as TokenStream
 from ._text import cached_prompt_tokens as cached_prompt_tokens
 from ._text import count_prompt_tokens as count_prompt_tokens
 from ._text import resolve_max_tokens as resolve_max_tokens
+from ._vllm import DEFAULT_LIMITS as DEFAULT_LIMITS
+from ._vllm import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._vllm import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS
+from ._vllm import VllmEngine as VllmEngine
+from ._vllm import decode_body as decode_body
+from ._vllm import endpoint_for as endpoint_for
+from ._vllm import prefill_body as prefill_body
+from ._vllm import vllm_client as vllm_client
+from ._vllm import vllm_engines as vllm_engines

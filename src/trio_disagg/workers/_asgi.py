@@ -1,0 +1,155 @@
+"""Plain ASGI 3 plumbing for the mock workers: one response, its state, and the
+disconnect listener that aborts a request when its connection closes."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+import trio
+
+Scope = Mapping[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON_TYPE = b"application/json"
+SSE_TYPE = b"text/event-stream"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def error_json(message: str, status: int, *, type_: str | None = None,
+               code: str | int | None = None) -> bytes:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    if type_ is None:
+        type_ = ("NotFoundError" if status == 404 else "BadRequestError" if status < 500
+                 else "InternalServerError")
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None,
+                                   "code": code if code is not None else status}})
+
+
+def error_event(message: str, status: int = 500) -> bytes:
+    """An error in the middle of a stream, as vLLM sends it, followed by ``[DONE]``."""
+    return b"data: " + error_json(message, status) + b"\n\n" + DONE_EVENT
+
+
+class Exchange:
+    """One HTTP response and where it is: not started, streaming, or finished.
+
+    Hypercorn reports the end of a response to the app as ``http.disconnect`` too, so the
+    final write first cancels the disconnect listener (:attr:`listener`).
+
+    Attributes:
+        request_id: the request's ``X-Request-Id``, decoded as latin-1 so that any bytes
+            round-trip; echoed on the response.
+        started: the response's headers went out.
+        finished: the last body message went out.
+        failed: the answer is an error (status or event), or was cut on purpose.
+        disconnected: the client went away before the response finished.
+    """
+
+    __slots__ = ("disconnected", "failed", "finished", "listener", "request_id", "send",
+                 "started")
+
+    def __init__(self, send: Send, request_id: str | None = None) -> None:
+        self.send = send
+        self.request_id = request_id
+        self.started = False
+        self.finished = False
+        self.failed = False
+        self.disconnected = False
+        self.listener: trio.CancelScope | None = None
+
+    def _headers(self, content_type: bytes, length: int | None = None
+                 ) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", content_type)]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        if self.request_id is not None:
+            headers.append((b"x-request-id", self.request_id.encode("latin-1")))
+        return headers
+
+    async def start(self, status: int, content_type: bytes,
+                    extra: list[tuple[bytes, bytes]] | None = None,
+                    length: int | None = None) -> None:
+        headers = self._headers(content_type, length)
+        if extra:
+            headers.extend(extra)
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def start_stream(self) -> None:
+        await self.start(200, SSE_TYPE, [(b"cache-control", b"no-cache")])
+
+    async def body(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, data: bytes = b"") -> None:
+        if self.listener is not None:
+            self.listener.cancel()
+        self.finished = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def respond(self, status: int, data: bytes, content_type: bytes = JSON_TYPE) -> None:
+        """A whole response; the listener is cancelled first, so it cannot be aborted."""
+        if self.listener is not None:
+            self.listener.cancel()
+        await self.start(status, content_type, length=len(data))
+        await self.finish(data)
+
+    async def error(self, message: str, status: int) -> None:
+        """An error response, or once streaming an error event and ``[DONE]``."""
+        if not self.started:
+            await self.respond(status, error_json(message, status))
+        elif not self.finished:
+            await self.finish(error_event(message, status))
+        else:
+            await trio.lowlevel.checkpoint()
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None if the client went away first.
+
+    Raises:
+        ValueError: the body is over ``limit`` bytes.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        data = message.get("body", b"")
+        size += len(data)
+        if size > limit:
+            raise ValueError(f"request body over {limit} bytes")
+        chunks.append(data)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def run_until_disconnect(
+    receive: Receive, exchange: Exchange, work: Callable[[], Awaitable[None]]
+) -> None:
+    """Run ``work`` and cancel it if the client disconnects first (what vLLM does: a
+    request is aborted when its connection closes). The listener stops once
+    ``exchange`` finishes its response. ``exchange.disconnected`` tells which it was.
+    """
+    async with trio.open_nursery() as nursery:
+        listener = trio.CancelScope()
+        exchange.listener = listener
+
+        async def listen() -> None:
+            with listener:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        if not exchange.finished:
+                            exchange.disconnected = True
+                            nursery.cancel_scope.cancel()
+                        return
+
+        nursery.start_soon(listen)
+        await work()
+        listener.cancel()

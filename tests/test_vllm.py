@@ -1,0 +1,767 @@
+"""The vLLM adapter against the mock vLLM workers over real sockets (PROTOCOLS.md sections
+1, 2 and 5): the sequential handoff, the terminal first token (S7), errors before and
+after the first token, worker death, cached_tokens from the prefill (S4, S10), client
+disconnects that never abort the prefill and never strand KV (G9, B1, B5), concurrency,
+and end to end with the official ``openai`` client through the router's HTTP server.
+
+Everything runs on 127.0.0.1 with port 0 and the real clock; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, TypeVar
+
+import attrs
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import openai
+import orjson
+import pytest
+import trio
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_disagg import (
+    Annotated,
+    Deadlines,
+    DisaggRouter,
+    FinishKind,
+    HandoffStyle,
+    LLMEngineOutput,
+    PrefillDeadlineExceeded,
+    PrefillError,
+    PrefillResult,
+    PreprocessedRequest,
+    RequestContext,
+    RequestStream,
+    TransferKeeper,
+    TrioDisaggError,
+    WorkerError,
+    WorkerPool,
+)
+from trio_disagg.engines import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    LatencyModel,
+    VllmEngine,
+    cached_prompt_tokens,
+    count_prompt_tokens,
+    decode_body,
+    prefill_body,
+    vllm_client,
+    vllm_engines,
+)
+from trio_disagg.server import OpenAIApp, create_app, error_for_exception, serve
+from trio_disagg.workers import MockVllmWorker, create_mock_worker, serve_worker
+
+Item = Annotated[LLMEngineOutput]
+T = TypeVar("T")
+
+MODEL = "mock-model"
+PROMPT = " ".join(f"word{i}" for i in range(45))  # 45 tokens: 3 blocks, a partial cache hit
+PROMPT_TOKENS = 45
+FAST = LatencyModel(ttft_per_prompt_token=0.0001, inter_token_latency=0.0005,
+                    kv_transfer_per_token=0.0001)
+#: A long TTL: every test checks the KV is freed without waiting for it.
+KV_TTL = 120.0
+
+
+def expected_cached(body: dict[str, Any]) -> int:
+    """The prefill worker's prefix-cache hit for ``body`` (seed 0, 16-token blocks)."""
+    return cached_prompt_tokens(0, body, count_prompt_tokens(body), 16)
+
+
+class Gated:
+    """A decode engine whose first request waits at the gate before reaching the worker:
+    the window between the handoff and the decode worker's acceptance."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.handoff_style: HandoffStyle = engine.handoff_style
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+        self.entered = trio.Event()
+        self.gate = trio.Event()
+        self.calls = 0
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            await self.gate.wait()
+        await self.engine.generate(request, context, send_channel, task_status=task_status)
+
+
+@attrs.define(eq=False)
+class Cluster:
+    prefill: MockVllmWorker
+    decode: MockVllmWorker
+    prefill_url: str
+    decode_url: str
+    client: httpx.AsyncClient
+    keeper: TransferKeeper
+    router: DisaggRouter
+    decode_scope: trio.CancelScope  # cancelling it kills the decode worker
+
+    async def settled(self) -> None:
+        """B5: no request, drain or worker request left; no KV block held."""
+        with trio.fail_after(5):
+            await self.router.wait_idle()
+            await self.keeper.wait_idle()
+            await wait_until(lambda: self.prefill.stats.running == 0
+                             and self.decode.stats.running == 0
+                             and self.prefill.kv.counters().held_blocks == 0)
+        assert self.router.in_flight == self.keeper.in_flight == 0
+
+
+async def wait_until(predicate: Callable[[], bool], *, seconds: float = 5.0) -> None:
+    with trio.fail_after(seconds):
+        for _ in range(100_000):
+            if predicate():
+                return
+            await trio.sleep(0.002)
+
+
+async def _serve_in(scope: trio.CancelScope, app: MockVllmWorker, *,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await serve_worker(app, task_status=task_status)
+
+
+@asynccontextmanager
+async def vllm_cluster(
+    *,
+    latency: LatencyModel = FAST,
+    deadlines: Deadlines | None = None,
+    prefill_model: str | None = None,
+    prefill_url: str | None = None,
+    wrap_decode: Callable[[VllmEngine], Any] | None = None,
+) -> AsyncIterator[Cluster]:
+    prefill = create_mock_worker("prefill", latency=latency, kv_ttl=KV_TTL, model=prefill_model)
+    decode = create_mock_worker("decode", latency=latency)
+    decode_scope = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        prefill_port = await nursery.start(partial(serve_worker, prefill))
+        decode_port = await nursery.start(partial(_serve_in, decode_scope, decode))
+        urls = (prefill_url or f"http://127.0.0.1:{prefill_port}",
+                f"http://127.0.0.1:{decode_port}")
+        async with vllm_client() as client:
+            prefill_engines, decode_engines = vllm_engines([urls[0]], [urls[1]], client=client)
+            decode_engine: Any = decode_engines[0]
+            if wrap_decode is not None:
+                decode_engine = wrap_decode(decode_engines[0])
+            async with TransferKeeper(drain_window=5.0) as keeper:
+                router = DisaggRouter(
+                    WorkerPool(prefill_engines, failure_threshold=1000),
+                    WorkerPool([decode_engine], failure_threshold=1000),
+                    keeper, deadlines=deadlines,
+                )
+                yield Cluster(prefill, decode, urls[0], urls[1], client, keeper, router,
+                              decode_scope)
+        nursery.cancel_scope.cancel()
+
+
+def completion(rid: str, *, max_tokens: int = 5, **fields: Any) -> PreprocessedRequest:
+    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens}
+    body.update(fields)
+    return PreprocessedRequest(request_id=rid, model=MODEL, body=body, max_tokens=max_tokens,
+                               stream=body.get("stream") is True)
+
+
+async def run(cluster: Cluster, request: PreprocessedRequest
+              ) -> tuple[RequestStream, list[Item]]:
+    """Route ``request`` and read its whole stream."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            stream = await cluster.router.stream(nursery, request,
+                                                 RequestContext(request.request_id))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+    return stream, items
+
+
+async def refusal(cluster: Cluster, request: PreprocessedRequest) -> TrioDisaggError:
+    """The error ``router.stream`` raises for ``request``."""
+    error: TrioDisaggError | None = None
+    with trio.fail_after(10):
+        try:
+            async with trio.open_nursery() as nursery:
+                await cluster.router.stream(nursery, request,
+                                            RequestContext(request.request_id))
+        except* TrioDisaggError as group:
+            (error,) = group.exceptions  # type: ignore[assignment]
+    assert error is not None, "the request was not refused"
+    return error
+
+
+def texts(items: list[Item]) -> list[str]:
+    return [item.data.text or "" for item in items if item.data is not None]
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples}
+
+
+# --- the wire: what the adapter sends -----------------------------------------------------
+
+
+def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+            "min_tokens": 3, "max_completion_tokens": 9, "temperature": 0.5}
+    wire = prefill_body(body)
+    assert wire == {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+                    "temperature": 0.5, "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS)}
+    assert body["stream"] is True and "min_tokens" in body  # the client's body is untouched
+    params = {"do_remote_prefill": True, "remote_request_id": "x", "tp_size": 1}
+    request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=9,
+                                  prefill_result=PrefillResult(disaggregated_params=params))
+    decode = decode_body(request)
+    assert decode["kv_transfer_params"] is params  # verbatim
+    assert decode["stream"] is True
+    assert decode["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert decode["min_tokens"] == 3 and decode["max_completion_tokens"] == 9
+    bare = PreprocessedRequest(request_id="r", model=MODEL,
+                               body={"model": MODEL, "prompt": "x"}, max_tokens=16)
+    assert decode_body(bare)["max_tokens"] == 16  # the router's budget, never the worker's
+
+
+# --- the sequential handoff ---------------------------------------------------------------
+
+
+async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
+    async with vllm_cluster() as cluster:
+        request = completion("req-seq", max_tokens=5, min_tokens=2,
+                             stream_options={"include_usage": False})
+        stream, items = await run(cluster, request)
+        assert stream.style == "sequential"
+        assert all(not item.is_error for item in items)
+        assert len(texts(items)) == 5 and all(texts(items))
+        last = items[-1].data
+        assert last is not None and last.finish_reason is not None
+        assert last.finish_reason.kind is FinishKind.LENGTH
+        assert last.completion_usage is not None
+        assert (last.completion_usage.prompt_tokens,
+                last.completion_usage.completion_tokens) == (PROMPT_TOKENS, 5)
+        # S4/S10: the client's cached_tokens is the prefill's, not the decode's (45)
+        cached = expected_cached({"prompt": PROMPT})
+        assert 0 < cached < PROMPT_TOKENS
+        details = stream.prompt_tokens_details
+        assert details is not None and details.cached_tokens == cached
+        # what each worker received: PROTOCOLS.md section 2, one X-Request-Id
+        (seen_prefill,) = cluster.prefill.seen
+        (seen_decode,) = cluster.decode.seen
+        assert seen_prefill.path == "/v1/completions" == seen_decode.path
+        assert seen_prefill.request_id == "req-seq" == seen_decode.request_id
+        assert seen_prefill.body == prefill_body(request.body)
+        assert "stream_options" not in seen_prefill.body
+        assert "min_tokens" not in seen_prefill.body
+        params = seen_decode.body["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_request_id"] == "req-seq"
+        assert params["remote_engine_id"] == cluster.prefill.name
+        assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1",
+                                                                  cluster.prefill.port)
+        assert params["remote_block_ids"] == [0, 1, 2] and params["tp_size"] == 1
+        assert seen_decode.body["min_tokens"] == 2 and seen_decode.body["max_tokens"] == 5
+        await cluster.settled()
+        # the decode really pulled the blocks over loopback, which freed them
+        counters = cluster.prefill.kv.counters()
+        assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
+        assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
+        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        samples = metric_samples(response.text)
+        assert samples["trio_disagg_mock_kv_held_blocks"] == 0
+        assert samples["trio_disagg_mock_kv_served_requests_total"] == 1
+        assert samples["trio_disagg_mock_requests_aborted_total"] == 0
+
+
+async def test_chat_handoff() -> None:
+    async with vllm_cluster() as cluster:
+        body = {"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": PROMPT}],
+                "max_completion_tokens": 4}
+        stream, items = await run(cluster, PreprocessedRequest(
+            request_id="chat-1", model=MODEL, body=body, max_tokens=4))
+        assert stream.style == "sequential"
+        assert len(texts(items)) == 4 and all(texts(items))
+        (seen_prefill,) = cluster.prefill.seen
+        assert seen_prefill.path == "/v1/chat/completions"
+        assert (seen_prefill.body["max_tokens"], seen_prefill.body["max_completion_tokens"]) \
+            == (1, 1)
+        assert cluster.decode.seen[0].path == "/v1/chat/completions"
+        details = stream.prompt_tokens_details
+        assert details is not None and details.cached_tokens == expected_cached(body)
+        await cluster.settled()
+
+
+async def test_s7_terminal_on_the_first_token() -> None:
+    async with vllm_cluster() as cluster:
+        stream, items = await run(cluster, completion("eos-1", fault="eos_first_token"))
+        assert stream.style == "terminal"
+        (item,) = items
+        assert item.data is not None and item.data.finish_reason is not None
+        assert item.data.finish_reason.kind is FinishKind.STOP
+        assert item.data.disaggregated_params is None
+        assert item.data.text
+        assert not cluster.decode.seen  # no decode dispatched
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().staged_blocks == 0
+
+
+# --- errors before the first byte ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 429])
+async def test_prefill_4xx_is_passed_through(status: int) -> None:
+    async with vllm_cluster() as cluster:
+        error = await refusal(cluster, completion("rej", fault=f"prefill_reject:{status}"))
+        assert isinstance(error, PrefillError)
+        cause = error.__cause__
+        assert isinstance(cause, WorkerError)
+        assert cause.status == status
+        assert str(cause).startswith(cluster.prefill.name + " refused request 'rej'")
+        client_error = error_for_exception(error)
+        assert (client_error.status, client_error.message) == (status, str(cause))
+        assert not cluster.decode.seen
+        await cluster.settled()
+
+
+async def test_prefill_unknown_model_404_is_passed_through() -> None:
+    async with vllm_cluster(prefill_model=MODEL) as cluster:
+        request = completion("model-1")
+        request.body["model"] = "no-such-model"
+        error = await refusal(cluster, request)
+        assert isinstance(error, PrefillError) and isinstance(error.__cause__, WorkerError)
+        assert error.__cause__.status == 404
+        assert str(error.__cause__) == "The model `no-such-model` does not exist."
+
+
+@pytest.mark.parametrize("fault", ["prefill_reject:503", "prefill_fail_before_handoff",
+                                   "prefill_fail_after_handoff"])
+async def test_prefill_5xx_is_502_with_the_workers_message(fault: str) -> None:
+    async with vllm_cluster() as cluster:
+        error = await refusal(cluster, completion("p5", fault=fault))
+        assert isinstance(error, PrefillError)
+        cause = error.__cause__
+        assert isinstance(cause, WorkerError) and cause.status == 502
+        assert cluster.prefill_url in str(cause)
+        assert fault.partition(":")[0] in str(cause)  # the worker's own message
+        assert error_for_exception(error).status == 502
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().held_blocks == 0
+
+
+async def test_prefill_unreachable_is_502() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: the connection is refused
+        async with vllm_cluster(prefill_url=f"http://127.0.0.1:{port}") as cluster:
+            error = await refusal(cluster, completion("gone"))
+            assert isinstance(error, PrefillError)
+            assert isinstance(error.__cause__, WorkerError)
+            assert error.__cause__.status == 502
+            assert f"127.0.0.1:{port}" in str(error.__cause__)
+            assert "ConnectError" in str(error.__cause__)
+
+
+async def test_prefill_reset_is_a_prefill_error() -> None:
+    async with vllm_cluster() as cluster:
+        error = await refusal(cluster, completion("reset", fault="prefill_reset"))
+        assert isinstance(error, PrefillError)
+        assert "failed mid-stream" in str(error) and cluster.prefill_url in str(error)
+        assert error_for_exception(error).status == 502
+        await cluster.settled()
+
+
+async def test_prefill_deadline_closes_the_prefill_connection() -> None:
+    async with vllm_cluster(deadlines=Deadlines(prefill=0.3)) as cluster:
+        error = await refusal(cluster, completion("stall", fault="prefill_stall"))
+        assert isinstance(error, PrefillDeadlineExceeded)
+        # its own deadline is the one thing that closes a prefill connection early
+        await wait_until(lambda: cluster.prefill.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().aborted == 1
+
+
+async def test_decode_reject_then_b1_consumes_the_kv() -> None:
+    async with vllm_cluster() as cluster:
+        error = await refusal(cluster, completion("drej", fault="decode_reject:503"))
+        assert isinstance(error, WorkerError) and error.status == 502
+        assert cluster.decode_url in str(error)
+        await cluster.settled()  # B1: a minimal decode pulled the staged KV
+        assert cluster.router.counters.staged_kv_cleanups == 1
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.stranded_blocks) == (1, 0)
+
+
+# --- decode failures after acceptance -----------------------------------------------------
+
+
+async def test_decode_failure_before_the_first_token() -> None:
+    async with vllm_cluster() as cluster:
+        _, items = await run(cluster, completion("dfb", fault="decode_fail_before_first_token"))
+        (item,) = items
+        assert item.is_error
+        message = item.error_message() or ""
+        assert message.startswith(f"decode worker {cluster.decode_url} reported an error")
+        assert "decode_fail_before_first_token" in message
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()  # the decode told the prefill to free it
+        assert (counters.aborted, counters.freed_blocks, counters.served) == (1, 3, 0)
+
+
+async def test_decode_error_after_the_first_token() -> None:
+    async with vllm_cluster() as cluster:
+        _, items = await run(cluster, completion("dea", max_tokens=6, fault="decode_error_at:2"))
+        assert len(items) == 3
+        assert [item.is_error for item in items] == [False, False, True]
+        assert "decode_error_at" in (items[-1].error_message() or "")
+        await cluster.settled()
+
+
+async def test_decode_reset_mid_stream_is_an_error_item() -> None:
+    async with vllm_cluster() as cluster:
+        _, items = await run(cluster, completion("drs", max_tokens=6, fault="decode_reset_at:3"))
+        assert [item.is_error for item in items] == [False, False, False, True]
+        message = items[-1].error_message() or ""
+        assert message.startswith(f"decode worker {cluster.decode_url}")
+        assert "mid-stream" in message
+        await cluster.settled()
+
+
+async def test_decode_worker_death_mid_stream_is_an_error_item() -> None:
+    async with vllm_cluster() as cluster:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("death", max_tokens=8, fault="decode_stall_at:2"),
+                    RequestContext("death"))
+                with stream.outputs:
+                    items = [await stream.outputs.receive() for _ in range(2)]
+                    cluster.decode_scope.cancel()  # the decode worker dies
+                    items.extend([item async for item in stream.outputs])
+        assert [item.is_error for item in items] == [False, False, True]
+        assert cluster.decode_url in (items[-1].error_message() or "")
+        with trio.fail_after(5):
+            await cluster.keeper.wait_idle()
+        assert cluster.prefill.kv.counters().held_blocks == 0  # pulled before it died
+
+
+async def test_stop_generating_closes_the_decode_response() -> None:
+    async with vllm_cluster(latency=attrs.evolve(FAST, inter_token_latency=0.02)) as cluster:
+        context = RequestContext("stop-1")
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("stop-1", max_tokens=200), context)
+                with stream.outputs:
+                    first = await stream.outputs.receive()
+                    context.stop_generating()
+                    rest = [item async for item in stream.outputs]
+        assert first.data is not None and first.data.text
+        last = rest[-1]
+        assert last.data is not None and last.data.finish_reason is not None
+        assert last.data.finish_reason.kind is FinishKind.CANCELLED
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)  # vLLM aborts on close
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+
+
+# --- client disconnects: never abort the prefill, never strand KV (G9, B1) ----------------
+
+
+async def test_disconnect_during_prefill() -> None:
+    slow_prefill = attrs.evolve(FAST, ttft_per_prompt_token=0.01)  # 0.45 s
+    async with vllm_cluster(latency=slow_prefill) as cluster:
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dp"),
+                                   RequestContext("dp"))
+                await wait_until(lambda: cluster.prefill.stats.running == 1)
+                nursery.cancel_scope.cancel()  # the client goes away
+        await cluster.settled()  # within 5 s; the TTL is 120 s
+        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
+        assert cluster.router.counters.staged_kv_cleanups == 1  # B1 pulled it
+
+
+async def test_disconnect_at_the_handoff() -> None:
+    gated: list[Gated] = []
+
+    def wrap(engine: VllmEngine) -> Gated:
+        gated.append(Gated(engine))
+        return gated[0]
+
+    async with vllm_cluster(wrap_decode=wrap) as cluster:
+        (gate,) = gated
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dh"),
+                                   RequestContext("dh"))
+                with trio.fail_after(5):
+                    await gate.entered.wait()  # the handoff is ready, the decode not accepted
+                assert cluster.prefill.kv.counters().held_blocks == 3
+                nursery.cancel_scope.cancel()
+        gate.gate.set()
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
+        assert cluster.router.counters.staged_kv_cleanups == 1
+        assert gate.calls == 2
+
+
+async def test_disconnect_during_the_kv_pull() -> None:
+    slow_pull = attrs.evolve(FAST, kv_transfer_per_token=0.02)  # 0.9 s
+    async with vllm_cluster(latency=slow_pull) as cluster:
+        kv = cluster.prefill.kv
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dk"),
+                                   RequestContext("dk"))
+                # claimed by the decode's pull, not yet transferred
+                await wait_until(lambda: kv.counters().held_blocks == 3
+                                 and kv.lookup("dk") is None)
+                nursery.cancel_scope.cancel()
+        await cluster.settled()
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
+        counters = kv.counters()  # the interrupted transfer freed the blocks at once
+        assert (counters.served, counters.aborted, counters.stranded_blocks) == (0, 1, 0)
+        assert cluster.router.counters.staged_kv_cleanups == 0
+
+
+async def test_disconnect_mid_stream() -> None:
+    async with vllm_cluster(latency=attrs.evolve(FAST, inter_token_latency=0.02)) as cluster:
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("ds", max_tokens=200), RequestContext("ds"))
+                with stream.outputs:
+                    for _ in range(3):
+                        await stream.outputs.receive()
+                nursery.cancel_scope.cancel()
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.aborted) == (1, 0)
+
+
+async def test_twenty_concurrent_requests() -> None:
+    async with vllm_cluster() as cluster:
+        results: dict[int, list[Item]] = {}
+
+        async def one(i: int) -> None:
+            _, results[i] = await run(cluster, completion(f"c-{i}", max_tokens=8))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(one, i)
+        assert all(len(texts(items)) == 8 for items in results.values())
+        assert all(not any(item.is_error for item in items) for items in results.values())
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.staged_blocks, counters.freed_blocks) == (20, 60, 60)
+        assert cluster.prefill.stats.aborted == cluster.decode.stats.aborted == 0
+
+
+# --- the mock workers on their own --------------------------------------------------------
+
+
+async def test_mock_worker_endpoints_and_ttl() -> None:
+    prefill = create_mock_worker("prefill", latency=LatencyModel.zero(), kv_ttl=0.2,
+                                 model=MODEL)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_worker, prefill))
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+            assert (await client.get("/health")).status_code == 200
+            models = (await client.get("/v1/models")).json()
+            assert models["data"][0]["id"] == MODEL
+            bad = await client.post("/v1/completions", content=b"{nope")
+            assert bad.status_code == 400 and "error" in bad.json()
+            answer = (await client.post("/v1/completions", json=prefill_body(
+                {"model": MODEL, "prompt": PROMPT}), headers={"x-request-id": "ttl"})).json()
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert answer["kv_transfer_params"]["remote_port"] == port
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+                expected_cached({"prompt": PROMPT})
+            assert prefill.kv.counters().held_blocks == 3
+            await trio.sleep(0.3)  # nobody pulls: the lease expires, the blocks are stranded
+            samples = metric_samples((await client.get("/metrics")).text)
+            assert samples["trio_disagg_mock_kv_held_blocks"] == 0
+            assert samples["trio_disagg_mock_kv_stranded_blocks_total"] == 3
+            assert samples["trio_disagg_mock_kv_expired_requests_total"] == 1
+            gone = await client.get("/kv/ttl")
+            assert gone.status_code == 404 and "expired" in gone.json()["error"]["message"]
+        nursery.cancel_scope.cancel()
+
+
+# --- end to end: the openai client, the router's HTTP server, the mock vLLM workers -------
+
+
+@attrs.define(eq=False)
+class Served:
+    url: str
+    app: OpenAIApp
+    cluster: Cluster
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=20.0)
+
+
+@asynccontextmanager
+async def served(**options: Any) -> AsyncIterator[Served]:
+    async with vllm_cluster(**options) as cluster:
+        app = create_app(cluster.router, models=[MODEL])
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,
+                                               shutdown_trigger=stop.wait,
+                                               graceful_timeout=5.0))
+            yield Served(f"http://127.0.0.1:{port}", app, cluster)
+            stop.set()
+
+
+async def in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter | None = None) -> T:
+    with trio.fail_after(20):
+        return await trio.to_thread.run_sync(fn, limiter=limiter)
+
+
+async def test_e2e_completions_streamed_and_not() -> None:
+    async with served() as server:
+        client = server.openai()
+        cached = expected_cached({"prompt": PROMPT})
+        raw = await in_thread(lambda: client.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=7, extra_headers={"X-Request-Id": "e2e-1"}))
+        answer: Completion = raw.parse()
+        assert raw.headers["x-request-id"] == "e2e-1"
+        assert answer.choices[0].finish_reason == "length" and answer.choices[0].text
+        assert answer.usage is not None
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (45, 7)
+        assert answer.usage.prompt_tokens_details is not None
+        assert answer.usage.prompt_tokens_details.cached_tokens == cached
+        cluster = server.cluster
+        assert cluster.prefill.seen[-1].request_id == "e2e-1" == cluster.decode.seen[-1].request_id
+
+        def stream() -> list[Completion]:
+            return list(client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=6, stream=True,
+                stream_options={"include_usage": True}))
+
+        *chunks, usage_chunk = await in_thread(stream)
+        assert "".join(chunk.choices[0].text for chunk in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert usage_chunk.usage is not None and usage_chunk.usage.completion_tokens == 6
+        assert usage_chunk.usage.prompt_tokens_details is not None
+        assert usage_chunk.usage.prompt_tokens_details.cached_tokens == cached
+        await cluster.settled()
+
+
+async def test_e2e_chat_streamed_and_not() -> None:
+    async with served() as server:
+        client = server.openai()
+        messages: Any = [{"role": "user", "content": PROMPT}]
+        chat: ChatCompletion = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=messages, max_completion_tokens=5))
+        assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
+        assert chat.usage is not None and chat.usage.completion_tokens == 5
+
+        def stream() -> list[ChatCompletionChunk]:
+            return list(client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, stream=True))
+
+        chunks = await in_thread(stream)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        await server.cluster.settled()
+
+
+async def test_e2e_errors() -> None:
+    async with served() as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as http:
+            rejected = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:429"})
+            assert rejected.status_code == 429
+            assert "refused request" in rejected.json()["error"]["message"]
+            failed = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:500"})
+            assert failed.status_code == 502
+            streamed = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True,
+                "fault": "decode_reset_at:2"})
+            assert streamed.status_code == 200
+            events = streamed.content.split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""]
+            error = orjson.loads(events[-3].removeprefix(b"data: "))
+            assert server.cluster.decode_url in error["error"]["message"]
+        await server.cluster.settled()
+
+
+async def test_e2e_client_disconnect_aborts_the_decode_only() -> None:
+    slow = attrs.evolve(FAST, inter_token_latency=0.02)
+    async with served(latency=slow) as server:
+        cluster = server.cluster
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=10.0) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the first token: hang up
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+        assert cluster.prefill.kv.counters().served == 1
+
+
+async def test_e2e_fifty_concurrent_streams() -> None:
+    async with served() as server:
+        client = server.openai()
+        limiter = trio.CapacityLimiter(50)
+        counts: list[int] = []
+
+        def stream(i: int) -> int:
+            chunks = list(client.completions.create(
+                model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=10, stream=True))
+            assert chunks[-1].choices[0].finish_reason == "length"
+            return sum(1 for chunk in chunks if chunk.choices[0].text)
+
+        async def one(i: int) -> None:
+            counts.append(await in_thread(partial(stream, i), limiter))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in range(50):
+                    nursery.start_soon(one, i)
+        assert counts == [10] * 50
+        await server.cluster.settled()
+        assert server.cluster.prefill.kv.counters().served == 50
+
+
+async def test_a_non_ascii_request_id_reaches_both_workers() -> None:
+    async with vllm_cluster() as cluster:
+        _, items = await run(cluster, completion("réq-ü", max_tokens=2))
+        assert len(texts(items)) == 2
+        assert cluster.prefill.seen[0].request_id.encode("latin-1") == "réq-ü".encode()
+        assert cluster.decode.seen[0].request_id == cluster.prefill.seen[0].request_id
+        await cluster.settled()
