@@ -33,7 +33,7 @@ async def test_demo_small_workload_exits_0() -> None:
         assert f"== {backend}: 40 requests" in out
         assert f"{backend}/disconnect at handoff" in out
         assert f"{backend}/prefill fails after handoff" in out
-    assert out.count("staged KV blocks left: 0, stranded: 0") == 2
+    assert out.count("staged KV blocks left: 0, stranded: 0") == 3
     assert "keeper drains left: 0" in out
     assert out.rstrip().endswith("no request past its deadlines.")
 
@@ -46,10 +46,12 @@ async def test_demo_names_a_broken_invariant_and_exits_1() -> None:
         counters = await real.kv_counters()
         return attrs.evolve(counters, held_blocks=counters.held_blocks + 7)
 
-    leaky = Backend("leaky", True, real.prefill, real.decode, leaking)
+    async def start_leaky(nursery: trio.Nursery) -> Backend:
+        return Backend("leaky", True, real.prefill, real.decode, leaking)
+
     out = io.StringIO()
     with trio.fail_after(120):
-        status = await run_demo([leaky], requests=20, concurrency=8, seed=1, out=out)
+        status = await run_demo([start_leaky], requests=20, concurrency=8, seed=1, out=out)
     assert status == 1
     assert "leaky: 7 staged KV blocks still held after the run (B1, B5)" in out.getvalue()
 

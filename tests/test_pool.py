@@ -12,11 +12,13 @@ from trio_disagg import (
     LeastOutstanding,
     LLMEngineOutput,
     NoWorkerAvailable,
+    PrefillError,
     PreprocessedRequest,
     RequestContext,
     RoundRobin,
     RoutingHints,
     SessionAffinity,
+    WorkerError,
     WorkerPool,
 )
 
@@ -113,11 +115,31 @@ async def test_success_resets_consecutive_failures() -> None:
     assert worker.failures_total == 2
 
 
-async def test_no_worker_available_when_all_cool_down() -> None:
+async def test_panic_routing_when_every_worker_cools_down() -> None:
+    """A burst of failures cannot turn the whole pool into refusals."""
+    workers = pool(2, policy=RoundRobin(), failure_threshold=1)
+    for worker in workers.workers:
+        workers.record_failure(worker)
+    assert workers.healthy() == []
+    assert {workers.select(request()).name for _ in range(4)} == {"w0", "w1"}
+
+
+async def test_a_refused_bad_request_is_not_a_worker_failure() -> None:
     workers = pool(1, failure_threshold=1)
-    workers.record_failure(workers.workers[0])
-    with pytest.raises(NoWorkerAvailable, match="unhealthy"):
-        workers.select(request())
+    worker = workers.workers[0]
+    workers.record_failure(worker, _refusal(429))
+    assert workers.healthy() == [worker]
+    workers.record_failure(worker, _refusal(503))
+    assert workers.healthy() == []
+
+
+def _refusal(status: int) -> Exception:
+    error = PrefillError("prefill worker refused")
+    error.__cause__ = WorkerError("refused", status=status)
+    return error
+
+
+async def test_no_worker_available_only_for_an_empty_pool() -> None:
     with pytest.raises(NoWorkerAvailable, match="no workers"):
         pool(0).select(request())
 

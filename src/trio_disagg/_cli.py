@@ -10,15 +10,17 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import attrs
+import httpx
 import trio
 
-from ._demo import DEMO_BACKENDS, demo_backends, run_demo
+from ._demo import ADAPTERS, DEMO_BACKENDS, demo_backends, run_demo
 from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import LatencyModel, mock_cluster
+from .engines import LatencyModel, mock_cluster, vllm_client
 from .server import create_app, serve
+from .workers import PROTOCOLS, serve_mock_worker
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
@@ -64,6 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
                                default=default, dest=f"deadline_{name}",
                                help=f"seconds (default {default:g}; SEMANTICS.md B2)")
 
+    worker_cmd = commands.add_parser(
+        "mock-worker", help="run one mock prefill or decode worker over HTTP",
+        description="A mock worker speaking a real worker's wire protocol (PROTOCOLS.md "
+                    "section 5): KV block accounting with a lease, a real KV pull over "
+                    "loopback, abort on connection close, faults from the request body's "
+                    "\"fault\" field, and GET /metrics.")
+    worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
+    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
+    worker_cmd.add_argument("--host", default="127.0.0.1")
+    worker_cmd.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    worker_cmd.add_argument("--model", help="the only model accepted (default: any)")
+    worker_cmd.add_argument("--seed", type=int, default=0)
+    worker_cmd.add_argument("--ttft-per-token", type=float, default=0.0002,
+                            help="seconds of prefill compute per prompt token")
+    worker_cmd.add_argument("--itl", type=float, default=0.02,
+                            help="seconds between decoded tokens")
+    worker_cmd.add_argument("--kv-transfer-per-token", type=float, default=0.00002,
+                            help="seconds per prompt token to move the KV")
+    worker_cmd.add_argument("--kv-ttl", type=float, default=30.0,
+                            help="seconds staged KV waits for its decode")
+
     demo_cmd = commands.add_parser(
         "demo", help="run the whole router on mock workers with a mixed workload",
         description="Start the router on mock workers, drive real OpenAI requests through "
@@ -85,9 +108,10 @@ async def serve_command(args: argparse.Namespace) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down gracefully (B3)."""
     deadlines = Deadlines(**{name: getattr(args, f"deadline_{name}")
                              for name in attrs_defaults(Deadlines())})
-    prefill, decode = engines_for(args)
     policy = POLICIES[args.policy]
-    async with TransferKeeper(drain_window=args.drain_window) as keeper:
+    client = vllm_client()
+    prefill, decode = engines_for(args, client)  # exits on bad arguments, before any nursery
+    async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
         router = DisaggRouter(WorkerPool(prefill, policy=policy()),
                               WorkerPool(decode, policy=policy()), keeper, deadlines=deadlines)
         app = create_app(router, models=[args.model])
@@ -108,7 +132,10 @@ async def serve_command(args: argparse.Namespace) -> None:
                       flush=True)
 
 
-def engines_for(args: argparse.Namespace) -> tuple[list[Engine], list[Engine]]:
+def engines_for(
+    args: argparse.Namespace, client: httpx.AsyncClient
+) -> tuple[list[Engine], list[Engine]]:
+    """The engines ``serve`` routes to: in-process mocks, or adapters over HTTP."""
     if args.backend == "mock":
         if args.prefill or args.decode:
             raise SystemExit("--prefill/--decode need --backend vllm, sglang or trtllm")
@@ -117,7 +144,34 @@ def engines_for(args: argparse.Namespace) -> tuple[list[Engine], list[Engine]]:
         return list(cluster.prefill), list(cluster.decode)
     if not args.prefill or not args.decode:
         raise SystemExit(f"--backend {args.backend} needs at least one --prefill and --decode")
-    raise SystemExit(f"--backend {args.backend} is not available yet")
+    adapter = ADAPTERS.get(args.backend)
+    if adapter is None:
+        raise SystemExit(f"--backend {args.backend} is not available yet")
+    try:
+        prefill, decode = adapter(args.prefill, args.decode, client=client)
+    except ValueError as exc:
+        raise SystemExit(f"trio-disagg serve: {exc}") from None
+    return list(prefill), list(decode)
+
+
+async def mock_worker_command(args: argparse.Namespace) -> None:
+    """Run one mock worker until SIGINT or SIGTERM."""
+    latency = LatencyModel(ttft_per_prompt_token=args.ttft_per_token,
+                           inter_token_latency=args.itl,
+                           kv_transfer_per_token=args.kv_transfer_per_token)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+        async def shutdown_trigger() -> None:
+            async for _ in signals:
+                return
+
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(
+                serve_mock_worker, args.role, args.protocol, args.host, args.port,
+                model=args.model, latency=latency, seed=args.seed, kv_ttl=args.kv_ttl,
+                shutdown_trigger=shutdown_trigger))
+            print(f"trio-disagg: mock {args.protocol} {args.role} worker on "
+                  f"http://{args.host}:{port}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         trio.run(serve_command, args)
+        return 0
+    if args.command == "mock-worker":
+        trio.run(mock_worker_command, args)
         return 0
     if args.command == "demo":
         names = DEMO_BACKENDS if args.backend == "all" else (args.backend,)

@@ -18,8 +18,10 @@ from functools import partial
 from typing import TextIO
 
 import attrs
+import httpx
 import openai
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from ._demo_workload import (
     Outcome,
@@ -35,8 +37,9 @@ from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import KVCounters, LatencyModel, mock_cluster
+from .engines import KVCounters, LatencyModel, mock_cluster, vllm_client, vllm_engines
 from .server import create_app, serve
+from .workers import serve_mock_worker
 
 MODEL = "trio-disagg-mock"
 
@@ -67,6 +70,10 @@ class Backend:
     kv_counters: Callable[[], Awaitable[KVCounters]]
 
 
+#: Starts a backend's workers in the given nursery (which outlives the run) and returns it.
+BackendFactory = Callable[[trio.Nursery], Awaitable[Backend]]
+
+
 def in_process_backend(name: str, style: HandoffStyle, seed: int) -> Backend:
     """Mock engines in this process: two prefill and two decode workers."""
     cluster = mock_cluster(2, 2, style=style, latency=DEMO_LATENCY, seed=seed, kv_ttl=30.0)
@@ -76,6 +83,70 @@ def in_process_backend(name: str, style: HandoffStyle, seed: int) -> Backend:
 
     return Backend(name, style is HandoffStyle.SEQUENTIAL, list(cluster.prefill),
                    list(cluster.decode), counters)
+
+
+async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backend:
+    """Two prefill and two decode mock workers speaking ``protocol`` on loopback ports,
+    and the adapter engines that drive them over HTTP. The KV counters are read from each
+    prefill worker's ``GET /metrics``, as an operator would."""
+    ports: dict[str, list[int]] = {"prefill": [], "decode": []}
+    for role in ("prefill", "decode"):
+        for _ in range(2):
+            port = await nursery.start(partial(
+                serve_mock_worker, role, protocol, "127.0.0.1", 0, latency=DEMO_LATENCY,
+                seed=seed, kv_ttl=30.0,
+            ))
+            ports[role].append(port)
+    prefill_urls = [f"http://127.0.0.1:{port}" for port in ports["prefill"]]
+    decode_urls = [f"http://127.0.0.1:{port}" for port in ports["decode"]]
+    client = vllm_client()
+    nursery.start_soon(_close_at_cancel, client)
+    prefill, decode = ADAPTERS[protocol](prefill_urls, decode_urls, client=client)
+
+    async def counters() -> KVCounters:
+        total = KVCounters()
+        for url in prefill_urls:
+            response = await client.get(f"{url}/metrics")
+            response.raise_for_status()
+            total += _kv_from_metrics(response.text)
+        return total
+
+    return Backend(protocol, protocol != "sglang", list(prefill), list(decode), counters)
+
+
+ADAPTERS: dict[str, Callable[..., tuple[Sequence[Engine], Sequence[Engine]]]] = {
+    "vllm": vllm_engines,
+}
+
+
+def _kv_from_metrics(text: str) -> KVCounters:
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+    def read(name: str) -> int:
+        return int(values.get(f"trio_disagg_mock_{name}", 0))
+
+    return KVCounters(
+        held_blocks=read("kv_held_blocks"),
+        held=read("kv_held_requests"),
+        staged_blocks=read("kv_staged_blocks_total"),
+        freed_blocks=read("kv_freed_blocks_total"),
+        stranded_blocks=read("kv_stranded_blocks_total"),
+        served=read("kv_served_requests_total"),
+        aborted=read("kv_aborted_requests_total"),
+        expired=read("kv_expired_requests_total"),
+    )
+
+
+async def _close_at_cancel(client: httpx.AsyncClient) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        with trio.move_on_after(1, shield=True):
+            await client.aclose()
 
 
 @attrs.define
@@ -196,7 +267,7 @@ async def _progress(name: str, results: list[Result], total: int, out: TextIO) -
 
 
 async def run_demo(
-    backends: Sequence[Backend],
+    backends: Sequence[BackendFactory],
     *,
     requests: int,
     concurrency: int,
@@ -209,10 +280,14 @@ async def run_demo(
         0 if every invariant held, else 1 (each broken one is printed).
     """
     all_broken: list[str] = []
-    for backend in backends:
-        report = await drive_backend(
-            backend, requests=requests, concurrency=concurrency, seed=seed, out=sys.stderr
-        )
+    for factory in backends:
+        async with trio.open_nursery() as workers:
+            backend = await factory(workers)
+            report = await drive_backend(
+                backend, requests=requests, concurrency=concurrency, seed=seed,
+                out=sys.stderr,
+            )
+            workers.cancel_scope.cancel()
         out.write(f"\n== {backend.name}: {requests} requests, concurrency {concurrency}, "
                   f"seed {seed}\n")
         out.write(format_table(report.results, report.wall) + "\n")
@@ -222,6 +297,7 @@ async def run_demo(
             f"(staged {kv.staged_blocks}, freed {kv.freed_blocks}); keeper drains left: "
             f"{report.drains_left}; requests in flight: {report.requests_left}\n"
         )
+        out.flush()
         all_broken += [f"{backend.name}: {line}" for line in report.broken]
     if all_broken:
         out.write(f"\nFAILED: {len(all_broken)} invariant(s) broken:\n")
@@ -233,17 +309,25 @@ async def run_demo(
     return 0
 
 
-def demo_backends(names: Sequence[str], seed: int) -> list[Backend]:
-    """The backends for ``--backend``."""
-    factories = {
-        "mock-sequential": lambda: in_process_backend(
-            "mock-sequential", HandoffStyle.SEQUENTIAL, seed),
-        "mock-bootstrap": lambda: in_process_backend(
-            "mock-bootstrap", HandoffStyle.BOOTSTRAP, seed),
+def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
+    """The backends for ``--backend``, by name (see :data:`DEMO_BACKENDS`)."""
+
+    def in_process(name: str, style: HandoffStyle) -> BackendFactory:
+        async def start(nursery: trio.Nursery) -> Backend:
+            return in_process_backend(name, style, seed)
+
+        return start
+
+    factories: dict[str, BackendFactory] = {
+        "mock-sequential": in_process("mock-sequential", HandoffStyle.SEQUENTIAL),
+        "mock-bootstrap": in_process("mock-bootstrap", HandoffStyle.BOOTSTRAP),
     }
-    return [factories[name]() for name in names]
+    for protocol in ADAPTERS:
+        factories[protocol] = partial(http_backend, protocol, seed)
+    return [factories[name] for name in names]
 
 
-DEMO_BACKENDS = ("mock-sequential", "mock-bootstrap")
+#: Every backend the demo knows, in the order ``--backend all`` runs them.
+DEMO_BACKENDS = ("mock-sequential", "mock-bootstrap", *ADAPTERS)
 
 __all__ = ["DEMO_BACKENDS", "Outcome", "demo_backends", "run_demo"]

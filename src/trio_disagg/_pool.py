@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
@@ -11,7 +12,7 @@ from typing import Protocol
 import trio
 
 from ._engine import Engine
-from ._errors import NoWorkerAvailable
+from ._errors import NoWorkerAvailable, WorkerError
 from ._protocols import PreprocessedRequest
 
 
@@ -39,7 +40,7 @@ class Worker:
         self.engine = engine
         self.outstanding = 0
         self.consecutive_failures = 0
-        self.unhealthy_until = -float("inf")
+        self.unhealthy_until = -math.inf
         self.served_total = 0
         self.failures_total = 0
 
@@ -139,24 +140,25 @@ class WorkerPool:
     def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker:
         """Choose a worker for ``request``.
 
+        Workers cooling down are skipped, but never all of them: when every worker is
+        cooling down the policy chooses among all of them ("panic routing", as Envoy does
+        below its panic threshold), so a burst of failures cannot turn the whole service
+        into 503s; the health endpoint still reports the pool as unhealthy.
+
         Args:
             request: the request; session affinity reads ``request.routing.session_id``.
             pinned: a worker name the request asked for; used if healthy.
 
         Raises:
-            NoWorkerAvailable: the pool is empty, or every worker is cooling down.
+            NoWorkerAvailable: the pool is empty.
         """
+        if not self.workers:
+            raise NoWorkerAvailable("no workers configured")
         if pinned is not None:
             worker = self._by_name.get(pinned)
             if worker is not None and worker.unhealthy_until <= trio.current_time():
                 return worker
-        candidates = self.healthy()
-        if not candidates:
-            if not self.workers:
-                raise NoWorkerAvailable("no workers configured")
-            raise NoWorkerAvailable(
-                f"all {len(self.workers)} workers are unhealthy (cooling down)"
-            )
+        candidates = self.healthy() or self.workers
         return self.policy.choose(candidates, request)
 
     @contextmanager
@@ -169,10 +171,17 @@ class WorkerPool:
             worker.outstanding -= 1
 
     def record_success(self, worker: Worker) -> None:
+        """Count a success of ``worker``; it ends a cool-down (the worker answered)."""
         worker.consecutive_failures = 0
+        worker.unhealthy_until = -math.inf
         worker.served_total += 1
 
-    def record_failure(self, worker: Worker) -> None:
+    def record_failure(self, worker: Worker, error: BaseException | None = None) -> None:
+        """Count a failure of ``worker``, or a success if ``error`` is the worker refusing
+        a bad request (a 4xx): that is the client's fault, not the worker's."""
+        if _client_error(error):
+            self.record_success(worker)
+            return
         worker.consecutive_failures += 1
         worker.failures_total += 1
         if worker.consecutive_failures >= self.failure_threshold:
@@ -181,3 +190,11 @@ class WorkerPool:
     @property
     def outstanding(self) -> int:
         return sum(worker.outstanding for worker in self.workers)
+
+
+def _client_error(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, WorkerError):
+            return 400 <= error.status < 500
+        error = error.__cause__
+    return False

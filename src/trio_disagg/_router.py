@@ -385,8 +385,8 @@ class DisaggRouter:
                 await worker.engine.generate(
                     request, context, send_channel, task_status=task_status
                 )
-            except WorkerError:
-                self.decode.record_failure(worker)
+            except WorkerError as exc:
+                self.decode.record_failure(worker, exc)
                 raise
             self.decode.record_success(worker)
 
@@ -446,11 +446,11 @@ class DisaggRouter:
                             ) from exc
                         completion = await consume_prefill_stream(receive, tracker=tracker)
             except* PrefillError as group:
-                self.prefill.record_failure(worker)
                 leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
+                self.prefill.record_failure(worker, leaf)
                 raise leaf from leaf.__cause__
             except* WorkerError as group:
-                self.prefill.record_failure(worker)
+                self.prefill.record_failure(worker, _single(group))
                 raise PrefillError(
                     f"prefill worker {worker.name} failed: {_single(group)}"
                 ) from _single(group)
