@@ -300,21 +300,26 @@ class DisaggRouter:
                 decode_context = RequestContext(request.request_id, context.metadata)
                 context.link_child(decode_context)  # C4
                 decode_send, decode_receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
-                with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
-                    await gate.dispatch(
-                        nursery,
-                        self._decode_leg,
-                        decode_worker,
-                        decode_request,
-                        decode_context,
-                        decode_send,
-                    )
-                if handoff_scope.cancelled_caught:
-                    decode_send.close()
+                try:
+                    with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
+                        await gate.dispatch(
+                            nursery,
+                            self._decode_leg,
+                            decode_worker,
+                            decode_request,
+                            decode_context,
+                            decode_send,
+                        )
+                    if handoff_scope.cancelled_caught:
+                        raise DeadlineExceeded("handoff", self.deadlines.handoff)
+                    slot.mark_dispatched()
+                    await tracker.enter_decode()  # S11: waits for the drain to have started
+                except BaseException:
+                    # Nobody will read the decode stream: a decode leg that did start gets
+                    # BrokenResourceError on its next send instead of blocking on a full
+                    # channel.
                     decode_receive.close()
-                    raise DeadlineExceeded("handoff", self.deadlines.handoff)
-                slot.mark_dispatched()
-                await tracker.enter_decode()  # S11: waits for the drain to have started
+                    raise
                 out_send, out_receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
                 nursery.start_soon(
                     self._forward, gate, decode_receive, out_send, decode_context, tracker
