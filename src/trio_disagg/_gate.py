@@ -238,11 +238,18 @@ class Gatekeeper:
         decode_outputs: trio.MemoryReceiveChannel[Item],
         send_channel: trio.MemorySendChannel[Item],
     ) -> None:
-        # G7/G8: the hot path once the prefill succeeded.
+        # G7/G8: the hot path once the prefill succeeded. Items move without a schedule
+        # point while both channels allow it, so a burst from the engine reaches the client
+        # writer as a burst (one socket write) instead of one item per task switch. The
+        # loop still blocks, and so checkpoints, whenever either channel is empty or full.
         receive = self._receive
         send = send_channel.send
+        send_nowait = send_channel.send_nowait
         while (item := await receive(decode_outputs)) is not None:
-            await send(item)
+            try:
+                send_nowait(item)
+            except trio.WouldBlock:
+                await send(item)
             data = item.data
             if item.event == "error" or (data is not None and data.finish_reason is not None):
                 break
