@@ -10,6 +10,7 @@ Everything runs on 127.0.0.1 with port 0 and the real clock; every wait is bound
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -732,6 +733,33 @@ async def test_e2e_client_disconnect_aborts_the_decode_only() -> None:
         await cluster.settled()
         assert cluster.prefill.stats.aborted == 0
         assert cluster.prefill.kv.counters().served == 1
+
+
+async def test_stats_endpoint_stamps_each_abort_on_the_shared_monotonic_clock() -> None:
+    """``GET /stats`` (not from vLLM; benchmark P5 reads it): the worker's counters, and
+    each aborted request with the ``time.monotonic()`` of its abort, comparable with the
+    client's own stamps (one clock per host)."""
+    slow = attrs.evolve(FAST, inter_token_latency=0.02)
+    async with served(latency=slow) as server:
+        cluster = server.cluster
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "stream": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as http:
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"x-request-id": "abort-me"}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+                closed_at = time.monotonic()
+            await wait_until(lambda: cluster.decode.stats.aborted == 1)
+            decode = (await http.get(cluster.decode_url + "/stats")).json()
+            prefill = (await http.get(cluster.prefill_url + "/stats")).json()
+        (abort,) = decode["aborts"]
+        assert abort["request_id"] == "abort-me"
+        assert closed_at <= abort["at"] <= time.monotonic()
+        assert list(cluster.decode.aborts) == [("abort-me", abort["at"])]
+        assert decode["stats"]["aborted"] == 1 and decode["stats"]["running"] == 0
+        assert prefill["aborts"] == [] and prefill["stats"]["completed"] == 1
+        await cluster.settled()
 
 
 async def test_e2e_fifty_concurrent_streams() -> None:

@@ -3,7 +3,9 @@ mock worker needs (latency model, fault injection, KV block accounting).
 
 The shared pieces live in small modules (``_latency``, ``_faults``, ``_kv``, ``_text``)
 that do not import the in-process engines, so an HTTP mock worker can reuse them.
-:class:`VllmEngine` drives real (or mock) vLLM workers over HTTP.
+:class:`VllmEngine`, :class:`SglangEngine` and :class:`TrtllmEngine` drive real (or mock)
+vLLM, SGLang and TensorRT-LLM workers over HTTP (PROTOCOLS.md sections 2-4), on the
+skeleton they share, :class:`HttpEngine`.
 """
 
 from ._faults import Fault as Fault
@@ -12,6 +14,11 @@ from ._faults import FaultPlan as FaultPlan
 from ._faults import fault_for as fault_for
 from ._faults import parse_fault as parse_fault
 from ._faults import parse_faults as parse_faults
+from ._http import DEFAULT_LIMITS as DEFAULT_LIMITS
+from ._http import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._http import HttpEngine as HttpEngine
+from ._http import streaming_body as streaming_body
+from ._http import worker_client as worker_client
 from ._kv import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
 from ._kv import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
 from ._kv import DEFAULT_BOOTSTRAP_TIMEOUT as DEFAULT_BOOTSTRAP_TIMEOUT
@@ -29,12 +36,20 @@ from ._mock import MockCluster as MockCluster
 from ._mock import MockDecodeEngine as MockDecodeEngine
 from ._mock import MockPrefillEngine as MockPrefillEngine
 from ._mock import mock_cluster as mock_cluster
+from ._sglang import GENERATE_PATH as GENERATE_PATH
+from ._sglang import SglangEngine as SglangEngine
+from ._sglang import parse_prefill_spec as parse_prefill_spec
+from ._sglang import sglang_body as sglang_body
+from ._sglang import sglang_engines as sglang_engines
 from ._text import TokenStream as TokenStream
 from ._text import cached_prompt_tokens as cached_prompt_tokens
 from ._text import count_prompt_tokens as count_prompt_tokens
 from ._text import resolve_max_tokens as resolve_max_tokens
-from ._vllm import DEFAULT_LIMITS as DEFAULT_LIMITS
-from ._vllm import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._trtllm import PROMPT_TOKEN_IDS_KEY as PROMPT_TOKEN_IDS_KEY
+from ._trtllm import TrtllmEngine as TrtllmEngine
+from ._trtllm import context_body as context_body
+from ._trtllm import generation_body as generation_body
+from ._trtllm import trtllm_engines as trtllm_engines
 from ._vllm import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS
 from ._vllm import VllmEngine as VllmEngine
 from ._vllm import decode_body as decode_body

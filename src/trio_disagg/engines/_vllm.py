@@ -8,49 +8,34 @@ router then sends the decode worker the client's request plus those ``kv_transfe
 verbatim, and the decode worker pulls the blocks before it produces tokens.
 
 :class:`VllmEngine` implements :class:`~trio_disagg.Engine` for either role over one
-shared :class:`httpx.AsyncClient` (httpx runs on trio natively). Every worker response is
-read inside ``async with client.stream(...)``, so it is always closed, and closing it is
-what aborts the request on the worker: vLLM aborts a request when its connection closes.
+shared :class:`httpx.AsyncClient` (httpx runs on trio natively), on the skeleton shared by
+every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import aclosing
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
-import orjson
-import trio
-from httpx_sse import EventSource
 
-from .._context import RequestContext
-from .._engine import HandoffStyle
-from .._errors import WorkerError
-from .._protocols import (
-    Annotated,
-    CompletionUsage,
-    FinishReason,
-    LLMEngineOutput,
-    PreprocessedRequest,
-    PromptTokensDetails,
-    TraceLink,
+from .._protocols import LLMEngineOutput, PreprocessedRequest, TraceLink
+from ._http import (
+    DEFAULT_LIMITS,
+    DEFAULT_TIMEOUT,
+    ChunkParser,
+    HttpEngine,
+    Role,
+    check_unique,
+    endpoint_for,
+    streaming_body,
+    worker_client,
 )
 
-Item = Annotated[LLMEngineOutput]
-SendChannel = trio.MemorySendChannel[Annotated[LLMEngineOutput]]
-Role = Literal["prefill", "decode"]
-
-#: Connections to all workers together (``max_connections``), and idle ones kept
-#: (``max_keepalive_connections``). An idle connection is dropped after 4 s, before vLLM's
-#: own 5 s keep-alive timeout (uvicorn's) closes it under a request.
-DEFAULT_LIMITS = httpx.Limits(
-    max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0
-)
-#: Seconds: to connect; between two reads (a prefill answers only when done, and a decode
-#: may pause; the router's deadlines are the real bounds); to write the body; to wait for
-#: a free connection of the pool.
-DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
+__all__ = [
+    "DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PREFILL_KV_TRANSFER_PARAMS", "VllmEngine",
+    "decode_body", "endpoint_for", "prefill_body", "vllm_client", "vllm_engines",
+]
 
 #: The ``kv_transfer_params`` of every prefill request (PROTOCOLS.md section 2).
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
@@ -62,38 +47,19 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "remote_port": None,
 }
 
-_ERROR_BODY_LIMIT = 64 * 1024  # bytes of a worker's error answer read for its message
-_JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
-_MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
-
-_FINISH: dict[str, FinishReason] = {
-    "stop": FinishReason.STOP,
-    "length": FinishReason.LENGTH,
-    "abort": FinishReason.CANCELLED,
-    "cancelled": FinishReason.CANCELLED,
-    "eos": FinishReason.EOS,
-    "content_filter": FinishReason.CONTENT_FILTER,
-    # vLLM's tool-call parsers end a turn this way: a complete answer.
-    "tool_calls": FinishReason.STOP,
-    "function_call": FinishReason.STOP,
-}
-
 
 def vllm_client(
     *, limits: httpx.Limits | None = None, timeout: httpx.Timeout | None = None
 ) -> httpx.AsyncClient:
-    """A new :class:`httpx.AsyncClient` for :class:`VllmEngine`\\ s to share.
+    """A new :class:`httpx.AsyncClient` for :class:`VllmEngine`\\ s to share
+    (:func:`~trio_disagg.engines.worker_client`).
 
     Its pool is bounded by ``limits`` (default :data:`DEFAULT_LIMITS`); its timeouts are
     ``timeout`` (default :data:`DEFAULT_TIMEOUT`). Environment proxies are ignored: worker
     traffic stays inside the cluster. The caller owns it: ``async with`` it, or
     ``await client.aclose()``.
     """
-    return httpx.AsyncClient(
-        limits=limits if limits is not None else DEFAULT_LIMITS,
-        timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
-        trust_env=False,
-    )
+    return worker_client(limits=limits, timeout=timeout)
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,7 +85,7 @@ def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
 
     The client's original body plus the prefill's ``kv_transfer_params`` verbatim (from
     ``request.prefill_result.disaggregated_params``), with two changes, both invisible to
-    the client:
+    the client (:func:`~trio_disagg.engines.streaming_body`):
 
     - the decode worker is always asked to stream (``stream: true``,
       ``stream_options.include_usage: true``), whatever the client asked: the adapter
@@ -130,19 +96,7 @@ def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
       router's resolved ``request.max_tokens``, so the worker's default never overrides
       the router's.
     """
-    wire = dict(request.body)
-    wire["stream"] = True
-    options = wire.get("stream_options")
-    options = dict(options) if isinstance(options, Mapping) else {}
-    options["include_usage"] = True
-    wire["stream_options"] = options
-    if (
-        request.max_tokens is not None
-        and "max_tokens" not in wire
-        and "max_completion_tokens" not in wire
-    ):
-        key = "max_completion_tokens" if "messages" in wire else "max_tokens"
-        wire[key] = request.max_tokens
+    wire = streaming_body(request)
     if request.prefill_result is not None:
         wire["kv_transfer_params"] = request.prefill_result.disaggregated_params
     else:
@@ -150,39 +104,7 @@ def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
     return wire
 
 
-def endpoint_for(body: Mapping[str, Any]) -> str:
-    """``/v1/chat/completions`` if the body has ``messages``, else ``/v1/completions``."""
-    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
-
-
-class _Stopper:
-    """Connects a request's context to the cancel scope around its worker response: a stop
-    or a kill cancels :attr:`scope`, which closes the response, which aborts the request
-    on the worker. After a stop, :meth:`send_cancelled` sends the ``cancelled`` finish
-    unless a kill comes first."""
-
-    __slots__ = ("_context", "_kill_scope", "scope")
-
-    def __init__(self, context: RequestContext) -> None:
-        self.scope = trio.CancelScope()
-        self._kill_scope: trio.CancelScope | None = None
-        self._context = context
-        context.on_stop(self)
-
-    def __call__(self, killed: bool) -> None:
-        self.scope.cancel()
-        if killed and self._kill_scope is not None:
-            self._kill_scope.cancel()
-
-    async def send_cancelled(self, send: SendChannel) -> None:
-        self._kill_scope = trio.CancelScope()
-        if self._context.is_killed:
-            self._kill_scope.cancel()
-        with self._kill_scope:
-            await send.send(Annotated(data=LLMEngineOutput(finish_reason=FinishReason.CANCELLED)))
-
-
-class VllmEngine:
+class VllmEngine(HttpEngine):
     """A vLLM worker, prefill or decode, as an :class:`~trio_disagg.Engine`
     (PROTOCOLS.md sections 1 and 2).
 
@@ -236,191 +158,32 @@ class VllmEngine:
             neither role.
     """
 
+    protocol: ClassVar[str] = "vLLM"
+
     def __init__(
         self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
     ) -> None:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        parsed = httpx.URL(url)
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"a vLLM worker URL must be http(s)://host[:port], got {url!r}")
-        self.url = url.rstrip("/")
-        self.role: Role = role
-        self.client = client
-        self.name = name if name is not None else self.url
-        self.handoff_style = HandoffStyle.SEQUENTIAL
-        self.bootstrap_host: str | None = None
-        self.bootstrap_port: int | None = None
+        super().__init__(url, role, client=client, name=name)
 
-    def __repr__(self) -> str:
-        return f"<VllmEngine {self.role} {self.url}>"
+    def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
+        body = prefill_body(request.body) if self.role == "prefill" else decode_body(request)
+        return endpoint_for(body), body
 
-    async def generate(  # noqa: ASYNC114 (started by the router)
+    def _answer_output(
         self,
+        answer: Mapping[str, Any],
         request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: SendChannel,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Serve one leg of ``request`` on the worker; see the class docstring.
-
-        Raises:
-            WorkerError: before ``started()`` only: the worker's 4xx (that status), or a
-                5xx / transport failure (502).
-        """
-        with send_channel:
-            prefill = self.role == "prefill"
-            body = prefill_body(request.body) if prefill else decode_body(request)
-            # The server accepts any printable id: send its UTF-8 bytes, never fail on it.
-            headers = {b"x-request-id": request.request_id.encode(),
-                       b"content-type": b"application/json"}
-            if not prefill:
-                headers[b"accept"] = b"text/event-stream"
-            url = self.url + endpoint_for(body)
-            stopper = _Stopper(context)
-            started = False
-            try:
-                with stopper.scope:
-                    async with self.client.stream(
-                        "POST", url, content=orjson.dumps(body), headers=headers
-                    ) as response:
-                        if not 200 <= response.status_code < 300:
-                            raise await self._status_error(response)
-                        task_status.started()
-                        started = True
-                        if prefill:
-                            await self._relay_json(response, request, send_channel)
-                        else:
-                            await self._relay_stream(response, request, send_channel)
-            except httpx.HTTPError as exc:
-                if not started:
-                    raise WorkerError(
-                        f"{self.role} worker {self.url} failed: {_describe(exc)}",
-                        status=502, worker=self.name,
-                    ) from exc
-                await _send_quietly(send_channel, Annotated.from_error(
-                    f"{self.role} worker {self.url} failed mid-stream: {_describe(exc)}"))
-                return
-            except trio.BrokenResourceError:
-                # The receiver is gone: the response is closed (an abort on the worker).
-                # send() raised before its checkpoint completed.
-                await trio.lowlevel.checkpoint()
-                return
-            if stopper.scope.cancelled_caught:
-                if not started:
-                    task_status.started()  # accepted and at once stopped
-                try:
-                    await stopper.send_cancelled(send_channel)
-                except trio.BrokenResourceError:
-                    await trio.lowlevel.checkpoint()
-
-    # --- answers ---------------------------------------------------------------------------
-
-    async def _status_error(self, response: httpx.Response) -> WorkerError:
-        status = response.status_code
-        data = await _read_limited(response, _ERROR_BODY_LIMIT)
-        message = _error_message(data, status)
-        if 400 <= status < 500:
-            return WorkerError(message, status=status, worker=self.name)
-        return WorkerError(
-            f"{self.role} worker {self.url} answered {status}: {message}",
-            status=502, worker=self.name,
-        )
-
-    async def _relay_json(
-        self, response: httpx.Response, request: PreprocessedRequest, send: SendChannel
-    ) -> None:
-        """One non-streamed answer -> one output, or one error item."""
-        data = await _read_limited(response, _JSON_BODY_LIMIT)
-        if len(data) >= _JSON_BODY_LIMIT:
-            await send.send(self._error(f"answered more than {_JSON_BODY_LIMIT} bytes"))
-            return
-        try:
-            answer = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            await send.send(self._error(f"answered malformed JSON: {_excerpt(data)}"))
-            return
-        if not isinstance(answer, dict):
-            await send.send(self._error(f"answered {type(answer).__name__}, not an object"))
-            return
-        if "error" in answer or answer.get("object") == "error":
-            await send.send(self._error(f"reported an error: {_error_text(answer)}"))
-            return
-        output = _output(answer, final=True)
-        if output is None or output.finish_reason is None:
-            await send.send(self._error(f"answered without a choice or a finish_reason: "
-                                        f"{_excerpt(data)}"))
-            return
-        if self.role == "prefill":
+        body: Mapping[str, Any],
+        parser: ChunkParser,
+    ) -> LLMEngineOutput | None:
+        output = super()._answer_output(answer, request, body, parser)
+        if output is not None and self.role == "prefill":
             output.disaggregated_params = answer.get("kv_transfer_params")
             output.worker_trace_link = TraceLink(
                 worker_id=self.name, request_id=request.request_id,
                 trace_id=answer.get("id") if isinstance(answer.get("id"), str) else None,
             )
-        await send.send(Annotated(data=output))
-
-    async def _relay_stream(
-        self, response: httpx.Response, request: PreprocessedRequest, send: SendChannel
-    ) -> None:
-        """Server-sent events -> outputs; the finish is held until the usage chunk."""
-        content_type = response.headers.get("content-type", "")
-        if not content_type.startswith("text/event-stream"):
-            if content_type.startswith("application/json"):
-                await self._relay_json(response, request, send)  # a worker that won't stream
-            else:
-                await send.send(self._error(f"answered content-type {content_type!r}"))
-            return
-        final: LLMEngineOutput | None = None  # the finish, waiting for its usage chunk
-        done = False
-        try:
-            async with aclosing(EventSource(response).aiter_sse()) as events:
-                async for event in events:
-                    text = event.data
-                    if text == "[DONE]":
-                        done = True
-                        break
-                    if not text:
-                        continue
-                    try:
-                        chunk = orjson.loads(text)
-                    except orjson.JSONDecodeError:
-                        await send.send(self._error(f"sent a malformed chunk: {text[:200]!r}"))
-                        return
-                    if not isinstance(chunk, dict):
-                        await send.send(self._error(f"sent a chunk that is not an object: "
-                                                    f"{text[:200]!r}"))
-                        return
-                    if "error" in chunk or chunk.get("object") == "error":
-                        await send.send(self._error(f"reported an error: {_error_text(chunk)}"))
-                        return
-                    if final is not None:
-                        usage = _usage(chunk)
-                        if usage is not None:
-                            final.completion_usage = usage
-                        continue
-                    output = _output(chunk, final=False)
-                    if output is None:
-                        continue
-                    if output.finish_reason is not None:
-                        final = output
-                        continue
-                    await send.send(Annotated(data=output))
-        except httpx.HTTPError as exc:
-            if final is None:
-                await send.send(self._error(f"failed mid-stream: {_describe(exc)}"))
-                return
-            # The answer was complete; only the usage chunk or [DONE] was lost.
-        if final is None:
-            how = "sent [DONE]" if done else "closed the stream"
-            await send.send(self._error(
-                f"{how} without a finish_reason (the worker died mid-stream?)"))
-            return
-        await send.send(Annotated(data=final))
-
-    def _error(self, what: str) -> Item:
-        """An error item naming this worker: ``"decode worker URL <what>"``."""
-        return Annotated.from_error(f"{self.role} worker {self.url} {what}")
+        return output
 
 
 def vllm_engines(
@@ -445,135 +208,9 @@ def vllm_engines(
     Raises:
         ValueError: a malformed URL, or the same URL twice in one role.
     """
-    for role, urls in (("prefill", prefill_urls), ("decode", decode_urls)):
-        stripped = [url.rstrip("/") for url in urls]
-        if len(set(stripped)) != len(stripped):
-            raise ValueError(f"{role} URLs must be unique, got {list(urls)}")
+    check_unique("prefill", list(prefill_urls))
+    check_unique("decode", list(decode_urls))
     shared = client if client is not None else vllm_client()
     prefill = [VllmEngine(url, "prefill", client=shared) for url in prefill_urls]
     decode = [VllmEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode
-
-
-# --- wire helpers ----------------------------------------------------------------------------
-
-
-async def _send_quietly(send: SendChannel, item: Item) -> None:
-    try:
-        await send.send(item)
-    except trio.BrokenResourceError:
-        await trio.lowlevel.checkpoint()
-
-
-async def _read_limited(response: httpx.Response, limit: int) -> bytes:
-    """Up to ``limit`` bytes of the body (a few more if the last chunk overshoots)."""
-    parts: list[bytes] = []
-    size = 0
-    async for part in response.aiter_bytes():
-        parts.append(part)
-        size += len(part)
-        if size >= limit:
-            break
-    return b"".join(parts)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    name = type(exc).__name__
-    return f"{name}: {text}" if text else name
-
-
-def _excerpt(data: bytes) -> str:
-    return repr(data[:200].decode("utf-8", "replace"))
-
-
-def _error_text(answer: Mapping[str, Any]) -> str:
-    """The message of an OpenAI (``{"error": {...}}``), vLLM (``{"object": "error",
-    "message"}``) or FastAPI (``{"detail"}``) error object."""
-    error = answer.get("error")
-    if isinstance(error, Mapping):
-        message = error.get("message")
-        if isinstance(message, str) and message:
-            return message[:_MESSAGE_LIMIT]
-    elif isinstance(error, str) and error:
-        return error[:_MESSAGE_LIMIT]
-    for key in ("message", "detail"):
-        value = answer.get(key)
-        if isinstance(value, str) and value:
-            return value[:_MESSAGE_LIMIT]
-    return orjson.dumps(answer).decode()[:_MESSAGE_LIMIT]
-
-
-def _error_message(data: bytes, status: int) -> str:
-    try:
-        answer = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        text = data.decode("utf-8", "replace").strip()
-        return text[:_MESSAGE_LIMIT] if text else f"HTTP {status}"
-    if isinstance(answer, Mapping):
-        return _error_text(answer)
-    return f"HTTP {status}"
-
-
-def _count(value: Any) -> int:
-    return value if type(value) is int else 0
-
-
-def _usage(answer: Mapping[str, Any]) -> CompletionUsage | None:
-    usage = answer.get("usage")
-    if not isinstance(usage, Mapping):
-        return None
-    details = usage.get("prompt_tokens_details")
-    prompt_details = None
-    if isinstance(details, Mapping):
-        cached = details.get("cached_tokens")
-        prompt_details = PromptTokensDetails(
-            cached_tokens=cached if type(cached) is int else None
-        )
-    prompt = _count(usage.get("prompt_tokens"))
-    completion = _count(usage.get("completion_tokens"))
-    total = _count(usage.get("total_tokens")) or prompt + completion
-    return CompletionUsage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total,
-        prompt_tokens_details=prompt_details,
-    )
-
-
-def _finish(value: Any) -> FinishReason | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value == "error":
-            return FinishReason.error("the worker ended the request with finish_reason error")
-        return _FINISH.get(value, FinishReason.STOP)
-    if isinstance(value, Mapping) and isinstance(value.get("error"), str):
-        return FinishReason.error(value["error"])
-    return FinishReason.error(f"malformed finish_reason {value!r:.60}")
-
-
-def _output(answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
-    """The output of a completion answer or chunk (``final``: a whole answer, whose usage
-    is taken too); None for a chunk with nothing in it (a role-only delta, a usage chunk)."""
-    choices = answer.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
-        return None
-    choice = choices[0]
-    text: Any
-    if "text" in choice:
-        text = choice["text"]
-    else:
-        part = choice.get("delta") if "delta" in choice else choice.get("message")
-        text = part.get("content") if isinstance(part, Mapping) else None
-    if not isinstance(text, str):
-        text = None
-    ids = choice.get("token_ids")
-    token_ids = ids if isinstance(ids, list) and all(type(i) is int for i in ids) else []
-    finish = _finish(choice.get("finish_reason"))
-    usage = _usage(answer)
-    if not text and not token_ids and finish is None and not final:
-        return None
-    index = choice.get("index")
-    return LLMEngineOutput(
-        token_ids=token_ids, text=text or None, finish_reason=finish,
-        completion_usage=usage, index=index if type(index) is int and index else None,
-    )

@@ -20,18 +20,24 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def error_json(message: str, status: int, *, type_: str | None = None,
-               code: str | int | None = None) -> bytes:
-    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+               code: str | int | None = None, flat: bool = False) -> bytes:
+    """An error body: vLLM's ``{"error": {"message", "type", "param", "code"}}``, or with
+    ``flat`` the ``ErrorResponse`` of SGLang and TensorRT-LLM, ``{"object": "error",
+    "message", "type", "param", "code"}``."""
     if type_ is None:
         type_ = ("NotFoundError" if status == 404 else "BadRequestError" if status < 500
                  else "InternalServerError")
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None,
-                                   "code": code if code is not None else status}})
+    error = {"message": message, "type": type_, "param": None,
+             "code": code if code is not None else status}
+    if flat:
+        return orjson.dumps({"object": "error", **error})
+    return orjson.dumps({"error": error})
 
 
-def error_event(message: str, status: int = 500) -> bytes:
-    """An error in the middle of a stream, as vLLM sends it, followed by ``[DONE]``."""
-    return b"data: " + error_json(message, status) + b"\n\n" + DONE_EVENT
+def error_event(message: str, status: int = 500, *, flat: bool = False) -> bytes:
+    """An error in the middle of a stream, followed by ``[DONE]`` (see :func:`error_json`
+    for ``flat``)."""
+    return b"data: " + error_json(message, status, flat=flat) + b"\n\n" + DONE_EVENT
 
 
 class Exchange:
@@ -43,18 +49,21 @@ class Exchange:
     Attributes:
         request_id: the request's ``X-Request-Id``, decoded as latin-1 so that any bytes
             round-trip; echoed on the response.
+        flat: errors in the ``{"object": "error", ...}`` form (see :func:`error_json`).
         started: the response's headers went out.
         finished: the last body message went out.
         failed: the answer is an error (status or event), or was cut on purpose.
         disconnected: the client went away before the response finished.
     """
 
-    __slots__ = ("disconnected", "failed", "finished", "listener", "request_id", "send",
-                 "started")
+    __slots__ = ("disconnected", "failed", "finished", "flat", "listener", "request_id",
+                 "send", "started")
 
-    def __init__(self, send: Send, request_id: str | None = None) -> None:
+    def __init__(self, send: Send, request_id: str | None = None, *,
+                 flat: bool = False) -> None:
         self.send = send
         self.request_id = request_id
+        self.flat = flat
         self.started = False
         self.finished = False
         self.failed = False
@@ -101,9 +110,9 @@ class Exchange:
     async def error(self, message: str, status: int) -> None:
         """An error response, or once streaming an error event and ``[DONE]``."""
         if not self.started:
-            await self.respond(status, error_json(message, status))
+            await self.respond(status, error_json(message, status, flat=self.flat))
         elif not self.finished:
-            await self.finish(error_event(message, status))
+            await self.finish(error_event(message, status, flat=self.flat))
         else:
             await trio.lowlevel.checkpoint()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
@@ -12,12 +13,15 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..engines._faults import FaultPlan
-from ..engines._kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TTL
+from ..engines._kv import DEFAULT_BLOCK_SIZE, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_KV_TTL
 from ..engines._latency import LatencyModel
-from ._vllm import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, MockVllmWorker, Role
+from ._common import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, MockWorker, Role
+from ._sglang import MockSglangWorker
+from ._trtllm import MockTrtllmWorker
+from ._vllm import MockVllmWorker
 
-#: The wire protocols mock workers exist for.
-PROTOCOLS = ("vllm",)
+#: The wire protocols mock workers exist for (PROTOCOLS.md sections 2, 3 and 4).
+PROTOCOLS = ("vllm", "sglang", "trtllm")
 #: Seconds an idle keep-alive connection stays open: vLLM's (uvicorn's) default.
 KEEP_ALIVE_TIMEOUT = 5.0
 
@@ -37,6 +41,82 @@ def _advertised(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host.strip("[]")
 
 
+@overload
+def create_mock_worker(
+    role: Role,
+    protocol: Literal["vllm"] = "vllm",
+    *,
+    name: str | None = None,
+    model: str | None = None,
+    latency: LatencyModel | None = None,
+    seed: int = 0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_ttl: float = DEFAULT_KV_TTL,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+    default_max_tokens: int = 16,
+    fault_plan: FaultPlan | None = None,
+    bootstrap_port: int | None = None,
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+) -> MockVllmWorker: ...
+
+
+@overload
+def create_mock_worker(
+    role: Role,
+    protocol: Literal["sglang"],
+    *,
+    name: str | None = None,
+    model: str | None = None,
+    latency: LatencyModel | None = None,
+    seed: int = 0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_ttl: float = DEFAULT_KV_TTL,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+    default_max_tokens: int = 16,
+    fault_plan: FaultPlan | None = None,
+    bootstrap_port: int | None = None,
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+) -> MockSglangWorker: ...
+
+
+@overload
+def create_mock_worker(
+    role: Role,
+    protocol: Literal["trtllm"],
+    *,
+    name: str | None = None,
+    model: str | None = None,
+    latency: LatencyModel | None = None,
+    seed: int = 0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_ttl: float = DEFAULT_KV_TTL,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+    default_max_tokens: int = 16,
+    fault_plan: FaultPlan | None = None,
+    bootstrap_port: int | None = None,
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+) -> MockTrtllmWorker: ...
+
+
+@overload
+def create_mock_worker(
+    role: Role,
+    protocol: str,
+    *,
+    name: str | None = None,
+    model: str | None = None,
+    latency: LatencyModel | None = None,
+    seed: int = 0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_ttl: float = DEFAULT_KV_TTL,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+    default_max_tokens: int = 16,
+    fault_plan: FaultPlan | None = None,
+    bootstrap_port: int | None = None,
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+) -> MockWorker: ...
+
+
 def create_mock_worker(
     role: Role,
     protocol: str = "vllm",
@@ -50,24 +130,45 @@ def create_mock_worker(
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
     default_max_tokens: int = 16,
     fault_plan: FaultPlan | None = None,
-) -> MockVllmWorker:
-    """Make a mock worker's ASGI app; see :class:`MockVllmWorker` for the arguments.
+    bootstrap_port: int | None = None,
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+) -> MockWorker:
+    """Make a mock worker's ASGI app (PROTOCOLS.md section 5).
+
+    Args:
+        role: ``"prefill"`` or ``"decode"``.
+        protocol: ``"vllm"`` (:class:`MockVllmWorker`), ``"sglang"``
+            (:class:`MockSglangWorker`) or ``"trtllm"`` (:class:`MockTrtllmWorker`).
+        bootstrap_port: SGLang prefill workers only: the bootstrap port (0: any free
+            one); default 8998, SGLang's.
+        bootstrap_timeout: SGLang only: seconds either side of a bootstrap room waits for
+            the other.
+        others: see :class:`~trio_disagg.workers.MockWorker`.
 
     Raises:
-        ValueError: an unknown ``protocol`` (only ``"vllm"`` so far) or a bad setting.
+        ValueError: an unknown ``protocol``, a ``bootstrap_port`` for anything but an
+            SGLang prefill worker, or a bad setting.
     """
-    if protocol != "vllm":
+    if protocol not in PROTOCOLS:
         raise ValueError(f"no mock worker for protocol {protocol!r}; known: "
                          f"{', '.join(PROTOCOLS)}")
-    return MockVllmWorker(
-        role, name=name, model=model, latency=latency, seed=seed, block_size=block_size,
+    if bootstrap_port is not None and (protocol != "sglang" or role != "prefill"):
+        raise ValueError("bootstrap_port is for SGLang prefill workers only")
+    options: dict[str, Any] = dict(
+        name=name, model=model, latency=latency, seed=seed, block_size=block_size,
         kv_ttl=kv_ttl, kv_bytes_per_token=kv_bytes_per_token,
         default_max_tokens=default_max_tokens, fault_plan=fault_plan,
     )
+    if protocol == "sglang":
+        return MockSglangWorker(role, bootstrap_port=bootstrap_port,
+                                bootstrap_timeout=bootstrap_timeout, **options)
+    if protocol == "trtllm":
+        return MockTrtllmWorker(role, **options)
+    return MockVllmWorker(role, **options)
 
 
 async def serve_worker(
-    app: MockVllmWorker,
+    app: MockWorker,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -77,13 +178,15 @@ async def serve_worker(
 ) -> None:
     """Serve a mock worker app over HTTP with hypercorn's trio worker until shut down.
 
-    The app is told its address (:meth:`MockVllmWorker.advertise`) before
+    The app is told its address (:meth:`MockWorker.advertise`) before
     ``task_status.started()``, so the handoffs it answers name the right
     ``remote_host`` / ``remote_port``. It gets an HTTP client for its KV pulls, closed when
-    this returns.
+    this returns. A worker that wants a second listener (an SGLang prefill worker's
+    bootstrap port, :attr:`MockWorker.extra_listen_port`) gets it on the same host; its
+    bound port is then the app's ``bootstrap_port``.
 
     Args:
-        app: from :func:`create_mock_worker` (or :class:`MockVllmWorker`).
+        app: from :func:`create_mock_worker` (or a :class:`MockWorker` subclass).
         host: the address to listen on.
         port: the TCP port; 0 picks a free one (reported through ``task_status``).
         advertise_host: the host decode workers pull KV from; default ``host``, or
@@ -100,6 +203,9 @@ async def serve_worker(
     """
     config = Config()
     config.bind = [_bind(host, port)]
+    extra = app.extra_listen_port
+    if extra is not None:
+        config.bind.append(_bind(host, extra))
     config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT
     config.graceful_timeout = 1.0
     owned = app.http_client is None
@@ -116,7 +222,8 @@ async def serve_worker(
                 mode="asgi",
             ))
             bound = _port_of(binds[0])
-            app.advertise(advertise_host or _advertised(host), bound)
+            extra_bound = _port_of(binds[1]) if extra is not None else None
+            app.advertise(advertise_host or _advertised(host), bound, extra_bound)
             task_status.started(bound)
     finally:
         if owned and app.http_client is not None:
@@ -140,6 +247,8 @@ async def serve_mock_worker(
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
     default_max_tokens: int = 16,
     fault_plan: FaultPlan | None = None,
+    bootstrap_port: int | None = None,
+    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
     advertise_host: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
@@ -150,7 +259,7 @@ async def serve_mock_worker(
 
     Args:
         role: ``"prefill"`` or ``"decode"``.
-        protocol: ``"vllm"`` (the only one so far).
+        protocol: ``"vllm"``, ``"sglang"`` or ``"trtllm"`` (PROTOCOLS.md sections 2-4).
         host, port: where to listen; port 0 picks a free one.
         name: the worker's engine id; default ``"{role}@host:port"``.
         model: the only model accepted; None accepts any.
@@ -161,18 +270,28 @@ async def serve_mock_worker(
         kv_bytes_per_token: bytes of KV per prompt token a pull moves.
         default_max_tokens: tokens generated when a request names no budget.
         fault_plan: the worker's own faults, for requests whose body names none.
+        bootstrap_port: SGLang prefill workers only: the port decode workers join
+            bootstrap rooms on; default 8998 (SGLang's) if ``port`` is fixed, any free
+            port if ``port`` is 0. The bound one is reported by ``GET /get_server_info``
+            (``disaggregation_bootstrap_port``), or use :func:`create_mock_worker` and
+            :func:`serve_worker` and read the app's ``bootstrap_port``.
+        bootstrap_timeout: SGLang only: seconds either side of a bootstrap room waits
+            for the other (SGLang's 300 s).
         advertise_host: the host decode workers pull KV from (see :func:`serve_worker`).
         shutdown_trigger: returns when the worker should stop gracefully.
-        task_status: reports the bound TCP port.
+        task_status: reports the bound TCP port (the HTTP one).
 
     Raises:
         ValueError: an unknown protocol or a bad setting.
         OSError: the address could not be bound.
     """
+    if bootstrap_port is None and protocol == "sglang" and role == "prefill" and port == 0:
+        bootstrap_port = 0
     app = create_mock_worker(
         role, protocol, name=name, model=model, latency=latency, seed=seed,
         block_size=block_size, kv_ttl=kv_ttl, kv_bytes_per_token=kv_bytes_per_token,
         default_max_tokens=default_max_tokens, fault_plan=fault_plan,
+        bootstrap_port=bootstrap_port, bootstrap_timeout=bootstrap_timeout,
     )
     await serve_worker(app, host=host, port=port, advertise_host=advertise_host,
                        shutdown_trigger=shutdown_trigger, task_status=task_status)

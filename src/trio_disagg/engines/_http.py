@@ -1,0 +1,596 @@
+"""What the HTTP engine adapters share (PROTOCOLS.md section 1): one request to one worker,
+its errors mapped for the client, its answer (one JSON object or server-sent events) turned
+into ``Annotated[LLMEngineOutput]`` items.
+
+:class:`HttpEngine` is the skeleton of :class:`~trio_disagg.engines.VllmEngine`,
+:class:`~trio_disagg.engines.SglangEngine` and :class:`~trio_disagg.engines.TrtllmEngine`:
+each says what to send (:meth:`HttpEngine._prepare`) and how to read the answer; the
+skeleton owns the connection, the context, ``started()`` and the error mapping. Every worker
+response is read inside ``async with client.stream(...)``, so it is always closed, and
+closing it is what aborts the request on the worker (vLLM and SGLang abort a request when
+its connection closes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import aclosing
+from typing import Any, ClassVar, Literal
+
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+import orjson
+import trio
+from httpx_sse import EventSource
+
+from .._context import RequestContext
+from .._engine import HandoffStyle
+from .._errors import WorkerError
+from .._protocols import (
+    Annotated,
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    PromptTokensDetails,
+)
+
+Item = Annotated[LLMEngineOutput]
+SendChannel = trio.MemorySendChannel[Annotated[LLMEngineOutput]]
+Role = Literal["prefill", "decode"]
+
+#: Connections to all workers together (``max_connections``), and idle ones kept
+#: (``max_keepalive_connections``). An idle connection is dropped after 4 s, before the
+#: workers' own 5 s keep-alive timeout (uvicorn's) closes it under a request.
+DEFAULT_LIMITS = httpx.Limits(
+    max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0
+)
+#: Seconds: to connect; between two reads (a prefill answers only when done, and a decode
+#: may pause; the router's deadlines are the real bounds); to write the body; to wait for
+#: a free connection of the pool.
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
+
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of a worker's error answer read for its message
+JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
+MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
+
+#: Worker finish reasons (OpenAI and engine spellings) and what they mean to the router.
+FINISH: Mapping[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+    "cancelled": FinishReason.CANCELLED,
+    "eos": FinishReason.EOS,
+    "content_filter": FinishReason.CONTENT_FILTER,
+    # tool-call parsers end a turn this way: a complete answer.
+    "tool_calls": FinishReason.STOP,
+    "function_call": FinishReason.STOP,
+}
+
+
+def worker_client(
+    *, limits: httpx.Limits | None = None, timeout: httpx.Timeout | None = None
+) -> httpx.AsyncClient:
+    """A new :class:`httpx.AsyncClient` for HTTP engines to share.
+
+    Its pool is bounded by ``limits`` (default :data:`DEFAULT_LIMITS`); its timeouts are
+    ``timeout`` (default :data:`DEFAULT_TIMEOUT`). Environment proxies are ignored: worker
+    traffic stays inside the cluster. The caller owns it: ``async with`` it, or
+    ``await client.aclose()``.
+    """
+    return httpx.AsyncClient(
+        limits=limits if limits is not None else DEFAULT_LIMITS,
+        timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
+        trust_env=False,
+    )
+
+
+def endpoint_for(body: Mapping[str, Any]) -> str:
+    """``/v1/chat/completions`` if the body has ``messages``, else ``/v1/completions``."""
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+def streaming_body(request: PreprocessedRequest) -> dict[str, Any]:
+    """The client's body, made to stream: ``stream: true``, ``stream_options.include_usage:
+    true``, and the router's resolved budget ``request.max_tokens`` if the body names
+    none (``max_tokens`` / ``max_completion_tokens``), so the worker's default never
+    overrides the router's.
+
+    The decode legs always stream, whatever the client asked: the adapter then produces
+    one output per token either way, a worker dying mid-answer is seen as such, and the
+    server layer collects the outputs into one JSON answer for a client that did not
+    stream.
+    """
+    wire = dict(request.body)
+    wire["stream"] = True
+    options = wire.get("stream_options")
+    options = dict(options) if isinstance(options, Mapping) else {}
+    options["include_usage"] = True
+    wire["stream_options"] = options
+    if (
+        request.max_tokens is not None
+        and "max_tokens" not in wire
+        and "max_completion_tokens" not in wire
+    ):
+        key = "max_completion_tokens" if "messages" in wire else "max_tokens"
+        wire[key] = request.max_tokens
+    return wire
+
+
+def check_worker_url(url: str, protocol: str) -> str:
+    """``url`` without a trailing slash.
+
+    Raises:
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+    """
+    parsed = httpx.URL(url)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}")
+    return url.rstrip("/")
+
+
+def check_unique(role: str, urls: list[str]) -> None:
+    """Raises ValueError if a URL appears twice (trailing slashes ignored)."""
+    stripped = [url.rstrip("/") for url in urls]
+    if len(set(stripped)) != len(stripped):
+        raise ValueError(f"{role} URLs must be unique, got {urls}")
+
+
+class Stopper:
+    """Connects a request's context to the cancel scope around its worker response: a stop
+    or a kill cancels :attr:`scope`, which closes the response, which aborts the request
+    on the worker. After a stop, :meth:`send_cancelled` sends the ``cancelled`` finish
+    unless a kill comes first. :meth:`disarm` makes later stops do nothing (kills still
+    close the response)."""
+
+    __slots__ = ("_context", "_kill_scope", "armed", "scope")
+
+    def __init__(self, context: RequestContext) -> None:
+        self.scope = trio.CancelScope()
+        self._kill_scope: trio.CancelScope | None = None
+        self._context = context
+        self.armed = True
+        context.on_stop(self)
+
+    def __call__(self, killed: bool) -> None:
+        if self.armed or killed:
+            self.scope.cancel()
+        if killed and self._kill_scope is not None:
+            self._kill_scope.cancel()
+
+    def disarm(self) -> None:
+        """From now on only a kill closes the response."""
+        self.armed = False
+
+    async def send_cancelled(self, send: SendChannel) -> None:
+        self._kill_scope = trio.CancelScope()
+        if self._context.is_killed:
+            self._kill_scope.cancel()
+        with self._kill_scope:
+            await send.send(Annotated(data=LLMEngineOutput(finish_reason=FinishReason.CANCELLED)))
+
+
+class ChunkParser:
+    """Turns an OpenAI answer or stream chunk into an output. One per response; a
+    protocol with stateful chunks (SGLang's native cumulative text) subclasses it."""
+
+    def output(self, answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
+        """The output of a whole answer (``final``) or of a chunk; None for a chunk with
+        nothing in it (a role-only delta, a usage chunk)."""
+        return openai_output(answer, final=final)
+
+    def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
+        """The usage of a chunk that follows the finish (OpenAI's usage chunk)."""
+        return parse_usage(chunk)
+
+
+class HttpEngine:
+    """The skeleton of an HTTP engine adapter (an :class:`~trio_disagg.Engine`).
+
+    ``generate`` POSTs :meth:`_prepare`'s body with ``X-Request-Id: request.request_id``,
+    calls ``task_status.started()`` once the worker answered 2xx headers, then
+    :meth:`_relay`\\ s the answer. Subclasses set :attr:`protocol`, :meth:`_prepare`, and
+    what a whole answer means (:meth:`_answer_output`).
+
+    Errors: before ``started()`` a worker's 4xx raises :class:`~trio_disagg.WorkerError`
+    with that status and the worker's own message; a 5xx, another status, or a transport
+    failure raises it with status 502 and a message naming the worker. After
+    ``started()`` failures are sent as ONE error item and the stream ends: an error answer
+    or event, a transport failure, a malformed answer, or a stream that ends without a
+    finish reason (the worker died). Nothing is raised then.
+
+    Cancellation: ``context.stop_generating()`` closes the worker response (the worker
+    aborts the request) and ends the stream with one ``cancelled`` item;
+    ``context.kill()`` closes it and ends the stream at once; a closed receiver or a
+    cancelled caller closes it too.
+    """
+
+    #: The protocol's name, for messages.
+    protocol: ClassVar[str] = "HTTP"
+
+    def __init__(
+        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        self.url = check_worker_url(url, self.protocol)
+        self.role: Role = role
+        self.client = client
+        self.name = name if name is not None else self.url
+        self.handoff_style = HandoffStyle.SEQUENTIAL
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.role} {self.url}>"
+
+    # --- what subclasses say ---------------------------------------------------------------
+
+    def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
+        """The path and body to POST for ``request``.
+
+        Raises:
+            WorkerError: the request cannot be sent to this worker (status 400).
+        """
+        raise NotImplementedError
+
+    def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
+        return ChunkParser()
+
+    def _answer_output(
+        self,
+        answer: Mapping[str, Any],
+        request: PreprocessedRequest,
+        body: Mapping[str, Any],
+        parser: ChunkParser,
+    ) -> LLMEngineOutput | None:
+        """The output of a whole (non-streamed) answer to ``body``; None if it has no
+        finish."""
+        output = parser.output(answer, final=True)
+        if output is None or output.finish_reason is None:
+            return None
+        return output
+
+    async def _relay(
+        self,
+        response: httpx.Response,
+        request: PreprocessedRequest,
+        path: str,
+        body: Mapping[str, Any],
+        stopper: Stopper,
+        send: SendChannel,
+    ) -> None:
+        """Read an accepted answer to ``body``: one JSON object if it did not stream, else
+        server-sent events (or one JSON object from a worker that will not stream)."""
+        parser = self._parser(request, path)
+        if body.get("stream") is True:
+            await self._relay_any(response, request, body, parser, send)
+        else:
+            await self._relay_json(response, request, body, parser, send)
+
+    # --- the skeleton ------------------------------------------------------------------------
+
+    async def generate(  # noqa: ASYNC114 (started by the router)
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: SendChannel,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve one leg of ``request`` on the worker; see the class docstring.
+
+        Raises:
+            WorkerError: before ``started()`` only: a request this worker cannot take
+                (400), the worker's 4xx (that status), or a 5xx / transport failure (502).
+        """
+        with send_channel:
+            path, body = self._prepare(request)
+            # The server accepts any printable id: send its UTF-8 bytes, never fail on it.
+            headers = {b"x-request-id": request.request_id.encode(),
+                       b"content-type": b"application/json"}
+            if body.get("stream") is True:
+                headers[b"accept"] = b"text/event-stream"
+            stopper = Stopper(context)
+            started = False
+            try:
+                with stopper.scope:
+                    async with self.client.stream(
+                        "POST", self.url + path, content=orjson.dumps(body), headers=headers
+                    ) as response:
+                        if not 200 <= response.status_code < 300:
+                            raise await self._status_error(response)
+                        task_status.started()
+                        started = True
+                        await self._relay(response, request, path, body, stopper,
+                                          send_channel)
+            except httpx.HTTPError as exc:
+                if not started:
+                    raise WorkerError(
+                        f"{self.role} worker {self.url} failed: {describe(exc)}",
+                        status=502, worker=self.name,
+                    ) from exc
+                await send_quietly(send_channel, Annotated.from_error(
+                    f"{self.role} worker {self.url} failed mid-stream: {describe(exc)}"))
+                return
+            except trio.BrokenResourceError:
+                # The receiver is gone: the response is closed (an abort on the worker).
+                # send() raised before its checkpoint completed.
+                await trio.lowlevel.checkpoint()
+                return
+            if stopper.scope.cancelled_caught:
+                if not started:
+                    task_status.started()  # accepted and at once stopped
+                try:
+                    await stopper.send_cancelled(send_channel)
+                except trio.BrokenResourceError:
+                    await trio.lowlevel.checkpoint()
+
+    async def _status_error(self, response: httpx.Response) -> WorkerError:
+        status = response.status_code
+        data = await read_limited(response, ERROR_BODY_LIMIT)
+        message = error_message(data, status)
+        if 400 <= status < 500:
+            return WorkerError(message, status=status, worker=self.name)
+        return WorkerError(
+            f"{self.role} worker {self.url} answered {status}: {message}",
+            status=502, worker=self.name,
+        )
+
+    def _error(self, what: str) -> Item:
+        """An error item naming this worker: ``"decode worker URL <what>"``."""
+        return Annotated.from_error(f"{self.role} worker {self.url} {what}")
+
+    async def _read_answer(self, response: httpx.Response) -> tuple[dict[str, Any] | Item, bytes]:
+        """A whole JSON answer (or the error item saying what is wrong with it), and its
+        bytes."""
+        data = await read_limited(response, JSON_BODY_LIMIT)
+        if len(data) >= JSON_BODY_LIMIT:
+            return self._error(f"answered more than {JSON_BODY_LIMIT} bytes"), data
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return self._error(f"answered malformed JSON: {excerpt(data)}"), data
+        if not isinstance(answer, dict):
+            return self._error(f"answered {type(answer).__name__}, not an object"), data
+        if is_error_object(answer):
+            return self._error(f"reported an error: {error_text(answer)}"), data
+        return answer, data
+
+    async def _relay_json(
+        self,
+        response: httpx.Response,
+        request: PreprocessedRequest,
+        body: Mapping[str, Any],
+        parser: ChunkParser,
+        send: SendChannel,
+    ) -> None:
+        """One non-streamed answer -> one output, or one error item."""
+        answer, data = await self._read_answer(response)
+        if isinstance(answer, Annotated):
+            await send.send(answer)
+            return
+        output = self._answer_output(answer, request, body, parser)
+        if output is None:
+            await send.send(self._error(
+                f"answered without a choice or a finish_reason: {excerpt(data)}"))
+            return
+        await send.send(Annotated(data=output))
+
+    async def _relay_any(
+        self,
+        response: httpx.Response,
+        request: PreprocessedRequest,
+        body: Mapping[str, Any],
+        parser: ChunkParser,
+        send: SendChannel,
+    ) -> None:
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
+            await self._relay_stream(response, parser, send)
+        elif content_type.startswith("application/json"):
+            await self._relay_json(response, request, body, parser, send)  # won't stream
+        else:
+            await send.send(self._error(f"answered content-type {content_type!r}"))
+
+    async def _relay_stream(
+        self, response: httpx.Response, parser: ChunkParser, send: SendChannel
+    ) -> None:
+        """Server-sent events -> outputs; the finish is held until the usage chunk."""
+        final: LLMEngineOutput | None = None  # the finish, waiting for its usage chunk
+        done = False
+        try:
+            async with aclosing(EventSource(response).aiter_sse()) as events:
+                async for event in events:
+                    text = event.data
+                    if text == "[DONE]":
+                        done = True
+                        break
+                    if not text:
+                        continue
+                    try:
+                        chunk = orjson.loads(text)
+                    except orjson.JSONDecodeError:
+                        await send.send(self._error(f"sent a malformed chunk: {text[:200]!r}"))
+                        return
+                    if not isinstance(chunk, dict):
+                        await send.send(self._error(f"sent a chunk that is not an object: "
+                                                    f"{text[:200]!r}"))
+                        return
+                    if is_error_object(chunk):
+                        await send.send(self._error(f"reported an error: {error_text(chunk)}"))
+                        return
+                    if final is not None:
+                        usage = parser.usage(chunk)
+                        if usage is not None:
+                            final.completion_usage = usage
+                        continue
+                    output = parser.output(chunk, final=False)
+                    if output is None:
+                        continue
+                    if output.finish_reason is not None:
+                        final = output
+                        continue
+                    await send.send(Annotated(data=output))
+        except httpx.HTTPError as exc:
+            if final is None:
+                await send.send(self._error(f"failed mid-stream: {describe(exc)}"))
+                return
+            # The answer was complete; only the usage chunk or [DONE] was lost.
+        if final is None:
+            how = "sent [DONE]" if done else "closed the stream"
+            await send.send(self._error(
+                f"{how} without a finish_reason (the worker died mid-stream?)"))
+            return
+        await send.send(Annotated(data=final))
+
+
+# --- wire helpers ----------------------------------------------------------------------------
+
+
+async def send_quietly(send: SendChannel, item: Item) -> None:
+    """Send ``item`` unless the receiver is gone."""
+    try:
+        await send.send(item)
+    except trio.BrokenResourceError:
+        await trio.lowlevel.checkpoint()
+
+
+async def read_limited(response: httpx.Response, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the body (a few more if the last chunk overshoots)."""
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.aiter_bytes():
+        parts.append(part)
+        size += len(part)
+        if size >= limit:
+            break
+    return b"".join(parts)
+
+
+def describe(exc: BaseException) -> str:
+    """``"ConnectError: [Errno 111] ..."``, or the exception's type name alone."""
+    text = str(exc)
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def excerpt(data: bytes) -> str:
+    return repr(data[:200].decode("utf-8", "replace"))
+
+
+def is_error_object(answer: Mapping[str, Any]) -> bool:
+    """An OpenAI (``{"error": ...}``) or vLLM / SGLang / TRT-LLM (``{"object": "error"}``)
+    error object."""
+    return "error" in answer or answer.get("object") == "error"
+
+
+def error_text(answer: Mapping[str, Any]) -> str:
+    """The message of an OpenAI (``{"error": {...}}``), vLLM / SGLang / TRT-LLM
+    (``{"object": "error", "message"}``) or FastAPI (``{"detail"}``) error object."""
+    error = answer.get("error")
+    if isinstance(error, Mapping):
+        message = error.get("message")
+        if isinstance(message, str) and message:
+            return message[:MESSAGE_LIMIT]
+    elif isinstance(error, str) and error:
+        return error[:MESSAGE_LIMIT]
+    for key in ("message", "detail"):
+        value = answer.get(key)
+        if isinstance(value, str) and value:
+            return value[:MESSAGE_LIMIT]
+    return orjson.dumps(answer).decode()[:MESSAGE_LIMIT]
+
+
+def error_message(data: bytes, status: int) -> str:
+    """The message of an error answer's body (JSON or text)."""
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        text = data.decode("utf-8", "replace").strip()
+        return text[:MESSAGE_LIMIT] if text else f"HTTP {status}"
+    if isinstance(answer, Mapping):
+        return error_text(answer)
+    return f"HTTP {status}"
+
+
+def count(value: Any) -> int:
+    """``value`` if it is an int, else 0."""
+    return value if type(value) is int else 0
+
+
+def make_usage(prompt: int, completion: int, total: int, cached: Any) -> CompletionUsage:
+    """A usage with ``cached_tokens`` if it is an int."""
+    return CompletionUsage(
+        prompt_tokens=prompt, completion_tokens=completion,
+        total_tokens=total or prompt + completion,
+        prompt_tokens_details=(PromptTokensDetails(cached_tokens=cached)
+                               if type(cached) is int else None),
+    )
+
+
+def parse_usage(answer: Mapping[str, Any]) -> CompletionUsage | None:
+    """The ``usage`` object of an OpenAI answer or chunk, if it has one."""
+    usage = answer.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    result = make_usage(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")),
+                        count(usage.get("total_tokens")), cached)
+    if isinstance(details, Mapping) and result.prompt_tokens_details is None:
+        result.prompt_tokens_details = PromptTokensDetails()
+    return result
+
+
+def parse_finish(value: Any, table: Mapping[str, FinishReason] = FINISH) -> FinishReason | None:
+    """A worker's ``finish_reason``: ``error`` -> an error finish, a name of ``table`` ->
+    its reason, any other string -> ``STOP``, ``{"error": msg}`` -> an error finish."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value == "error":
+            return FinishReason.error("the worker ended the request with finish_reason error")
+        return table.get(value, FinishReason.STOP)
+    if isinstance(value, Mapping) and isinstance(value.get("error"), str):
+        return FinishReason.error(value["error"])
+    return FinishReason.error(f"malformed finish_reason {value!r:.60}")
+
+
+def first_choice(answer: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        return None
+    return choices[0]
+
+
+def openai_output(
+    answer: Mapping[str, Any],
+    *,
+    final: bool,
+    finish_table: Mapping[str, FinishReason] = FINISH,
+) -> LLMEngineOutput | None:
+    """The output of an OpenAI completion answer or chunk (``final``: a whole answer,
+    whose usage is taken too); None for a chunk with nothing in it (a role-only delta, a
+    usage chunk)."""
+    choice = first_choice(answer)
+    if choice is None:
+        return None
+    text: Any
+    if "text" in choice:
+        text = choice["text"]
+    else:
+        part = choice.get("delta") if "delta" in choice else choice.get("message")
+        text = part.get("content") if isinstance(part, Mapping) else None
+    if not isinstance(text, str):
+        text = None
+    ids = choice.get("token_ids")
+    token_ids = ids if isinstance(ids, list) and all(type(i) is int for i in ids) else []
+    finish = parse_finish(choice.get("finish_reason"), finish_table)
+    usage = parse_usage(answer)
+    if not text and not token_ids and finish is None and not final:
+        return None
+    index = choice.get("index")
+    return LLMEngineOutput(
+        token_ids=token_ids, text=text or None, finish_reason=finish,
+        completion_usage=usage, index=index if type(index) is int and index else None,
+    )

@@ -1,0 +1,356 @@
+"""The SGLang engine adapter: prefill and decode workers over HTTP, meeting in a bootstrap
+room (PROTOCOLS.md section 3).
+
+SGLang's disaggregated serving is *concurrent*: the router picks a bootstrap room, adds
+``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (its bootstrap port,
+8998 by default) and ``bootstrap_room`` to the body, and sends that same body to the
+prefill worker and the decode worker at the same time. The decode worker joins the room on
+the prefill worker's bootstrap port and waits for the KV; the prefill worker computes it,
+waits for the decode to join, transfers it, and only then answers. The client sees the
+decode's stream; the prefill's answer is drained by the router's transfer keeper, and its
+failure reaches the client through the gatekeeper (SEMANTICS.md S5, T1-T4, G1-G9).
+
+:class:`SglangEngine` implements :class:`~trio_disagg.Engine` for either role on the skeleton
+shared by every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`); the
+:class:`~trio_disagg.DisaggRouter` picks the room (``request.bootstrap_info``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+
+from .._engine import HandoffStyle
+from .._errors import WorkerError
+from .._protocols import (
+    Annotated,
+    BootstrapInfo,
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    TraceLink,
+)
+from ._http import (
+    ChunkParser,
+    HttpEngine,
+    Role,
+    SendChannel,
+    Stopper,
+    check_unique,
+    check_worker_url,
+    count,
+    endpoint_for,
+    make_usage,
+    parse_finish,
+    streaming_body,
+    worker_client,
+)
+from ._kv import DEFAULT_BOOTSTRAP_PORT
+
+__all__ = [
+    "GENERATE_PATH", "SglangEngine", "native_output", "parse_prefill_spec", "sglang_body",
+    "sglang_engines",
+]
+
+#: SGLang's native generation endpoint.
+GENERATE_PATH = "/generate"
+
+
+def parse_prefill_spec(spec: str) -> tuple[str, int]:
+    """Parse a prefill worker given as ``URL`` or ``URL,BOOTSTRAP_PORT``.
+
+    Returns:
+        ``(url, bootstrap_port)``; the port is 8998 (SGLang's default) if not given.
+
+    Raises:
+        ValueError: the port is not an integer in 1-65535, or the URL is empty.
+    """
+    url, sep, port_text = spec.partition(",")
+    url = url.strip()
+    if not url:
+        raise ValueError(f"an SGLang prefill worker is URL or URL,BOOTSTRAP_PORT; got {spec!r}")
+    if not sep:
+        return url, DEFAULT_BOOTSTRAP_PORT
+    port_text = port_text.strip()
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"the bootstrap port of {url} must be an integer in 1-65535, got "
+                         f"{port_text!r}")
+    return url, int(port_text)
+
+
+def _is_native(body: Mapping[str, Any]) -> bool:
+    return "prompt" not in body and "messages" not in body and (
+        "text" in body or "input_ids" in body)
+
+
+def _bootstrap_info(request: PreprocessedRequest) -> BootstrapInfo | None:
+    if request.bootstrap_info is not None:
+        return request.bootstrap_info
+    result = request.prefill_result
+    params = result.disaggregated_params if result is not None else None
+    if isinstance(params, Mapping):
+        host, port, room = (params.get("bootstrap_host"), params.get("bootstrap_port"),
+                            params.get("bootstrap_room"))
+        if isinstance(host, str) and type(port) is int and type(room) is int:
+            return BootstrapInfo(host=host, port=port, room=room)
+    return None
+
+
+def sglang_body(request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
+    """The path and body both legs of ``request`` get (PROTOCOLS.md section 3).
+
+    The client's body with the bootstrap triple of ``request.bootstrap_info``
+    (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``), always streamed
+    (:func:`~trio_disagg.engines.streaming_body`: ``stream: true``,
+    ``stream_options.include_usage: true``, the router's budget if the body names none).
+    A native body (``text`` or ``input_ids``, no ``prompt`` / ``messages``) goes to
+    ``POST /generate`` with ``stream: true`` and ``sampling_params.max_new_tokens`` set
+    to the router's budget if missing; any other to the OpenAI endpoint of its kind.
+
+    Raises:
+        WorkerError: status 400: the request has no bootstrap room, or would share one
+            room between several samples (``n`` > 1, a batch of prompts): every request
+            and every sample needs its own room. (The router's HTTP edge already refuses
+            ``n`` > 1, so each request is one sample with one room.)
+    """
+    info = _bootstrap_info(request)
+    if info is None:
+        raise WorkerError("an SGLang request needs the bootstrap room the router picks "
+                          "(request.bootstrap_info)", status=400)
+    body = request.body
+    n = body.get("n")
+    if type(n) is int and n > 1:
+        raise WorkerError(f"n={n} would share bootstrap room {info.room} between samples: "
+                          f"every sample needs its own room; send n=1", status=400)
+    if _is_native(body):
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list) or (isinstance(ids, list) and ids
+                                      and isinstance(ids[0], list)):
+            raise WorkerError("a batch of prompts would share one bootstrap room: send one "
+                              "prompt per request", status=400)
+        wire = dict(body)
+        wire["stream"] = True
+        params = wire.get("sampling_params")
+        params = dict(params) if isinstance(params, Mapping) else {}
+        if request.max_tokens is not None and "max_new_tokens" not in params:
+            params["max_new_tokens"] = request.max_tokens
+        wire["sampling_params"] = params
+        path = GENERATE_PATH
+    else:
+        wire = streaming_body(request)
+        path = endpoint_for(wire)
+    wire.update(info.as_params())
+    return path, wire
+
+
+def _native_finish(value: Any) -> FinishReason | None:
+    """``meta_info.finish_reason``: ``{"type": "length" | "stop" | "abort", ...}``."""
+    if value is None or isinstance(value, str):
+        return parse_finish(value)
+    if not isinstance(value, Mapping):
+        return parse_finish(value)
+    kind = value.get("type")
+    if kind == "length":
+        return FinishReason.LENGTH
+    if kind == "stop":
+        return FinishReason.STOP
+    if kind == "abort":
+        message = value.get("message")
+        return FinishReason.error(message) if isinstance(message, str) and message \
+            else FinishReason.CANCELLED
+    return parse_finish(value)
+
+
+def native_output(answer: Mapping[str, Any], text_so_far: str, ids_so_far: list[int]
+                  ) -> tuple[LLMEngineOutput, str, list[int]]:
+    """The output of a native ``/generate`` answer or event, given the text and ids seen
+    so far (SGLang streams them cumulatively by default; incremental events are taken as
+    they are). Returns the output and the new text and ids so far."""
+    text = answer.get("text")
+    delta = ""
+    if isinstance(text, str):
+        if text.startswith(text_so_far):
+            delta, text_so_far = text[len(text_so_far):], text
+        else:
+            delta, text_so_far = text, text_so_far + text
+    ids = answer.get("output_ids")
+    new_ids: list[int] = []
+    if isinstance(ids, list) and all(type(i) is int for i in ids):
+        if ids[:len(ids_so_far)] == ids_so_far and len(ids) >= len(ids_so_far):
+            new_ids, ids_so_far = ids[len(ids_so_far):], list(ids)
+        else:
+            new_ids, ids_so_far = list(ids), ids_so_far + ids
+    meta = answer.get("meta_info")
+    meta = meta if isinstance(meta, Mapping) else {}
+    finish = _native_finish(meta.get("finish_reason"))
+    usage: CompletionUsage | None = None
+    if finish is not None:
+        usage = make_usage(count(meta.get("prompt_tokens")),
+                           count(meta.get("completion_tokens")), 0,
+                           meta.get("cached_tokens"))
+    return (LLMEngineOutput(token_ids=new_ids, text=delta or None, finish_reason=finish,
+                            completion_usage=usage), text_so_far, ids_so_far)
+
+
+class _NativeParser(ChunkParser):
+    """Native ``/generate`` events: cumulative text and ids, usage in ``meta_info``."""
+
+    __slots__ = ("_ids", "_text")
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._ids: list[int] = []
+
+    def output(self, answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
+        output, self._text, self._ids = native_output(answer, self._text, self._ids)
+        if (not output.text and not output.token_ids and output.finish_reason is None
+                and not final):
+            return None
+        return output
+
+    def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
+        return None
+
+
+class SglangEngine(HttpEngine):
+    """An SGLang worker, prefill or decode, as an :class:`~trio_disagg.Engine`
+    (PROTOCOLS.md sections 1 and 3).
+
+    Both roles have ``handoff_style = HandoffStyle.BOOTSTRAP``: the router picks a unique
+    63-bit bootstrap room per request (``request.bootstrap_info``, with this prefill
+    engine's :attr:`bootstrap_host` and :attr:`bootstrap_port`) and dispatches both legs
+    at once. Both ``POST`` the same :func:`sglang_body` (streamed) with
+    ``X-Request-Id: request.request_id``; ``task_status.started()`` is called once the
+    worker answered 2xx headers.
+
+    **Prefill**: once accepted, the first output carries ``disaggregated_params`` = the
+    bootstrap triple (the router's S5 handoff, drained by its transfer keeper); then the
+    prefill's events are relayed as the decode's are: its answer (SGLang answers only
+    once the KV went to the decode) ends the stream with its finish reason and its usage,
+    whose ``prompt_tokens_details.cached_tokens`` the router reports to the client (S4).
+    A prefill that fails (an error event, ``finish_reason`` ``abort``, a dropped
+    connection, a stream without a finish) sends an error item or failed finish (T4);
+    the router's gatekeeper then stops the decode leg and the client gets the error
+    (G1, G5, G6).
+
+    **Decode**: relay the events as outputs: text, ``token_ids`` if present, the finish
+    on the last one with the usage of the usage chunk (OpenAI endpoints) or of
+    ``meta_info`` (``/generate``, whose cumulative text and ids are turned into deltas).
+    Finish reasons map as for :class:`~trio_disagg.engines.VllmEngine`; ``/generate``'s
+    ``{"type": "length" | "stop" | "abort"}`` -> ``LENGTH`` / ``STOP`` / an error finish
+    with its message (``CANCELLED`` without one).
+
+    Errors and cancellation: as :class:`~trio_disagg.engines.VllmEngine` (4xx passed
+    through before ``started()``, 5xx and transport failures as 502; one error item
+    after; a stop or kill closes the response, which aborts the request on the worker).
+    A request without a bootstrap room, or sharing one between samples (``n`` > 1, a
+    batch), raises :class:`~trio_disagg.WorkerError` (400) before anything is sent.
+
+    Args:
+        url: the worker's base URL (``http://host:port``, no ``/v1``).
+        role: ``"prefill"`` or ``"decode"``.
+        client: the shared client (see :func:`~trio_disagg.engines.worker_client`); the
+            engine never closes it.
+        name: unique within its pool; default ``url``.
+        bootstrap_port: a prefill worker's bootstrap port (default 8998, SGLang's); its
+            :attr:`bootstrap_host` is the URL's host.
+
+    Raises:
+        ValueError: a malformed URL, a bad role, or a bootstrap port out of 1-65535 or
+            given for a decode worker.
+    """
+
+    protocol: ClassVar[str] = "SGLang"
+
+    def __init__(
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        bootstrap_port: int | None = None,
+    ) -> None:
+        super().__init__(url, role, client=client, name=name)
+        self.handoff_style = HandoffStyle.BOOTSTRAP
+        if role == "prefill":
+            port = DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else bootstrap_port
+            if type(port) is not int or not 0 < port < 65536:
+                raise ValueError(f"bootstrap_port must be in 1-65535, got {port!r}")
+            host = httpx.URL(self.url).host
+            self.bootstrap_host = f"[{host}]" if ":" in host else host
+            self.bootstrap_port = port
+        elif bootstrap_port is not None:
+            raise ValueError("only a prefill worker has a bootstrap port")
+
+    def __repr__(self) -> str:
+        if self.role == "prefill":
+            return f"<SglangEngine prefill {self.url} bootstrap port {self.bootstrap_port}>"
+        return f"<SglangEngine decode {self.url}>"
+
+    def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
+        return sglang_body(request)
+
+    def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
+        return _NativeParser() if path == GENERATE_PATH else ChunkParser()
+
+    async def _relay(
+        self,
+        response: httpx.Response,
+        request: PreprocessedRequest,
+        path: str,
+        body: Mapping[str, Any],
+        stopper: Stopper,
+        send: SendChannel,
+    ) -> None:
+        if self.role == "prefill":
+            params = {key: body[key] for key in
+                      ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
+            await send.send(Annotated(data=LLMEngineOutput(
+                disaggregated_params=params,
+                worker_trace_link=TraceLink(worker_id=self.name,
+                                            request_id=request.request_id))))
+        await super()._relay(response, request, path, body, stopper, send)
+
+
+def sglang_engines(
+    prefill_specs: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    client: httpx.AsyncClient | None = None,
+) -> tuple[list[SglangEngine], list[SglangEngine]]:
+    """Make the prefill and decode engines of an SGLang deployment, sharing one client.
+
+    Args:
+        prefill_specs: the prefill workers, each ``URL`` or ``URL,BOOTSTRAP_PORT``
+            (``http://10.0.0.5:30000,8998``); the bootstrap port defaults to 8998.
+        decode_urls: the decode workers' base URLs.
+        client: the client to share; default a new
+            :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
+            every engine returned. Whoever made it closes it once the router is done.
+
+    Returns:
+        ``(prefill_engines, decode_engines)``, for two
+        :class:`~trio_disagg.WorkerPool`\\ s.
+
+    Raises:
+        ValueError: a malformed URL or bootstrap port, the same URL twice in one role,
+            or two prefill workers bootstrapping at the same host and port.
+    """
+    parsed = [parse_prefill_spec(spec) for spec in prefill_specs]
+    check_unique("prefill", [url for url, _ in parsed])
+    check_unique("decode", list(decode_urls))
+    for url in [url for url, _ in parsed] + list(decode_urls):
+        check_worker_url(url, SglangEngine.protocol)  # before a client is made
+    addresses = [(httpx.URL(url).host, port) for url, port in parsed]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"two prefill workers bootstrap at the same host and port: "
+                         f"{list(prefill_specs)}")
+    shared = client if client is not None else worker_client()
+    prefill = [SglangEngine(url, "prefill", client=shared, bootstrap_port=port)
+               for url, port in parsed]
+    decode = [SglangEngine(url, "decode", client=shared) for url in decode_urls]
+    return prefill, decode

@@ -1,0 +1,244 @@
+"""The TensorRT-LLM engine adapter: context (prefill) and generation (decode) servers of
+``trtllm-serve`` over HTTP (PROTOCOLS.md section 4).
+
+TensorRT-LLM's disaggregated serving is *sequential*, context first: the router sends the
+context server the client's body, not streamed, with ``disaggregated_params:
+{"request_type": "context_only", "disagg_request_id": <int>}``; the context server answers
+once the prompt's KV is committed, with ``choices[0].disaggregated_params``
+(``ctx_request_id``, ``first_gen_tokens``, ``encoded_opaque_state``, ...) and
+``prompt_token_ids``. A context that already finished the request (its ``finish_reason``
+is not ``length`` / ``not_finished``) is the final answer (SEMANTICS.md S7); a non-terminal
+one without a usable ``ctx_request_id`` is refused before any generation request (S9).
+Otherwise the generation server gets the client's body with those
+``disaggregated_params`` (``request_type: "generation_only"``) and the prompt replaced by
+``prompt_token_ids``.
+
+:class:`TrtllmEngine` implements :class:`~trio_disagg.Engine` for either role on the skeleton
+shared by every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+
+from .._errors import WorkerError
+from .._protocols import FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
+from ._http import (
+    FINISH,
+    ChunkParser,
+    HttpEngine,
+    Role,
+    SendChannel,
+    Stopper,
+    check_unique,
+    check_worker_url,
+    endpoint_for,
+    first_choice,
+    openai_output,
+    streaming_body,
+    worker_client,
+)
+
+__all__ = [
+    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TrtllmEngine", "context_body",
+    "generation_body", "trtllm_engines",
+]
+
+#: The key under which the handoff payload (the context's ``disaggregated_params``)
+#: carries the context's ``prompt_token_ids`` to the generation request; it is taken out
+#: again there (TensorRT-LLM's ``DisaggregatedParams`` accepts no unknown field).
+PROMPT_TOKEN_IDS_KEY = "prompt_token_ids"
+
+#: TensorRT-LLM's finish reasons: ``not_finished`` means a handoff is needed, like
+#: ``length``; ``timeout`` is a failure.
+TRTLLM_FINISH: Mapping[str, FinishReason] = {
+    **FINISH,
+    "not_finished": FinishReason.LENGTH,
+    "timeout": FinishReason.error("the worker timed the request out"),
+}
+
+
+def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, Any]:
+    """The context request for a client's body (PROTOCOLS.md section 4).
+
+    The client's body with ``stream: false``, ``stream_options: null`` and
+    ``disaggregated_params: {"request_type": "context_only", "disagg_request_id":
+    disagg_request_id}``.
+    """
+    wire = dict(body)
+    wire["stream"] = False
+    wire["stream_options"] = None
+    wire["disaggregated_params"] = {"request_type": "context_only",
+                                    "disagg_request_id": disagg_request_id}
+    return wire
+
+
+def generation_body(request: PreprocessedRequest) -> dict[str, Any]:
+    """The generation request for ``request`` (PROTOCOLS.md section 4).
+
+    The client's body, always streamed (:func:`~trio_disagg.engines.streaming_body`), with
+    ``disaggregated_params`` = the context's (``request.prefill_result``), ``request_type``
+    set to ``"generation_only"``, and the prompt replaced by the context's
+    ``prompt_token_ids`` (``prompt`` for a completion, ``prompt_token_ids`` beside the
+    messages for a chat, as ``trtllm-serve``'s disaggregated server does). Without a
+    prefill result: the client's body without ``disaggregated_params``.
+
+    Raises:
+        WorkerError: status 502: the handoff is not an object.
+    """
+    wire = streaming_body(request)
+    result = request.prefill_result
+    if result is None:
+        wire.pop("disaggregated_params", None)
+        return wire
+    params = result.disaggregated_params
+    if not isinstance(params, Mapping):
+        raise WorkerError(f"the context's disaggregated_params must be an object, got "
+                          f"{params!r:.60}", status=502)
+    handoff = {key: value for key, value in params.items() if key != PROMPT_TOKEN_IDS_KEY}
+    handoff["request_type"] = "generation_only"
+    wire["disaggregated_params"] = handoff
+    ids = params.get(PROMPT_TOKEN_IDS_KEY)
+    if isinstance(ids, list) and ids:
+        if "messages" in wire:
+            wire["prompt_token_ids"] = ids
+        else:
+            wire["prompt"] = ids
+    return wire
+
+
+class _Parser(ChunkParser):
+    def output(self, answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
+        return openai_output(answer, final=final, finish_table=TRTLLM_FINISH)
+
+
+class TrtllmEngine(HttpEngine):
+    """A TensorRT-LLM server, context or generation, as an :class:`~trio_disagg.Engine`
+    (PROTOCOLS.md sections 1 and 4). ``handoff_style`` is ``SEQUENTIAL``.
+
+    **Context** (``role="prefill"``): ``POST`` :func:`context_body` with a fresh random
+    63-bit ``disagg_request_id``, not streamed, to ``/v1/chat/completions`` if the body
+    has ``messages``, else ``/v1/completions``. The answer becomes ONE output: the
+    token's text, its finish reason (``not_finished`` -> ``LENGTH``), the usage (its
+    ``cached_tokens`` is the one the router reports, S4/S10), and
+    ``disaggregated_params`` = ``choices[0].disaggregated_params`` as the server sent it,
+    with ``request_type: "context_only"`` if it had none and the ``disagg_request_id``
+    sent if it had none, plus the answer's ``prompt_token_ids`` under
+    :data:`PROMPT_TOKEN_IDS_KEY`. So the router's classification applies as is: a
+    terminal context (finish not ``length``) is the final answer with no generation
+    request (S7); a non-terminal one whose ``ctx_request_id`` is null or missing is
+    refused before any generation request (S9); one without ``disaggregated_params`` is
+    refused too (S8). Once the context server started answering, a stop no longer closes
+    the connection (only a kill does): aborting a context after its KV is committed
+    would not free the KV, so the answer is always read to its end.
+
+    **Generation** (``role="decode"``): ``POST`` :func:`generation_body` (streamed) and
+    relay the events as :class:`~trio_disagg.engines.VllmEngine` does.
+
+    Errors and cancellation: as :class:`~trio_disagg.engines.VllmEngine`, but for the
+    context answer above.
+
+    Args:
+        url: the server's base URL (``http://host:port``, no ``/v1``).
+        role: ``"prefill"`` (context) or ``"decode"`` (generation).
+        client: the shared client (see :func:`~trio_disagg.engines.worker_client`); the
+            engine never closes it.
+        name: unique within its pool; default ``url``.
+
+    Raises:
+        ValueError: a malformed URL or a bad role.
+    """
+
+    protocol: ClassVar[str] = "TensorRT-LLM"
+
+    def __init__(
+        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+    ) -> None:
+        super().__init__(url, role, client=client, name=name)
+
+    def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
+        if self.role == "prefill":
+            body = context_body(request.body, secrets.randbits(63))
+        else:
+            body = generation_body(request)
+        return endpoint_for(body), body
+
+    def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
+        return _Parser()
+
+    async def _relay(
+        self,
+        response: httpx.Response,
+        request: PreprocessedRequest,
+        path: str,
+        body: Mapping[str, Any],
+        stopper: Stopper,
+        send: SendChannel,
+    ) -> None:
+        if self.role == "prefill":
+            stopper.disarm()  # the context answers: never abort it after the handoff
+        await super()._relay(response, request, path, body, stopper, send)
+
+    def _answer_output(
+        self,
+        answer: Mapping[str, Any],
+        request: PreprocessedRequest,
+        body: Mapping[str, Any],
+        parser: ChunkParser,
+    ) -> LLMEngineOutput | None:
+        output = super()._answer_output(answer, request, body, parser)
+        if output is None or self.role != "prefill":
+            return output
+        choice = first_choice(answer)
+        params = choice.get("disaggregated_params") if choice is not None else None
+        if isinstance(params, Mapping):
+            handoff = dict(params)
+            handoff.setdefault("request_type", "context_only")
+            if handoff.get("disagg_request_id") is None:
+                handoff["disagg_request_id"] = body["disaggregated_params"]["disagg_request_id"]
+            ids = answer.get("prompt_token_ids")
+            if isinstance(ids, list):
+                handoff[PROMPT_TOKEN_IDS_KEY] = ids
+            output.disaggregated_params = handoff
+        output.worker_trace_link = TraceLink(
+            worker_id=self.name, request_id=request.request_id,
+            trace_id=answer.get("id") if isinstance(answer.get("id"), str) else None,
+        )
+        return output
+
+
+def trtllm_engines(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    client: httpx.AsyncClient | None = None,
+) -> tuple[list[TrtllmEngine], list[TrtllmEngine]]:
+    """Make the context and generation engines of a TensorRT-LLM deployment, sharing one
+    client.
+
+    Args:
+        prefill_urls: the context servers' base URLs (``http://host:port``).
+        decode_urls: the generation servers' base URLs.
+        client: the client to share; default a new
+            :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
+            every engine returned. Whoever made it closes it once the router is done.
+
+    Returns:
+        ``(prefill_engines, decode_engines)``, for two
+        :class:`~trio_disagg.WorkerPool`\\ s.
+
+    Raises:
+        ValueError: a malformed URL, or the same URL twice in one role.
+    """
+    check_unique("prefill", list(prefill_urls))
+    check_unique("decode", list(decode_urls))
+    for url in [*prefill_urls, *decode_urls]:
+        check_worker_url(url, TrtllmEngine.protocol)  # before a client is made
+    shared = client if client is not None else worker_client()
+    prefill = [TrtllmEngine(url, "prefill", client=shared) for url in prefill_urls]
+    decode = [TrtllmEngine(url, "decode", client=shared) for url in decode_urls]
+    return prefill, decode

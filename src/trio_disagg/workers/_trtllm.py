@@ -1,0 +1,248 @@
+"""A mock TensorRT-LLM worker over HTTP: a context (prefill) or generation (decode) server
+of ``trtllm-serve`` in disaggregated mode (PROTOCOLS.md sections 4 and 5).
+
+The router sends the context server the client's body with ``disaggregated_params:
+{"request_type": "context_only", "disagg_request_id"}``; the context server computes the
+prompt's KV, keeps it under a fresh ``ctx_request_id`` and answers with
+``choices[0].disaggregated_params`` and ``prompt_token_ids``; the router then sends the
+generation server the client's body with those ``disaggregated_params`` (``request_type:
+"generation_only"``) and the prompt replaced by ``prompt_token_ids``; the generation server
+pulls the KV by ``ctx_request_id`` over loopback before it produces tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, ClassVar
+
+import orjson
+import trio
+
+from ..engines._faults import Fault, FaultKind
+from ..engines._text import (
+    WORDS,
+    TokenStream,
+    cached_prompt_tokens,
+    count_prompt_tokens,
+    prompt_fingerprint,
+)
+from ._asgi import Exchange
+from ._common import MockWorker, Refusal, RemoteKV, Work, usage_dict
+
+__all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
+           "encode_opaque_state"]
+
+#: A body field of this mock only (a test hook, like ``"fault"``): ``"null"`` makes a
+#: context answer ``ctx_request_id: null``, ``"missing"`` leaves it out, both without
+#: staging any KV (the refusals of SEMANTICS.md S9).
+CTX_REQUEST_ID_HOOK = "mock_ctx_request_id"
+
+_TERMINAL_FINISH = {
+    FaultKind.EOS_FIRST_TOKEN: "stop",
+    FaultKind.PREFILL_ERROR_FINISH: "error",
+    FaultKind.PREFILL_CANCELLED_FINISH: "cancelled",
+}
+
+
+def encode_opaque_state(host: str, port: int, engine_id: str, block_ids: list[int]) -> str:
+    """The mock's ``encoded_opaque_state``: where the generation server pulls the KV from
+    (base64 of a JSON object; in TRT-LLM it is the context's communicator state)."""
+    return base64.b64encode(orjson.dumps({
+        "host": host, "port": port, "engine_id": engine_id, "block_ids": block_ids,
+    })).decode()
+
+
+def decode_opaque_state(ctx_request_id: Any, state: Any) -> RemoteKV | str:
+    """Where a generation request pulls its KV from, by its ``ctx_request_id`` and
+    ``encoded_opaque_state``; or why they cannot be used."""
+    if type(ctx_request_id) is not int:
+        return (f"a generation_only request needs an integer ctx_request_id, got "
+                f"{ctx_request_id!r:.60}")
+    try:
+        fields = orjson.loads(base64.b64decode(state, validate=True))
+    except (TypeError, ValueError, binascii.Error, orjson.JSONDecodeError):
+        return f"encoded_opaque_state is not this mock's: {state!r:.60}"
+    if not isinstance(fields, dict):
+        return f"encoded_opaque_state is not this mock's: {state!r:.60}"
+    host, port = fields.get("host"), fields.get("port")
+    engine, blocks = fields.get("engine_id"), fields.get("block_ids")
+    if (not isinstance(host, str) or type(port) is not int or not isinstance(engine, str)
+            or not isinstance(blocks, list) or not all(type(b) is int for b in blocks)):
+        return f"encoded_opaque_state is not this mock's: {fields!r:.80}"
+    return RemoteKV(host=host, port=port, key=str(ctx_request_id), engine_id=engine,
+                    block_ids=tuple(blocks))
+
+
+def prompt_token_ids(seed: int, body: Mapping[str, Any]) -> list[int]:
+    """The mock's tokenization of a prompt: the body's own token ids, or one id per
+    prompt token fixed by the prompt (as many as :func:`count_prompt_tokens` counts)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return list(prompt)
+    stream = TokenStream(seed, "prompt:" + prompt_fingerprint(body).hex())
+    return [stream.next_id() for _ in range(count_prompt_tokens(body))]
+
+
+class MockTrtllmWorker(MockWorker):
+    """A mock TensorRT-LLM worker (context or generation server) as an ASGI 3 application
+    (PROTOCOLS.md sections 4 and 5).
+
+    Endpoints, as ``trtllm-serve``: ``POST /v1/completions`` and
+    ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``, ``GET /health``,
+    ``GET /metrics``, ``GET /stats``, and the mock KV pull ``GET /kv/{ctx_request_id}``
+    (see :class:`~trio_disagg.workers.MockWorker`). Errors are TRT-LLM's
+    ``{"object": "error", "message", ...}``.
+
+    A generation request is served by its ``disaggregated_params.request_type``:
+
+    - ``"context_only"`` (``role="prefill"``; an integer ``disagg_request_id`` if any):
+      compute the prefill (``latency.time_to_first_token``), stage the KV under a fresh
+      integer ``ctx_request_id`` (held until the generation server pulls it, or its lease
+      of ``kv_ttl`` seconds, TRT-LLM's ``kv_transfer_timeout_ms``, expires), and answer one
+      token (not streamed), ``finish_reason: "length"``, ``usage`` with
+      ``prompt_tokens_details.cached_tokens``, ``prompt_token_ids`` and
+      ``choices[0].disaggregated_params: {"request_type": "context_only",
+      "first_gen_tokens", "ctx_request_id", "encoded_opaque_state" (where the KV is),
+      "draft_tokens": null, "disagg_request_id"}``. A context that ends on its first
+      token (``eos_first_token``, ``prefill_error_finish``, ``prefill_cancelled_finish``)
+      answers ``finish_reason`` ``stop`` / ``error`` / ``cancelled`` with
+      ``ctx_request_id: null`` and stages nothing: the final answer (S7).
+    - ``"generation_only"`` (``role="decode"``): pull the KV by ``ctx_request_id`` from
+      the context server named in ``encoded_opaque_state`` (``GET /kv/{ctx_request_id}``,
+      checking every byte), then generate (a failed pull is a decode error); aborted
+      before the pull, it releases the KV.
+    - none: compute the prefill locally, then generate.
+
+    Aborting on connection close: a context request aborted before it answered stages
+    nothing (counted aborted). Once it answered, its KV is committed: closing the
+    connection does not free it, only the generation server's pull does, or the lease
+    (TRT-LLM's ``kv_transfer_timeout_ms``) expiring, which strands it; a router must never
+    abort a context leg after its handoff.
+
+    Faults: as :class:`~trio_disagg.workers.MockVllmWorker`. The body field
+    ``"mock_ctx_request_id"`` (:data:`CTX_REQUEST_ID_HOOK`, ``"null"`` or ``"missing"``)
+    makes a non-terminal context answer without a usable ``ctx_request_id``, staging
+    nothing (the refusals of S9).
+
+    Args: as :class:`~trio_disagg.workers.MockWorker`; ``kv_ttl`` is the context
+    server's ``kv_transfer_timeout``.
+    """
+
+    protocol: ClassVar[str] = "trtllm"
+    owned_by: ClassVar[str] = "tensorrt_llm"
+    flat_errors: ClassVar[bool] = True
+
+    _last_ctx_id = 0
+
+    def _next_ctx_id(self) -> int:
+        """A fresh ``ctx_request_id`` (1, 2, ... per worker)."""
+        self._last_ctx_id += 1
+        return self._last_ctx_id
+
+    def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
+              fault: Fault | None) -> Work:
+        params = body.get("disaggregated_params")
+        if params is not None and not isinstance(params, Mapping):
+            raise Refusal(400, f"disaggregated_params must be an object, got {params!r:.60}")
+        request_type = params.get("request_type") if params is not None else None
+        options = body.get("stream_options")
+        include_usage = body.get("stream") is True and isinstance(options, Mapping) and (
+            options.get("include_usage") is True)
+        fmt = self.openai_format(exchange, body, path)
+        if request_type == "context_only":
+            assert params is not None
+            if self.role != "prefill":
+                raise Refusal(400, f"{self.name} is a generation server: it takes no "
+                                   f"context_only request")
+            disagg_id = params.get("disagg_request_id")
+            if disagg_id is not None and type(disagg_id) is not int:
+                raise Refusal(400, f"disagg_request_id must be an integer, got "
+                                   f"{disagg_id!r:.60}")
+            return partial(self._context, exchange, body, path, fault, disagg_id)
+        if request_type == "generation_only":
+            assert params is not None
+            if self.role != "decode":
+                raise Refusal(400, f"{self.name} is a context server: it takes no "
+                                   f"generation_only request")
+            source = decode_opaque_state(params.get("ctx_request_id"),
+                                         params.get("encoded_opaque_state"))
+            return partial(self._decode, exchange, body, fmt, fault, source,
+                           include_usage=include_usage)
+        if request_type is not None:
+            raise Refusal(400, f"unknown request_type {request_type!r:.60}")
+        return partial(self._decode, exchange, body, fmt, fault, None,
+                       include_usage=include_usage)
+
+    async def _context(self, exchange: Exchange, body: Mapping[str, Any], path: str,
+                       fault: Fault | None, disagg_id: int | None) -> None:
+        """A context request: stage the KV under a fresh ``ctx_request_id``, answer."""
+        kind = fault.kind if fault is not None else None
+        request_id = exchange.request_id or ""
+        prompt_tokens = count_prompt_tokens(body)
+        fmt = self.openai_format(exchange, body, path)
+        kv = self.kv
+        answered = False
+        try:
+            if kind is FaultKind.PREFILL_STALL:
+                await trio.sleep_forever()
+            if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
+                await trio.sleep(delay)
+            if kind is FaultKind.PREFILL_RESET:
+                answered = True
+                await self._reset(exchange, stream=False)  # then the connection closes
+                return
+            if kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
+                answered = True
+                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
+                                           f"request {request_id!r}")
+                return
+            cached = cached_prompt_tokens(self.seed, body, prompt_tokens, kv.block_size)
+            token = TokenStream(self.seed, request_id).next_id()
+            params: dict[str, Any] = {
+                "request_type": "context_only", "first_gen_tokens": [token],
+                "ctx_request_id": None, "encoded_opaque_state": None, "draft_tokens": None,
+                "disagg_request_id": disagg_id,
+            }
+            top = {"prompt_token_ids": prompt_token_ids(self.seed, body)}
+            if kind in _TERMINAL_FINISH:  # S7: the context is the final answer
+                assert kind is not None
+                answered = True
+                eos = kind is FaultKind.EOS_FIRST_TOKEN
+                await exchange.respond(200, fmt.answer(
+                    text=WORDS[token] if eos else "", token_ids=[token] if eos else [],
+                    finish=_TERMINAL_FINISH[kind],
+                    usage=usage_dict(prompt_tokens, 1 if eos else 0, cached),
+                    top=top, choice={"disaggregated_params": params}))
+                return
+            hook = body.get(CTX_REQUEST_ID_HOOK)
+            if hook in ("null", "missing"):  # S9 test hooks: nothing usable, nothing staged
+                if hook == "missing":
+                    del params["ctx_request_id"]
+                answered = True
+                await exchange.respond(200, fmt.answer(
+                    text=WORDS[token], token_ids=[token], finish="length",
+                    usage=usage_dict(prompt_tokens, 1, cached), top=top,
+                    choice={"disaggregated_params": params}))
+                return
+            ctx_id = self._next_ctx_id()
+            entry = kv.stage(str(ctx_id), prompt_tokens)
+            if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
+                kv.release(entry)  # the request failed: the worker frees its KV
+                answered = True
+                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
+                                           f"request {request_id!r} (after staging its KV)")
+                return
+            params["ctx_request_id"] = ctx_id
+            params["encoded_opaque_state"] = encode_opaque_state(
+                self.host, self.port, self.name, list(entry.block_ids))
+            answered = True  # committed: from here on an abort does not free the KV
+            await exchange.respond(200, fmt.answer(
+                text=WORDS[token], token_ids=[token], finish="length",
+                usage=usage_dict(prompt_tokens, 1, cached), top=top,
+                choice={"disaggregated_params": params}))
+        finally:
+            if not answered:
+                kv.note_aborted()  # aborted before it staged anything

@@ -1,0 +1,861 @@
+"""The TensorRT-LLM adapter against the mock TensorRT-LLM workers over real sockets
+(PROTOCOLS.md sections 1, 4 and 5): the context-first handoff with ``ctx_request_id``
+bookkeeping and a KV pull by ``ctx_request_id``, the terminal context (S7), the refusal of
+a context without a usable ``ctx_request_id`` before any generation request (S9), errors
+before and after the first token, a context leg never aborted after its handoff, client
+disconnects that never strand KV (G9, B1, B5), and end to end with the official
+``openai`` client through the router's HTTP server.
+
+Everything runs on 127.0.0.1 with port 0 and the real clock (but the one test of the
+adapter alone, over an httpx mock transport); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, TypeVar
+
+import attrs
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import openai
+import orjson
+import pytest
+import trio
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_disagg import (
+    Annotated,
+    Deadlines,
+    DisaggRouter,
+    FinishKind,
+    HandoffStyle,
+    LLMEngineOutput,
+    NoDisaggregatedParams,
+    PrefillDeadlineExceeded,
+    PrefillError,
+    PrefillResult,
+    PreprocessedRequest,
+    RequestContext,
+    RequestStream,
+    TransferKeeper,
+    TrioDisaggError,
+    WorkerError,
+    WorkerPool,
+)
+from trio_disagg.engines import (
+    PROMPT_TOKEN_IDS_KEY,
+    LatencyModel,
+    TrtllmEngine,
+    cached_prompt_tokens,
+    context_body,
+    count_prompt_tokens,
+    generation_body,
+    trtllm_engines,
+    worker_client,
+)
+from trio_disagg.server import OpenAIApp, create_app, error_for_exception, serve
+from trio_disagg.workers import MockTrtllmWorker, create_mock_worker, serve_worker
+
+Item = Annotated[LLMEngineOutput]
+T = TypeVar("T")
+
+MODEL = "mock-model"
+PROMPT = " ".join(f"word{i}" for i in range(45))  # 45 tokens: 3 blocks, a partial cache hit
+PROMPT_TOKENS = 45
+FAST = LatencyModel(ttft_per_prompt_token=0.0001, inter_token_latency=0.0005,
+                    kv_transfer_per_token=0.0001)
+SLOW_TOKENS = attrs.evolve(FAST, inter_token_latency=0.02)
+#: A long lease (kv_transfer_timeout): every test checks the KV is freed without waiting.
+KV_TTL = 120.0
+
+
+def expected_cached(body: dict[str, Any]) -> int:
+    """The context server's prefix-cache hit for ``body`` (seed 0, 16-token blocks)."""
+    return cached_prompt_tokens(0, body, count_prompt_tokens(body), 16)
+
+
+class Gated:
+    """A generation engine whose first request waits at the gate before reaching the
+    server: the window between the handoff and the generation server's acceptance."""
+
+    def __init__(self, engine: TrtllmEngine) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.handoff_style: HandoffStyle = engine.handoff_style
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+        self.entered = trio.Event()
+        self.gate = trio.Event()
+        self.calls = 0
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            await self.gate.wait()
+        await self.engine.generate(request, context, send_channel, task_status=task_status)
+
+
+@attrs.define(eq=False)
+class Cluster:
+    prefill: MockTrtllmWorker
+    decode: MockTrtllmWorker
+    prefill_url: str
+    decode_url: str
+    client: httpx.AsyncClient
+    keeper: TransferKeeper
+    router: DisaggRouter
+    decode_scope: trio.CancelScope  # cancelling it kills the generation server
+
+    async def settled(self) -> None:
+        """B5: no request, drain or worker request left; no KV block held."""
+        with trio.fail_after(5):
+            await self.router.wait_idle()
+            await self.keeper.wait_idle()
+            await wait_until(lambda: self.prefill.stats.running == 0
+                             and self.decode.stats.running == 0
+                             and self.prefill.kv.counters().held_blocks == 0)
+        assert self.router.in_flight == self.keeper.in_flight == 0
+
+
+async def wait_until(predicate: Callable[[], bool], *, seconds: float = 5.0) -> None:
+    with trio.fail_after(seconds):
+        for _ in range(100_000):
+            if predicate():
+                return
+            await trio.sleep(0.002)
+
+
+async def _serve_in(scope: trio.CancelScope, app: MockTrtllmWorker, *,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await serve_worker(app, task_status=task_status)
+
+
+@asynccontextmanager
+async def trtllm_cluster(
+    *,
+    latency: LatencyModel = FAST,
+    deadlines: Deadlines | None = None,
+    prefill_model: str | None = None,
+    prefill_url: str | None = None,
+    wrap_decode: Callable[[TrtllmEngine], Any] | None = None,
+) -> AsyncIterator[Cluster]:
+    prefill = create_mock_worker("prefill", "trtllm", latency=latency, kv_ttl=KV_TTL,
+                                 model=prefill_model)
+    decode = create_mock_worker("decode", "trtllm", latency=latency)
+    decode_scope = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        prefill_port = await nursery.start(partial(serve_worker, prefill))
+        decode_port = await nursery.start(partial(_serve_in, decode_scope, decode))
+        urls = (prefill_url or f"http://127.0.0.1:{prefill_port}",
+                f"http://127.0.0.1:{decode_port}")
+        async with worker_client() as client:
+            prefill_engines, decode_engines = trtllm_engines([urls[0]], [urls[1]],
+                                                             client=client)
+            decode_engine: Any = decode_engines[0]
+            if wrap_decode is not None:
+                decode_engine = wrap_decode(decode_engines[0])
+            async with TransferKeeper(drain_window=5.0) as keeper:
+                router = DisaggRouter(
+                    WorkerPool(prefill_engines, failure_threshold=1000),
+                    WorkerPool([decode_engine], failure_threshold=1000),
+                    keeper, deadlines=deadlines,
+                )
+                yield Cluster(prefill, decode, urls[0], urls[1], client, keeper, router,
+                              decode_scope)
+        nursery.cancel_scope.cancel()
+
+
+def completion(rid: str, *, max_tokens: int = 5, **fields: Any) -> PreprocessedRequest:
+    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens}
+    body.update(fields)
+    return PreprocessedRequest(request_id=rid, model=MODEL, body=body, max_tokens=max_tokens,
+                               stream=body.get("stream") is True)
+
+
+async def run(cluster: Cluster, request: PreprocessedRequest
+              ) -> tuple[RequestStream, list[Item]]:
+    """Route ``request`` and read its whole stream."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            stream = await cluster.router.stream(nursery, request,
+                                                 RequestContext(request.request_id))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+    return stream, items
+
+
+async def refusal(cluster: Cluster, request: PreprocessedRequest) -> TrioDisaggError:
+    """The error ``router.stream`` raises for ``request``."""
+    error: TrioDisaggError | None = None
+    with trio.fail_after(10):
+        try:
+            async with trio.open_nursery() as nursery:
+                await cluster.router.stream(nursery, request,
+                                            RequestContext(request.request_id))
+        except* TrioDisaggError as group:
+            (error,) = group.exceptions  # type: ignore[assignment]
+    assert error is not None, "the request was not refused"
+    return error
+
+
+def texts(items: list[Item]) -> list[str]:
+    return [item.data.text or "" for item in items if item.data is not None]
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples}
+
+
+# --- the wire: what the adapter sends -----------------------------------------------------
+
+
+def test_context_and_generation_bodies_follow_protocols_section_4() -> None:
+    body = {"model": MODEL, "prompt": "a b c", "stream": True,
+            "stream_options": {"include_usage": False}, "max_tokens": 9}
+    assert context_body(body, 42) == {
+        "model": MODEL, "prompt": "a b c", "stream": False, "stream_options": None,
+        "max_tokens": 9,
+        "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 42}}
+    assert body["stream"] is True  # the client's body is untouched
+    handoff = {"request_type": "context_only", "ctx_request_id": 5, "first_gen_tokens": [7],
+               "encoded_opaque_state": "xyz", "disagg_request_id": 42,
+               PROMPT_TOKEN_IDS_KEY: [1, 2, 3]}
+    request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=9,
+                                  prefill_result=PrefillResult(disaggregated_params=handoff))
+    wire = generation_body(request)
+    assert wire["disaggregated_params"] == {
+        "request_type": "generation_only", "ctx_request_id": 5, "first_gen_tokens": [7],
+        "encoded_opaque_state": "xyz", "disagg_request_id": 42}
+    assert wire["prompt"] == [1, 2, 3]  # the context's prompt_token_ids
+    assert wire["stream"] is True and wire["stream_options"] == {"include_usage": True}
+    chat = attrs.evolve(request, body={"model": MODEL, "messages": [{"role": "user",
+                                                                     "content": "a b c"}]})
+    chat_wire = generation_body(chat)
+    assert chat_wire["prompt_token_ids"] == [1, 2, 3] and "prompt" not in chat_wire
+    assert chat_wire["max_completion_tokens"] == 9  # the router's budget
+    assert "disaggregated_params" not in generation_body(attrs.evolve(
+        request, body={**body, "disaggregated_params": {"x": 1}}, prefill_result=None))
+    engines = trtllm_engines(["http://c:1"], ["http://g:1"], client=httpx.AsyncClient())
+    assert all(e.handoff_style is HandoffStyle.SEQUENTIAL for e in engines[0] + engines[1])
+    with pytest.raises(ValueError, match="unique"):
+        trtllm_engines(["http://c:1", "http://c:1/"], [], client=httpx.AsyncClient())
+
+
+# --- the context-first handoff ------------------------------------------------------------
+
+
+async def test_context_first_handoff_with_cached_tokens_from_the_context() -> None:
+    async with trtllm_cluster() as cluster:
+        request = completion("req-ctx", max_tokens=5, stream_options={"include_usage": False},
+                             return_token_ids=True)
+        stream, items = await run(cluster, request)
+        assert stream.style == "sequential"
+        assert all(not item.is_error for item in items)
+        assert len(texts(items)) == 5 and all(texts(items))
+        last = items[-1].data
+        assert last is not None and last.finish_reason is not None
+        assert last.finish_reason.kind is FinishKind.LENGTH
+        assert last.completion_usage is not None
+        assert (last.completion_usage.prompt_tokens,
+                last.completion_usage.completion_tokens) == (PROMPT_TOKENS, 5)
+        cached = expected_cached({"prompt": PROMPT})
+        assert 0 < cached < PROMPT_TOKENS
+        details = stream.prompt_tokens_details
+        assert details is not None and details.cached_tokens == cached
+        # what each server received: PROTOCOLS.md section 4, one X-Request-Id
+        (seen_context,) = cluster.prefill.seen
+        (seen_generation,) = cluster.decode.seen
+        assert seen_context.request_id == "req-ctx" == seen_generation.request_id
+        disagg_id = seen_context.body["disaggregated_params"]["disagg_request_id"]
+        assert type(disagg_id) is int and 0 <= disagg_id < 1 << 63
+        assert seen_context.body == context_body(request.body, disagg_id)
+        params = seen_generation.body["disaggregated_params"]
+        assert params["request_type"] == "generation_only"
+        assert params["ctx_request_id"] == 1 and params["disagg_request_id"] == disagg_id
+        assert isinstance(params["encoded_opaque_state"], str)
+        assert PROMPT_TOKEN_IDS_KEY not in params
+        prompt = seen_generation.body["prompt"]
+        assert len(prompt) == PROMPT_TOKENS and all(type(t) is int for t in prompt)
+        first = items[0].data
+        assert first is not None and first.token_ids == params["first_gen_tokens"]
+        await cluster.settled()
+        # the generation server pulled the KV by ctx_request_id over loopback
+        counters = cluster.prefill.kv.counters()
+        assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
+        assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
+        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        samples = metric_samples(response.text)
+        assert samples["trio_disagg_mock_kv_held_blocks"] == 0
+        assert samples["trio_disagg_mock_kv_served_requests_total"] == 1
+
+
+async def test_chat_handoff_sends_the_prompt_token_ids() -> None:
+    async with trtllm_cluster() as cluster:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                "max_completion_tokens": 4}
+        stream, items = await run(cluster, PreprocessedRequest(
+            request_id="chat-1", model=MODEL, body=body, max_tokens=4))
+        assert len(texts(items)) == 4 and all(texts(items))
+        (seen_generation,) = cluster.decode.seen
+        assert seen_generation.path == "/v1/chat/completions"
+        assert seen_generation.body["messages"] == body["messages"]
+        assert len(seen_generation.body["prompt_token_ids"]) == PROMPT_TOKENS
+        details = stream.prompt_tokens_details
+        assert details is not None and details.cached_tokens == expected_cached(body)
+        await cluster.settled()
+
+
+@pytest.mark.parametrize(("fault", "kind"), [
+    ("eos_first_token", FinishKind.STOP),
+    ("prefill_cancelled_finish", FinishKind.CANCELLED),
+    ("prefill_error_finish", FinishKind.ERROR),
+])
+async def test_S7_terminal_context_is_the_answer(fault: str, kind: FinishKind) -> None:
+    async with trtllm_cluster() as cluster:
+        stream, items = await run(cluster, completion("term", fault=fault))
+        assert stream.style == "terminal"
+        (item,) = items
+        assert item.data is not None and item.data.finish_reason is not None
+        assert item.data.finish_reason.kind is kind
+        assert item.data.disaggregated_params is None  # removed before the client sees it
+        assert not cluster.decode.seen  # no generation request
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().staged_blocks == 0
+
+
+@pytest.mark.parametrize("hook", ["null", "missing"])
+async def test_S9_context_without_a_usable_ctx_request_id_sends_no_generation_request(
+        hook: str) -> None:
+    async with trtllm_cluster() as cluster:
+        error = await refusal(cluster, completion("s9", mock_ctx_request_id=hook))
+        assert isinstance(error, NoDisaggregatedParams)
+        assert "no usable ctx_request_id" in str(error)
+        assert error_for_exception(error).status == 502
+        assert not cluster.decode.seen  # S9: refused before any generation request
+        (seen_context,) = cluster.prefill.seen
+        assert seen_context.body["disaggregated_params"]["request_type"] == "context_only"
+        await cluster.settled()
+        assert cluster.router.counters.staged_kv_cleanups == 0
+
+
+# --- errors before the first byte ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 429])
+async def test_context_4xx_is_passed_through(status: int) -> None:
+    async with trtllm_cluster() as cluster:
+        error = await refusal(cluster, completion("rej", fault=f"prefill_reject:{status}"))
+        assert isinstance(error, PrefillError)
+        cause = error.__cause__
+        assert isinstance(cause, WorkerError) and cause.status == status
+        assert str(cause).startswith(cluster.prefill.name + " refused request 'rej'")
+        client_error = error_for_exception(error)
+        assert (client_error.status, client_error.message) == (status, str(cause))
+        assert not cluster.decode.seen
+        await cluster.settled()
+
+
+async def test_context_unknown_model_404_is_passed_through() -> None:
+    async with trtllm_cluster(prefill_model=MODEL) as cluster:
+        request = completion("model-1")
+        request.body["model"] = "no-such-model"
+        error = await refusal(cluster, request)
+        assert isinstance(error, PrefillError) and isinstance(error.__cause__, WorkerError)
+        assert error.__cause__.status == 404
+        assert str(error.__cause__) == "The model `no-such-model` does not exist."
+
+
+@pytest.mark.parametrize("fault", ["prefill_reject:503", "prefill_fail_before_handoff",
+                                   "prefill_fail_after_handoff"])
+async def test_context_5xx_is_502_with_the_workers_message(fault: str) -> None:
+    async with trtllm_cluster() as cluster:
+        error = await refusal(cluster, completion("p5", fault=fault))
+        assert isinstance(error, PrefillError)
+        cause = error.__cause__
+        assert isinstance(cause, WorkerError) and cause.status == 502
+        assert cluster.prefill_url in str(cause)
+        assert fault.partition(":")[0] in str(cause)  # the worker's own message
+        assert error_for_exception(error).status == 502
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().held_blocks == 0
+
+
+async def test_context_unreachable_is_502() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: the connection is refused
+        async with trtllm_cluster(prefill_url=f"http://127.0.0.1:{port}") as cluster:
+            error = await refusal(cluster, completion("gone"))
+            assert isinstance(error, PrefillError)
+            assert isinstance(error.__cause__, WorkerError)
+            assert error.__cause__.status == 502
+            assert "ConnectError" in str(error.__cause__)
+
+
+async def test_context_reset_is_a_prefill_error() -> None:
+    async with trtllm_cluster() as cluster:
+        error = await refusal(cluster, completion("reset", fault="prefill_reset"))
+        assert isinstance(error, PrefillError)
+        assert "failed mid-stream" in str(error) and cluster.prefill_url in str(error)
+        await cluster.settled()
+
+
+async def test_B2_context_deadline_closes_the_context_connection() -> None:
+    async with trtllm_cluster(deadlines=Deadlines(prefill=0.3)) as cluster:
+        error = await refusal(cluster, completion("stall", fault="prefill_stall"))
+        assert isinstance(error, PrefillDeadlineExceeded)
+        # before the context answered, its own deadline closes the connection
+        await wait_until(lambda: cluster.prefill.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().aborted == 1
+
+
+async def test_B1_generation_reject_then_b1_consumes_the_kv() -> None:
+    async with trtllm_cluster() as cluster:
+        error = await refusal(cluster, completion("drej", fault="decode_reject:503"))
+        assert isinstance(error, WorkerError) and error.status == 502
+        assert cluster.decode_url in str(error)
+        await cluster.settled()  # B1: a minimal generation request pulled the KV
+        assert cluster.router.counters.staged_kv_cleanups == 1
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.stranded_blocks) == (1, 0)
+
+
+# --- the context leg is never aborted after its handoff -----------------------------------
+
+
+async def test_context_leg_is_never_aborted_after_its_handoff() -> None:
+    """A stop before the context server answers closes the connection (nothing is
+    committed yet); a stop once it answers does not: its KV is committed, and closing would
+    not free it, so the answer is read to its end."""
+    answer = {"id": "cmpl-1", "object": "text_completion", "model": MODEL,
+              "choices": [{"index": 0, "text": " x", "finish_reason": "length",
+                           "disaggregated_params": {"request_type": "context_only",
+                                                    "ctx_request_id": 7}}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+              "prompt_token_ids": [1, 2, 3]}
+    answering = trio.Event()
+    release = trio.Event()
+    read_to_the_end: list[bool] = []
+
+    class Body:
+        """The answer's body, sent once the test releases it (the headers went first)."""
+
+        def __init__(self) -> None:
+            self.sent = False
+
+        def __aiter__(self) -> Body:
+            return self
+
+        async def __anext__(self) -> bytes:
+            if self.sent:
+                read_to_the_end.append(True)
+                raise StopAsyncIteration
+            answering.set()
+            await release.wait()
+            self.sent = True
+            return orjson.dumps(answer)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.headers["x-request-id"] == "before":
+            await trio.sleep_forever()  # still computing when stopped
+        return httpx.Response(200, headers={"content-type": "application/json"},
+                              content=Body())
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        engine = TrtllmEngine("http://context:8000", "prefill", client=client)
+        results: dict[str, list[Item]] = {}
+        for rid in ("before", "after"):
+            context = RequestContext(rid)
+            send, receive = trio.open_memory_channel[Item](4)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as nursery:
+                    if rid == "before":
+                        nursery.start_soon(partial(engine.generate, completion(rid), context,
+                                                   send))
+                        await trio.sleep(0.05)
+                    else:
+                        await nursery.start(engine.generate, completion(rid), context, send)
+                        await answering.wait()
+                    context.stop_generating()
+                    release.set()
+                    with receive:
+                        results[rid] = [item async for item in receive]
+    (stopped,) = results["before"]
+    assert stopped.data is not None and stopped.data.finish_reason is not None
+    assert stopped.data.finish_reason.kind is FinishKind.CANCELLED
+    (handoff,) = results["after"]
+    assert read_to_the_end == [True]
+    assert handoff.data is not None and handoff.data.finish_reason is not None
+    assert handoff.data.finish_reason.kind is FinishKind.LENGTH
+    params = handoff.data.disaggregated_params
+    assert isinstance(params, dict)
+    assert params["ctx_request_id"] == 7 and params[PROMPT_TOKEN_IDS_KEY] == [1, 2, 3]
+    assert type(params["disagg_request_id"]) is int  # the one sent, as the server omitted it
+
+
+# --- generation failures after acceptance -------------------------------------------------
+
+
+async def test_G4_generation_failure_before_the_first_token() -> None:
+    async with trtllm_cluster() as cluster:
+        _, items = await run(cluster, completion("dfb", fault="decode_fail_before_first_token"))
+        (item,) = items
+        assert item.is_error
+        message = item.error_message() or ""
+        assert message.startswith(f"decode worker {cluster.decode_url} reported an error")
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()  # it told the context server to free it
+        assert (counters.aborted, counters.freed_blocks, counters.served) == (1, 3, 0)
+
+
+async def test_G4_generation_error_after_the_first_token() -> None:
+    async with trtllm_cluster() as cluster:
+        _, items = await run(cluster, completion("dea", max_tokens=6, fault="decode_error_at:2"))
+        assert [item.is_error for item in items] == [False, False, True]
+        assert "decode_error_at" in (items[-1].error_message() or "")
+        await cluster.settled()
+
+
+async def test_generation_reset_mid_stream_is_an_error_item() -> None:
+    async with trtllm_cluster() as cluster:
+        _, items = await run(cluster, completion("drs", max_tokens=6, fault="decode_reset_at:3"))
+        assert [item.is_error for item in items] == [False, False, False, True]
+        assert "mid-stream" in (items[-1].error_message() or "")
+        await cluster.settled()
+
+
+async def test_generation_server_death_mid_stream_is_an_error_item() -> None:
+    async with trtllm_cluster() as cluster:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("death", max_tokens=8, fault="decode_stall_at:2"),
+                    RequestContext("death"))
+                with stream.outputs:
+                    items = [await stream.outputs.receive() for _ in range(2)]
+                    cluster.decode_scope.cancel()  # the generation server dies
+                    items.extend([item async for item in stream.outputs])
+        assert [item.is_error for item in items] == [False, False, True]
+        assert cluster.decode_url in (items[-1].error_message() or "")
+        with trio.fail_after(5):
+            await cluster.keeper.wait_idle()
+        assert cluster.prefill.kv.counters().held_blocks == 0  # pulled before it died
+
+
+async def test_stop_generating_closes_the_generation_response() -> None:
+    async with trtllm_cluster(latency=SLOW_TOKENS) as cluster:
+        context = RequestContext("stop-1")
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("stop-1", max_tokens=200), context)
+                with stream.outputs:
+                    first = await stream.outputs.receive()
+                    context.stop_generating()
+                    rest = [item async for item in stream.outputs]
+        assert first.data is not None and first.data.text
+        last = rest[-1]
+        assert last.data is not None and last.data.finish_reason is not None
+        assert last.data.finish_reason.kind is FinishKind.CANCELLED
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+
+
+# --- client disconnects: never abort the context, never strand KV (G9, B1) ----------------
+
+
+async def test_G9_B1_disconnect_during_the_context() -> None:
+    slow_context = attrs.evolve(FAST, ttft_per_prompt_token=0.01)  # 0.45 s
+    async with trtllm_cluster(latency=slow_context) as cluster:
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dp"),
+                                   RequestContext("dp"))
+                await wait_until(lambda: cluster.prefill.stats.running == 1)
+                nursery.cancel_scope.cancel()  # the client goes away
+        await cluster.settled()  # within 5 s; the lease is 120 s
+        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
+        assert cluster.router.counters.staged_kv_cleanups == 1  # B1 pulled it
+
+
+async def test_B1_disconnect_at_the_handoff() -> None:
+    gated: list[Gated] = []
+
+    def wrap(engine: TrtllmEngine) -> Gated:
+        gated.append(Gated(engine))
+        return gated[0]
+
+    async with trtllm_cluster(wrap_decode=wrap) as cluster:
+        (gate,) = gated
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dh"),
+                                   RequestContext("dh"))
+                with trio.fail_after(5):
+                    await gate.entered.wait()  # the handoff is ready, the decode not accepted
+                assert cluster.prefill.kv.counters().held_blocks == 3
+                nursery.cancel_scope.cancel()
+        gate.gate.set()
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
+        assert cluster.router.counters.staged_kv_cleanups == 1
+        assert gate.calls == 2
+
+
+async def test_G9_disconnect_during_the_kv_pull() -> None:
+    slow_pull = attrs.evolve(FAST, kv_transfer_per_token=0.02)  # 0.9 s
+    async with trtllm_cluster(latency=slow_pull) as cluster:
+        kv = cluster.prefill.kv
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dk"),
+                                   RequestContext("dk"))
+                # claimed by the generation server's pull, not yet transferred
+                await wait_until(lambda: kv.counters().held_blocks == 3
+                                 and kv.lookup("1") is None)
+                nursery.cancel_scope.cancel()
+        await cluster.settled()
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
+        counters = kv.counters()  # the interrupted transfer freed the blocks at once
+        assert (counters.served, counters.aborted, counters.stranded_blocks) == (0, 1, 0)
+
+
+async def test_G9_disconnect_mid_stream() -> None:
+    async with trtllm_cluster(latency=SLOW_TOKENS) as cluster:
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("ds", max_tokens=200), RequestContext("ds"))
+                with stream.outputs:
+                    for _ in range(3):
+                        await stream.outputs.receive()
+                nursery.cancel_scope.cancel()
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.aborted) == (1, 0)
+
+
+async def test_twenty_concurrent_requests_get_twenty_ctx_request_ids() -> None:
+    async with trtllm_cluster() as cluster:
+        results: dict[int, list[Item]] = {}
+
+        async def one(i: int) -> None:
+            _, results[i] = await run(cluster, completion(f"c-{i}", max_tokens=8))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(one, i)
+        assert all(len(texts(items)) == 8 for items in results.values())
+        assert all(not any(item.is_error for item in items) for items in results.values())
+        ids = {seen.body["disaggregated_params"]["ctx_request_id"] for seen in cluster.decode.seen}
+        assert ids == set(range(1, 21))
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.staged_blocks, counters.freed_blocks) == (20, 60, 60)
+
+
+# --- the mock workers on their own --------------------------------------------------------
+
+
+async def test_mock_trtllm_workers_context_answers_and_lease() -> None:
+    context = create_mock_worker("prefill", "trtllm", latency=LatencyModel.zero(), kv_ttl=0.2,
+                                 model=MODEL)
+    generation = create_mock_worker("decode", "trtllm", latency=LatencyModel.zero())
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_worker, context))
+        gen_port = await nursery.start(partial(serve_worker, generation))
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+        async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+            models = (await client.get("/v1/models")).json()
+            assert models["data"][0]["owned_by"] == "tensorrt_llm"
+            bad = await client.post("/v1/completions", content=b"{nope")
+            assert bad.status_code == 400 and bad.json()["object"] == "error"
+            answer = (await client.post("/v1/completions", json=context_body(body, 99),
+                                        headers={"x-request-id": "lease"})).json()
+            params = answer["choices"][0]["disaggregated_params"]
+            assert (params["request_type"], params["ctx_request_id"],
+                    params["disagg_request_id"]) == ("context_only", 1, 99)
+            assert len(params["first_gen_tokens"]) == 1
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert len(answer["prompt_token_ids"]) == PROMPT_TOKENS
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+                expected_cached({"prompt": PROMPT})
+            assert context.kv.counters().held_blocks == 3
+            gen_url = f"http://127.0.0.1:{gen_port}/v1/completions"
+            wrong = await client.post(gen_url, json=context_body(body, 1))
+            assert wrong.status_code == 400  # a generation server takes no context request
+            await trio.sleep(0.3)  # nobody pulls: the lease expires, the blocks are stranded
+            samples = metric_samples((await client.get("/metrics")).text)
+            assert samples["trio_disagg_mock_kv_held_blocks"] == 0
+            assert samples["trio_disagg_mock_kv_stranded_blocks_total"] == 3
+            late = await client.post(gen_url, json={
+                **body, "prompt": answer["prompt_token_ids"],
+                "disaggregated_params": {**params, "request_type": "generation_only"}})
+            assert late.status_code == 500 and "expired" in late.json()["message"]
+            forged = await client.post(gen_url, json={
+                **body, "disaggregated_params": {"request_type": "generation_only",
+                                                 "ctx_request_id": 1,
+                                                 "encoded_opaque_state": "not base64!"}})
+            assert forged.status_code == 500 and "encoded_opaque_state" in forged.text
+        nursery.cancel_scope.cancel()
+
+
+# --- end to end: the openai client, the router's HTTP server, the mock TRT-LLM servers ----
+
+
+@attrs.define(eq=False)
+class Served:
+    url: str
+    app: OpenAIApp
+    cluster: Cluster
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=20.0)
+
+
+@asynccontextmanager
+async def served(**options: Any) -> AsyncIterator[Served]:
+    async with trtllm_cluster(**options) as cluster:
+        app = create_app(cluster.router, models=[MODEL])
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,
+                                               shutdown_trigger=stop.wait,
+                                               graceful_timeout=5.0))
+            yield Served(f"http://127.0.0.1:{port}", app, cluster)
+            stop.set()
+
+
+async def in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter | None = None) -> T:
+    with trio.fail_after(20):
+        return await trio.to_thread.run_sync(fn, limiter=limiter)
+
+
+async def test_e2e_completions_streamed_and_not() -> None:
+    async with served() as server:
+        client = server.openai()
+        cached = expected_cached({"prompt": PROMPT})
+        raw = await in_thread(lambda: client.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=7, extra_headers={"X-Request-Id": "e2e-1"}))
+        answer: Completion = raw.parse()
+        assert raw.headers["x-request-id"] == "e2e-1"
+        assert answer.choices[0].finish_reason == "length" and answer.choices[0].text
+        assert answer.usage is not None
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (45, 7)
+        assert answer.usage.prompt_tokens_details is not None
+        assert answer.usage.prompt_tokens_details.cached_tokens == cached
+        cluster = server.cluster
+        assert cluster.prefill.seen[-1].request_id == "e2e-1" == cluster.decode.seen[-1].request_id
+
+        def stream() -> list[Completion]:
+            return list(client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=6, stream=True,
+                stream_options={"include_usage": True}))
+
+        *chunks, usage_chunk = await in_thread(stream)
+        assert "".join(chunk.choices[0].text for chunk in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert usage_chunk.usage is not None and usage_chunk.usage.completion_tokens == 6
+        assert usage_chunk.usage.prompt_tokens_details is not None
+        assert usage_chunk.usage.prompt_tokens_details.cached_tokens == cached
+        await cluster.settled()
+
+
+async def test_e2e_chat_streamed_and_not() -> None:
+    async with served() as server:
+        client = server.openai()
+        messages: Any = [{"role": "user", "content": PROMPT}]
+        chat: ChatCompletion = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=messages, max_completion_tokens=5))
+        assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
+        assert chat.usage is not None and chat.usage.completion_tokens == 5
+
+        def stream() -> list[ChatCompletionChunk]:
+            return list(client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, stream=True))
+
+        chunks = await in_thread(stream)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        await server.cluster.settled()
+
+
+async def test_e2e_S7_terminal_context_and_S9_refusal() -> None:
+    async with served() as server:
+        client = server.openai()
+        answer: Completion = await in_thread(lambda: client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=7, extra_body={"fault": "eos_first_token"}))
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].text
+        async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as http:
+            refused = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "stream": True,
+                "mock_ctx_request_id": "null"})
+            assert refused.status_code == 502
+            assert "no usable ctx_request_id" in refused.json()["error"]["message"]
+        assert not server.cluster.decode.seen  # no generation request for either
+        await server.cluster.settled()
+
+
+async def test_e2e_errors() -> None:
+    async with served() as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as http:
+            rejected = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:429"})
+            assert rejected.status_code == 429
+            assert "refused request" in rejected.json()["error"]["message"]
+            failed = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:500"})
+            assert failed.status_code == 502
+            streamed = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True,
+                "fault": "decode_reset_at:2"})
+            assert streamed.status_code == 200
+            events = streamed.content.split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""]
+            error = orjson.loads(events[-3].removeprefix(b"data: "))
+            assert server.cluster.decode_url in error["error"]["message"]
+        await server.cluster.settled()
+
+
+async def test_e2e_client_disconnect_aborts_the_generation_only() -> None:
+    async with served(latency=SLOW_TOKENS) as server:
+        cluster = server.cluster
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=10.0) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the first token: hang up
+        await wait_until(lambda: cluster.decode.stats.aborted == 1)
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 0
+        assert cluster.prefill.kv.counters().served == 1
