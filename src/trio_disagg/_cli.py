@@ -20,7 +20,7 @@ from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinit
 from ._router import Deadlines, DisaggRouter
 from .engines import LatencyModel, mock_cluster, vllm_client
 from .server import create_app, serve
-from .workers import PROTOCOLS, serve_mock_worker
+from .workers import PROTOCOLS, create_mock_worker, serve_worker
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                             help="seconds per prompt token to move the KV")
     worker_cmd.add_argument("--kv-ttl", type=float, default=30.0,
                             help="seconds staged KV waits for its decode")
+    worker_cmd.add_argument("--bootstrap-port", type=int,
+                            help="sglang prefill only: the bootstrap port (default 8998; "
+                                 "0 picks a free one)")
+    worker_cmd.add_argument("--bootstrap-timeout", type=float, default=300.0,
+                            help="sglang only: seconds either side of a bootstrap room "
+                                 "waits for the other")
 
     demo_cmd = commands.add_parser(
         "demo", help="run the whole router on mock workers with a mixed workload",
@@ -159,6 +165,18 @@ async def mock_worker_command(args: argparse.Namespace) -> None:
     latency = LatencyModel(ttft_per_prompt_token=args.ttft_per_token,
                            inter_token_latency=args.itl,
                            kv_transfer_per_token=args.kv_transfer_per_token)
+    sglang_prefill = (args.protocol, args.role) == ("sglang", "prefill")
+    if args.bootstrap_port is not None and not sglang_prefill:
+        raise SystemExit("--bootstrap-port is for --protocol sglang --role prefill only")
+    if sglang_prefill and args.bootstrap_port is None:
+        args.bootstrap_port = 8998  # SGLang's default
+    try:
+        app = create_mock_worker(
+            args.role, args.protocol, model=args.model, latency=latency, seed=args.seed,
+            kv_ttl=args.kv_ttl, bootstrap_port=args.bootstrap_port,
+            bootstrap_timeout=args.bootstrap_timeout)
+    except ValueError as exc:
+        raise SystemExit(f"trio-disagg mock-worker: {exc}") from None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
         async def shutdown_trigger() -> None:
@@ -167,11 +185,12 @@ async def mock_worker_command(args: argparse.Namespace) -> None:
 
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(
-                serve_mock_worker, args.role, args.protocol, args.host, args.port,
-                model=args.model, latency=latency, seed=args.seed, kv_ttl=args.kv_ttl,
+                serve_worker, app, host=args.host, port=args.port,
                 shutdown_trigger=shutdown_trigger))
+            bootstrap = getattr(app, "bootstrap_port", None)
+            extra = f", bootstrap port {bootstrap}" if bootstrap is not None else ""
             print(f"trio-disagg: mock {args.protocol} {args.role} worker on "
-                  f"http://{args.host}:{port}", flush=True)
+                  f"http://{args.host}:{port}{extra}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,9 +37,17 @@ from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import KVCounters, LatencyModel, mock_cluster, vllm_client, vllm_engines
+from .engines import (
+    KVCounters,
+    LatencyModel,
+    mock_cluster,
+    sglang_engines,
+    trtllm_engines,
+    vllm_engines,
+    worker_client,
+)
 from .server import create_app, serve
-from .workers import serve_mock_worker
+from .workers import Role, create_mock_worker, serve_worker
 
 MODEL = "trio-disagg-mock"
 
@@ -89,23 +97,28 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
     """Two prefill and two decode mock workers speaking ``protocol`` on loopback ports,
     and the adapter engines that drive them over HTTP. The KV counters are read from each
     prefill worker's ``GET /metrics``, as an operator would."""
-    ports: dict[str, list[int]] = {"prefill": [], "decode": []}
-    for role in ("prefill", "decode"):
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    prefill_specs: list[str] = []
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    for role in roles:
         for _ in range(2):
-            port = await nursery.start(partial(
-                serve_mock_worker, role, protocol, "127.0.0.1", 0, latency=DEMO_LATENCY,
-                seed=seed, kv_ttl=30.0,
-            ))
-            ports[role].append(port)
-    prefill_urls = [f"http://127.0.0.1:{port}" for port in ports["prefill"]]
-    decode_urls = [f"http://127.0.0.1:{port}" for port in ports["decode"]]
-    client = vllm_client()
+            # An SGLang prefill worker also listens on a bootstrap port: any free one.
+            sglang_prefill = (protocol, role) == ("sglang", "prefill")
+            app = create_mock_worker(role, protocol, latency=DEMO_LATENCY, seed=seed,
+                                     kv_ttl=30.0, bootstrap_port=0 if sglang_prefill else None)
+            port = await nursery.start(partial(serve_worker, app, host="127.0.0.1", port=0))
+            url = f"http://127.0.0.1:{port}"
+            urls[role].append(url)
+            if role == "prefill":
+                bound = getattr(app, "bootstrap_port", None)
+                prefill_specs.append(url if bound is None else f"{url},{bound}")
+    client = worker_client()
     nursery.start_soon(_close_at_cancel, client)
-    prefill, decode = ADAPTERS[protocol](prefill_urls, decode_urls, client=client)
+    prefill, decode = ADAPTERS[protocol](prefill_specs, urls["decode"], client=client)
 
     async def counters() -> KVCounters:
         total = KVCounters()
-        for url in prefill_urls:
+        for url in urls["prefill"]:
             response = await client.get(f"{url}/metrics")
             response.raise_for_status()
             total += _kv_from_metrics(response.text)
@@ -114,8 +127,11 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
     return Backend(protocol, protocol != "sglang", list(prefill), list(decode), counters)
 
 
+#: The HTTP adapters by protocol name: ``(prefill specs, decode URLs, client=)`` to engines.
 ADAPTERS: dict[str, Callable[..., tuple[Sequence[Engine], Sequence[Engine]]]] = {
     "vllm": vllm_engines,
+    "sglang": sglang_engines,
+    "trtllm": trtllm_engines,
 }
 
 
