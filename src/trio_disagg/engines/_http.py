@@ -430,7 +430,13 @@ class HttpEngine:
                     if output.finish_reason is not None:
                         final = output
                         continue
-                    await send.send(Annotated(data=output))
+                    item = Annotated(data=output)
+                    try:
+                        # Without a schedule point while the channel has room: the worker's
+                        # burst of events (one TCP read) moves on as a burst.
+                        send.send_nowait(item)
+                    except trio.WouldBlock:
+                        await send.send(item)
         except httpx.HTTPError as exc:
             if final is None:
                 await send.send(self._error(f"failed mid-stream: {describe(exc)}"))
