@@ -202,6 +202,27 @@ async def test_S7_terminal_prefill_answers_without_decode(
         assert h.cluster.counters().staged_blocks == 0
 
 
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [("eos_first_token", FinishKind.EOS), ("prefill_error_finish", FinishKind.ERROR),
+     ("prefill_cancelled_finish", FinishKind.CANCELLED)],
+)
+async def test_S7_terminal_prefill_in_the_bootstrap_style_ends_the_stream_at_once(
+    autojump_clock: trio.abc.Clock, fault: str, kind: FinishKind
+) -> None:
+    """The decode was dispatched alongside the prefill, but the prefill answered by itself
+    and staged nothing: its answer ends the stream at once, not a decode-idle deadline."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT, deadlines=Deadlines(decode_idle=600))
+        start = trio.current_time()
+        stream, items = await h.run(make_request(fault=fault))
+        assert trio.current_time() - start < 5
+        assert stream.style == "bootstrap"
+        assert [finish_of(item) for item in items] == [kind]
+        await h.settle()
+        h.assert_clean()
+
+
 # --- faults --------------------------------------------------------------------------------
 
 
@@ -480,7 +501,7 @@ async def test_B3_keeper_cancels_drains_left_after_the_window(
                                                           terminal_hold=1000))
         with trio.move_on_after(0.05):
             await h.run(make_request(fault="prefill_stall"))
-        assert keeper.in_flight == 1
+        assert keeper.in_flight == 2  # the stalled prefill, and the decode leg in its room
         start = trio.current_time()
     assert trio.current_time() - start == pytest.approx(3)
     assert keeper.in_flight == 0
@@ -567,3 +588,9 @@ async def test_C4_C5_client_stop_reaches_decode_but_not_prefill(
         await h.settle()
         assert stream.prefill.succeeded  # the prefill was not stopped (C5, G9)
         h.assert_clean()
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, math.nan])
+def test_B2_deadlines_must_be_positive_seconds(bad: float) -> None:
+    with pytest.raises(ValueError, match="prefill deadline must be > 0 seconds"):
+        Deadlines(prefill=bad)

@@ -89,8 +89,7 @@ def in_process_backend(name: str, style: HandoffStyle, seed: int) -> Backend:
     async def counters() -> KVCounters:
         return cluster.counters()
 
-    return Backend(name, style is HandoffStyle.SEQUENTIAL, list(cluster.prefill),
-                   list(cluster.decode), counters)
+    return Backend(name, True, list(cluster.prefill), list(cluster.decode), counters)
 
 
 async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backend:
@@ -124,7 +123,7 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
             total += _kv_from_metrics(response.text)
         return total
 
-    return Backend(protocol, protocol != "sglang", list(prefill), list(decode), counters)
+    return Backend(protocol, True, list(prefill), list(decode), counters)
 
 
 #: The HTTP adapters by protocol name: ``(prefill specs, decode URLs, client=)`` to engines.

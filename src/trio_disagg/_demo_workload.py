@@ -95,8 +95,7 @@ def default_scenarios(backend: str, *, terminal: bool) -> list[Scenario]:
         Scenario(prefix + "decode stalls", Outcome.TIMEOUT, fault="decode_stall",
                  backend=backend),
     ]
-    if terminal:
-        # A terminal prefill (S7) only exists where the prefill answers first.
+    if terminal:  # S7: the prefill answers by itself; no decode (or the decode is stopped)
         scenarios += [
             Scenario(prefix + "EOS on first token", Outcome.OK, fault="eos_first_token",
                      backend=backend),

@@ -11,6 +11,7 @@ import trio
 from ._context import RequestContext
 from ._errors import DeadlineExceeded, PrefillError
 from ._keeper import PrefillTask
+from ._prefill import Terminal
 from ._protocols import Annotated, FinishKind, LLMEngineOutput
 
 T = TypeVar("T")
@@ -122,6 +123,17 @@ class Gatekeeper:
             if self.prefill.failed:
                 scope.cancel()
 
+    async def _cancel_on_prefill_end(self, scope: trio.CancelScope) -> None:
+        """While forwarding: a failure (G6) or a terminal answer (S7) ends the stream."""
+        await self.prefill.wait_done()
+        if self.prefill.failed or self._prefill_answer() is not None:
+            scope.cancel()
+
+    def _prefill_answer(self) -> Item | None:
+        """The prefill's own answer, if it finished the request by itself (S7)."""
+        completion = self.prefill.value
+        return completion.output if isinstance(completion, Terminal) else None
+
     async def forward(
         self,
         decode_outputs: trio.MemoryReceiveChannel[Item],
@@ -161,7 +173,7 @@ class Gatekeeper:
             if not self.prefill.done:
                 escaped: Exception | None = None
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._cancel_on_prefill_failure, nursery.cancel_scope)
+                    nursery.start_soon(self._cancel_on_prefill_end, nursery.cancel_scope)
                     try:
                         error = await self._forward_while_pending(decode_outputs, send_channel)
                     except Exception as exc:  # e.g. BrokenResourceError: the client closed
@@ -172,6 +184,8 @@ class Gatekeeper:
             if not self._ended and error is None:
                 if self.prefill.failed:
                     error = self.prefill.error  # G5, G6
+                elif (answer := self._prefill_answer()) is not None:
+                    await self._answer(answer, send_channel, decode_context)
                 else:
                     await self._pass_through(decode_outputs, send_channel)
         except DeadlineExceeded as exc:
@@ -224,8 +238,10 @@ class Gatekeeper:
                     await prefill.wait_done()  # G5: hold the success terminal
                 if not prefill.done:
                     return DeadlineExceeded("terminal hold", self.terminal_hold_timeout)
-                if prefill.failed:
-                    return None  # the caller replaces the terminal with the prefill error
+                if prefill.failed or self._prefill_answer() is not None:
+                    # The caller replaces the terminal with the prefill's error (G5) or with
+                    # the prefill's own answer (S7).
+                    return None
                 if item is not None:
                     await send_channel.send(item)
                 self._ended = True
@@ -254,6 +270,20 @@ class Gatekeeper:
             if item.event == "error" or (data is not None and data.finish_reason is not None):
                 break
         self._ended = True
+
+    async def _answer(
+        self,
+        answer: Item,
+        send_channel: trio.MemorySendChannel[Item],
+        decode_context: RequestContext | None,
+    ) -> None:
+        """S7 for a decode dispatched alongside its prefill (the bootstrap style): the
+        prefill finished the request on its first token and staged nothing, so the decode
+        has nothing to pull. Its answer ends the stream; the decode leg is stopped."""
+        self._ended = True
+        if decode_context is not None:
+            decode_context.stop_generating()
+        await send_channel.send(answer)
 
     async def _fail(
         self,

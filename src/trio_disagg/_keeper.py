@@ -111,7 +111,7 @@ class TransferKeeper:
         self.drain_window = drain_window
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
-        self._in_flight: dict[PrefillTask[Any], None] = {}
+        self._in_flight: dict[object, None] = {}  # drains and legs, by identity
         self._idle = trio.Event()
         self._idle.set()
         self.started_total = 0
@@ -241,9 +241,80 @@ class TransferKeeper:
         else:
             task._finish(value, None)
         finally:
-            del self._in_flight[task]
-            if not self._in_flight:
-                self._idle.set()
+            self._leave(task)
+
+    def _enter(self, key: object) -> None:
+        self._in_flight[key] = None
+        if len(self._in_flight) == 1:
+            self._idle = trio.Event()
+
+    def _leave(self, key: object) -> None:
+        del self._in_flight[key]
+        if not self._in_flight:
+            self._idle.set()
+
+    async def start_leg(
+        self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str
+    ) -> trio.CancelScope:
+        """Start a worker leg that is part of a KV transfer in the keeper's nursery.
+
+        ``await keeper.start_leg(fn, *args)`` works like ``await nursery.start(fn, *args)``:
+        it returns once ``fn`` called ``task_status.started()``, and an exception ``fn``
+        raises before that is raised here. After that the leg belongs to the keeper: the
+        caller's cancellation does not reach it (an SGLang decode leg must finish its KV
+        pull even if its client left: G9), and an exception it raises is logged, never
+        raised into the keeper's nursery. It counts as in flight until it ends.
+
+        Returns:
+            The leg's cancel scope, so the caller can bound the leg later (for example
+            ``scope.deadline = trio.current_time() + grace`` once nobody reads its output).
+
+        Raises:
+            RuntimeError: if the keeper is not open.
+        """
+        if self._nursery is None:
+            raise RuntimeError("the TransferKeeper is not open; no new legs are accepted")
+        scope: trio.CancelScope = await self._nursery.start(
+            self._run_leg, async_fn, args, name
+        )
+        return scope
+
+    async def _run_leg(
+        self,
+        async_fn: Callable[..., Awaitable[object]],
+        args: tuple[Any, ...],
+        name: str,
+        task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        scope = trio.CancelScope()
+        status = _LegStatus(task_status, scope)
+        key = object()
+        self._enter(key)
+        try:
+            with scope:
+                await async_fn(*args, task_status=status)
+        except Exception as exc:
+            if not status.reported:
+                raise  # nursery.start semantics: the caller gets it
+            logger.warning("transfer leg %s failed", name, exc_info=exc)
+        finally:
+            self._leave(key)
+
+
+class _LegStatus:
+    """Passes a leg's ``started()`` on, reporting the leg's cancel scope instead."""
+
+    __slots__ = ("_scope", "_status", "reported")
+
+    def __init__(self, status: trio.TaskStatus[trio.CancelScope], scope: trio.CancelScope
+                 ) -> None:
+        self._status = status
+        self._scope = scope
+        self.reported = False
+
+    def started(self, value: object = None) -> None:
+        self.reported = True
+        self._status.started(self._scope)
 
 
 def _first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:

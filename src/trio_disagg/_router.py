@@ -39,6 +39,11 @@ Item = Annotated[LLMEngineOutput]
 CHANNEL_BUFFER = 16
 
 
+def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (isinstance(value, int | float) and value > 0):  # also refuses NaN
+        raise ValueError(f"the {attribute.name} deadline must be > 0 seconds, got {value!r}")
+
+
 @attrs.define(kw_only=True)
 class Deadlines:
     """Every bounded wait of a request, in seconds (SEMANTICS.md B2).
@@ -50,13 +55,17 @@ class Deadlines:
         terminal_hold: how long a success terminal waits for the prefill outcome.
         transfer: the whole prefill leg in the keeper, including a bootstrap drain
             and a B1 cleanup decode.
+
+    Raises:
+        ValueError: a deadline that is not a positive number of seconds (``inf`` is
+            allowed: no deadline).
     """
 
-    prefill: float = 60.0
-    handoff: float = 30.0
-    decode_idle: float = 60.0
-    terminal_hold: float = 60.0
-    transfer: float = 300.0
+    prefill: float = attrs.field(default=60.0, validator=_positive_seconds)
+    handoff: float = attrs.field(default=30.0, validator=_positive_seconds)
+    decode_idle: float = attrs.field(default=60.0, validator=_positive_seconds)
+    terminal_hold: float = attrs.field(default=60.0, validator=_positive_seconds)
+    transfer: float = attrs.field(default=300.0, validator=_positive_seconds)
 
 
 @attrs.define(eq=False)
@@ -127,6 +136,19 @@ class _HandoffSlot:
         if not self.settled.is_set():
             self.abandoned = True
             self.settled.set()
+
+
+class _DetachedLeg:
+    """The cancel scope of a decode leg running in the keeper, once it started."""
+
+    __slots__ = ("scope",)
+
+    def __init__(self) -> None:
+        self.scope: trio.CancelScope | None = None
+
+    def bound(self, grace: float) -> None:
+        if self.scope is not None:
+            self.scope.deadline = min(self.scope.deadline, trio.current_time() + grace)
 
 
 @attrs.define(kw_only=True)
@@ -300,15 +322,20 @@ class DisaggRouter:
                 decode_context = RequestContext(request.request_id, context.metadata)
                 context.link_child(decode_context)  # C4
                 decode_send, decode_receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
+                # A bootstrap decode leg is part of the KV transfer: it runs in the keeper,
+                # so a client that leaves cannot abort the transfer (G9). It ends at its
+                # first send after the client left, once the KV is pulled.
+                leg: _DetachedLeg | None = _DetachedLeg() if bootstrap else None
                 try:
                     with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
                         await gate.dispatch(
                             nursery,
-                            self._decode_leg,
+                            self._decode_leg if leg is None else self._detached_decode_leg,
                             decode_worker,
                             decode_request,
                             decode_context,
                             decode_send,
+                            *(() if leg is None else (leg,)),
                         )
                     if handoff_scope.cancelled_caught:
                         raise DeadlineExceeded("handoff", self.deadlines.handoff)
@@ -322,7 +349,7 @@ class DisaggRouter:
                     raise
                 out_send, out_receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
                 nursery.start_soon(
-                    self._forward, gate, decode_receive, out_send, decode_context, tracker
+                    self._forward, gate, decode_receive, out_send, decode_context, tracker, leg
                 )
                 owned = False
                 return RequestStream(
@@ -369,12 +396,33 @@ class DisaggRouter:
         out_send: trio.MemorySendChannel[Item],
         decode_context: RequestContext,
         tracker: RequestTracker,
+        leg: _DetachedLeg | None,
     ) -> None:
         try:
             await gate.forward(decode_receive, out_send, decode_context)
         finally:
             tracker.finish()
             self._release()
+            if leg is not None:
+                # Nobody reads the detached decode leg any more: it gets one idle period
+                # to finish its KV pull and reach its first send, then it is cancelled.
+                leg.bound(self.deadlines.decode_idle)
+
+    async def _detached_decode_leg(  # noqa: ASYNC128 (the keeper reports started())
+        self,
+        worker: Worker,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        leg: _DetachedLeg,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        leg.scope = await self.keeper.start_leg(
+            self._decode_leg, worker, request, context, send_channel,
+            name=f"decode {request.request_id}",
+        )
+        task_status.started()
 
     async def _decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         self,
