@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -153,6 +154,7 @@ async def consume_prefill_stream(
     tracker: RequestTracker | None = None,
     keeper: TransferKeeper | None = None,
     guard: AbstractContextManager[Any] | None = None,
+    first_output_scope: trio.CancelScope | None = None,
 ) -> PrefillCompletion:
     """Read a prefill stream and say what the router must do next (S1-S10, T4).
 
@@ -166,6 +168,11 @@ async def consume_prefill_stream(
         tracker: records prefill complete on the first valid output (S3).
         keeper: drains the rest of a bootstrap stream in the background.
         guard: a teardown guard to hold until the stream is fully read.
+        first_output_scope: a cancel scope whose deadline bounds only the wait for the
+            first output (the prefill deadline of SEMANTICS.md B2): its deadline is
+            lifted once that output arrived, so reading the rest of the stream (a
+            bootstrap prefill answers after the KV transfer) is bounded by the caller's
+            other deadlines, not by this one.
 
     Returns:
         A :class:`Handoff` or a :class:`Terminal`.
@@ -180,6 +187,8 @@ async def consume_prefill_stream(
     """
     try:
         first = await outputs.receive()
+        if first_output_scope is not None:
+            first_output_scope.deadline = math.inf
     except trio.EndOfChannel:
         outputs.close()
         raise PrefillError("Prefill returned no output (stream ended)") from None

@@ -497,7 +497,12 @@ class DisaggRouter:
                             raise PrefillError(
                                 f"prefill worker {worker.name} failed: {exc}"
                             ) from exc
-                        completion = await consume_prefill_stream(receive, tracker=tracker)
+                        # The prefill deadline bounds the wait for the handoff; the rest
+                        # of the stream (a bootstrap prefill answers after the transfer)
+                        # is bounded by the transfer deadline of the whole leg.
+                        completion = await consume_prefill_stream(
+                            receive, tracker=tracker, first_output_scope=scope
+                        )
             except* PrefillError as group:
                 leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
                 self.prefill.record_failure(worker, leaf)
