@@ -13,16 +13,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
-import openai
 import orjson
 import pytest
 import trio
-from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from e2e_support import (
+    FAST,
+    MODEL,
+    PROMPT,
+    PROMPT_TOKENS,
+    SLOW_TOKENS,
+    expected_cached,
+    served,
+    wait_until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from trio_disagg import (
@@ -46,14 +53,12 @@ from trio_disagg.engines import (
     DEFAULT_BOOTSTRAP_PORT,
     LatencyModel,
     SglangEngine,
-    cached_prompt_tokens,
-    count_prompt_tokens,
     parse_prefill_spec,
     sglang_body,
     sglang_engines,
     worker_client,
 )
-from trio_disagg.server import OpenAIApp, create_app, error_for_exception, serve
+from trio_disagg.server import error_for_exception
 from trio_disagg.workers import (
     MockSglangWorker,
     create_mock_worker,
@@ -62,19 +67,7 @@ from trio_disagg.workers import (
 )
 
 Item = Annotated[LLMEngineOutput]
-T = TypeVar("T")
 
-MODEL = "mock-model"
-PROMPT = " ".join(f"word{i}" for i in range(45))  # 45 tokens: 3 blocks, a partial cache hit
-PROMPT_TOKENS = 45
-FAST = LatencyModel(ttft_per_prompt_token=0.0001, inter_token_latency=0.0005,
-                    kv_transfer_per_token=0.0001)
-SLOW_TOKENS = attrs.evolve(FAST, inter_token_latency=0.02)
-
-
-def expected_cached(body: dict[str, Any]) -> int:
-    """The prefill worker's prefix-cache hit for ``body`` (seed 0, 16-token blocks)."""
-    return cached_prompt_tokens(0, body, count_prompt_tokens(body), 16)
 
 
 class Gated:
@@ -162,14 +155,6 @@ class Cluster:
                              and self.prefill.kv.counters().held_blocks == 0
                              and self.prefill.kv.open_rooms == 0)
         assert self.router.in_flight == self.keeper.in_flight == 0
-
-
-async def wait_until(predicate: Callable[[], bool], *, seconds: float = 5.0) -> None:
-    with trio.fail_after(seconds):
-        for _ in range(100_000):
-            if predicate():
-                return
-            await trio.sleep(0.002)
 
 
 async def _serve_in(scope: trio.CancelScope, app: MockSglangWorker, *,
@@ -849,113 +834,6 @@ async def test_mock_sglang_workers_rooms_and_timeouts() -> None:
 # --- end to end: the openai client, the router's HTTP server, the mock SGLang workers -----
 
 
-@attrs.define(eq=False)
-class Served:
-    url: str
-    app: OpenAIApp
-    cluster: Cluster
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                             timeout=20.0)
-
-
-@asynccontextmanager
-async def served(**options: Any) -> AsyncIterator[Served]:
-    async with sglang_cluster(**options) as cluster:
-        app = create_app(cluster.router, models=[MODEL])
-        stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,
-                                               shutdown_trigger=stop.wait,
-                                               graceful_timeout=5.0))
-            yield Served(f"http://127.0.0.1:{port}", app, cluster)
-            stop.set()
-
-
-async def in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter | None = None) -> T:
-    with trio.fail_after(20):
-        return await trio.to_thread.run_sync(fn, limiter=limiter)
-
-
-async def test_e2e_completions_streamed_and_not() -> None:
-    async with served() as server:
-        client = server.openai()
-        cached = expected_cached({"prompt": PROMPT})
-        raw = await in_thread(lambda: client.completions.with_raw_response.create(
-            model=MODEL, prompt=PROMPT, max_tokens=7, extra_headers={"X-Request-Id": "e2e-1"}))
-        answer: Completion = raw.parse()
-        assert raw.headers["x-request-id"] == "e2e-1"
-        assert answer.choices[0].finish_reason == "length" and answer.choices[0].text
-        assert answer.usage is not None
-        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (45, 7)
-        assert answer.usage.prompt_tokens_details is not None
-        assert answer.usage.prompt_tokens_details.cached_tokens == cached
-        cluster = server.cluster
-        assert cluster.prefill.seen[-1].request_id == "e2e-1" == cluster.decode.seen[-1].request_id
-
-        def stream() -> list[Completion]:
-            return list(client.completions.create(
-                model=MODEL, prompt=PROMPT, max_tokens=6, stream=True,
-                stream_options={"include_usage": True}))
-
-        *chunks, usage_chunk = await in_thread(stream)
-        assert "".join(chunk.choices[0].text for chunk in chunks)
-        assert chunks[-1].choices[0].finish_reason == "length"
-        assert usage_chunk.usage is not None and usage_chunk.usage.completion_tokens == 6
-        assert usage_chunk.usage.prompt_tokens_details is not None
-        assert usage_chunk.usage.prompt_tokens_details.cached_tokens == cached
-        await cluster.settled()
-
-
-async def test_e2e_chat_streamed_and_not() -> None:
-    async with served() as server:
-        client = server.openai()
-        messages: Any = [{"role": "user", "content": PROMPT}]
-        chat: ChatCompletion = await in_thread(lambda: client.chat.completions.create(
-            model=MODEL, messages=messages, max_completion_tokens=5))
-        assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
-        assert chat.usage is not None and chat.usage.completion_tokens == 5
-
-        def stream() -> list[ChatCompletionChunk]:
-            return list(client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=4, stream=True))
-
-        chunks = await in_thread(stream)
-        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
-        assert chunks[-1].choices[0].finish_reason == "length"
-        await server.cluster.settled()
-
-
-async def test_e2e_errors() -> None:
-    async with served() as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as http:
-            rejected = await http.post("/v1/completions", json={
-                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:429"})
-            assert rejected.status_code == 429
-            assert "refused request" in rejected.json()["error"]["message"]
-            failed = await http.post("/v1/completions", json={
-                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:500"})
-            assert failed.status_code == 502
-            before = await http.post("/v1/completions", json={
-                "model": MODEL, "prompt": PROMPT, "stream": True,
-                "fault": "prefill_fail_before_handoff"})
-            assert before.status_code == 502  # before the first byte: a real status
-            assert "prefill_fail_before_handoff" in before.json()["error"]["message"]
-            streamed = await http.post("/v1/completions", json={
-                "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True,
-                "fault": "decode_reset_at:2"})
-            assert streamed.status_code == 200
-            events = streamed.content.split(b"\n\n")
-            assert events[-2:] == [b"data: [DONE]", b""]
-            error = orjson.loads(events[-3].removeprefix(b"data: "))
-            assert server.cluster.decode_url in error["error"]["message"]
-            too_many = await http.post("/v1/completions", json={
-                "model": MODEL, "prompt": PROMPT, "n": 2})
-            assert too_many.status_code == 400  # one room per request: n > 1 is refused
-        await server.cluster.settled()
-
-
 async def test_e2e_G5_late_prefill_failure_is_an_error_event_then_done() -> None:
     held: list[HeldPrefill] = []
 
@@ -963,7 +841,7 @@ async def test_e2e_G5_late_prefill_failure_is_an_error_event_then_done() -> None
         held.append(HeldPrefill(engine))
         return held[0]
 
-    async with served(wrap_prefill=wrap) as server:
+    async with served("sglang", wrap_prefill=wrap) as server:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True,
                 "fault": "prefill_fail_after_handoff"}
         lines: list[str] = []
@@ -984,20 +862,3 @@ async def test_e2e_G5_late_prefill_failure_is_an_error_event_then_done() -> None
         assert "prefill_fail_after_handoff" in error["error"]["message"]
         assert all('"finish_reason":null' in line for line in lines[:2])
         await server.cluster.settled()
-
-
-async def test_e2e_client_disconnect_aborts_the_decode_only() -> None:
-    async with served(latency=SLOW_TOKENS) as server:
-        cluster = server.cluster
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "stream": True}
-        async with (
-            httpx.AsyncClient(base_url=server.url, timeout=10.0) as http,
-            http.stream("POST", "/v1/completions", json=body) as response,
-        ):
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    break  # the first token: hang up
-        await wait_until(lambda: cluster.decode.stats.aborted == 1)
-        await cluster.settled()
-        assert cluster.prefill.stats.aborted == 0
-        assert cluster.prefill.kv.counters().served == 1
