@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from functools import partial
 from typing import Any
 
 import attrs
@@ -105,27 +106,23 @@ class RequestStream:
 
 
 class _HandoffSlot:
-    """Passes the handoff from the prefill leg (in the keeper) to the request, and decides
-    who consumes the staged KV: the request's decode leg, or the keeper (B1).
+    """Decides who consumes the staged KV: the request's decode leg, or the keeper (B1).
 
     The request marks the slot dispatched once its decode leg was accepted. If the request
     ends first (client gone, deadline, decode refused), it abandons the slot, and the
-    prefill leg dispatches a minimal decode so the KV is consumed, never stranded.
+    keeper dispatches a minimal decode so the KV is consumed, never stranded: the prefill
+    leg does, if the handoff arrives after the request ended; the request's own cleanup
+    does (through the keeper), if the handoff had already arrived. Both sides decide
+    without awaiting, so exactly one of them does it.
     """
 
-    __slots__ = ("abandoned", "completion", "dispatched", "ready", "settled")
+    __slots__ = ("abandoned", "completion", "dispatched", "settled")
 
     def __init__(self) -> None:
-        self.ready = trio.Event()  # the prefill leg offered a completion, or ended
-        self.completion: PrefillCompletion | None = None
+        self.completion: PrefillCompletion | None = None  # offered by the prefill leg
         self.settled = trio.Event()
         self.dispatched = False
         self.abandoned = False
-
-    def offer(self, completion: PrefillCompletion | None) -> None:
-        if not self.ready.is_set():
-            self.completion = completion
-            self.ready.set()
 
     def mark_dispatched(self) -> None:
         if not self.settled.is_set():
@@ -305,8 +302,7 @@ class DisaggRouter:
                     decode_request = request
                     style = "bootstrap"
                 else:
-                    await slot.ready.wait()
-                    completion = slot.completion or await task.result()
+                    completion = await task.result()
                     if isinstance(completion, Terminal):  # S7
                         owned = False
                         return self._terminal(completion, tracker, task, prefill_worker)
@@ -362,7 +358,12 @@ class DisaggRouter:
                     decode_worker=decode_worker.name,
                 )
             finally:
-                slot.abandon()  # no-op once dispatched; otherwise B1 in the keeper
+                if not slot.dispatched:
+                    slot.abandon()
+                    if isinstance(slot.completion, Handoff) and not bootstrap:
+                        # The KV was staged before the request ended: consume it (B1).
+                        staged = attrs.evolve(request, prefill_result=slot.completion.result)
+                        self._start_cleanup(staged)
         finally:
             if owned:
                 self._release()
@@ -461,15 +462,15 @@ class DisaggRouter:
                         # prefill still waits for the decode worker to join the room.
                         nursery.start_soon(self._consume_if_abandoned, slot, request)
                     completion = await self._run_prefill(worker, request, context, tracker)
-                    slot.offer(completion)
-                    if room is None and isinstance(completion, Handoff):
-                        handed_off = attrs.evolve(request, prefill_result=completion.result)
-                        await self._consume_if_abandoned(slot, handed_off)
+                    slot.completion = completion
+                    if room is None and isinstance(completion, Handoff) and slot.abandoned:
+                        # The request ended before its handoff arrived (B1).
+                        staged = attrs.evolve(request, prefill_result=completion.result)
+                        await self._consume_staged_kv(staged)
         except* PrefillError as group:
             leaf = _single(group)  # one typed error for the PrefillTask, its cause kept
             raise leaf from leaf.__cause__
         finally:
-            slot.offer(None)  # wake the request if the leg ended without a completion
             if room is not None:
                 self._rooms.discard(room)
         if transfer_scope.cancelled_caught:
@@ -521,10 +522,27 @@ class DisaggRouter:
     async def _consume_if_abandoned(
         self, slot: _HandoffSlot, request: PreprocessedRequest
     ) -> None:
-        """B1: if the request ended before its decode leg was accepted, consume the KV."""
+        """B1 for the bootstrap style, alongside the prefill: if the request ends before
+        its decode leg was accepted, a minimal decode joins the room instead."""
         await slot.settled.wait()
-        if not slot.abandoned:
-            return
+        if slot.abandoned:
+            await self._consume_staged_kv(request)
+
+    def _start_cleanup(self, request: PreprocessedRequest) -> None:
+        """Start :meth:`_consume_staged_kv` in the keeper; never raises (it runs in a
+        ``finally``)."""
+        try:
+            self.keeper.start(
+                partial(self._consume_staged_kv, request),
+                name=f"B1 cleanup {request.request_id}",
+            )
+        except RuntimeError:  # the keeper is closing: the worker's lease reclaims the KV
+            self.counters.staged_kv_cleanup_failures += 1
+            logger.warning("B1 cleanup for %s not started: the keeper is closed",
+                           request.request_id)
+
+    async def _consume_staged_kv(self, request: PreprocessedRequest) -> None:
+        """B1: a minimal decode (one token, not streamed) that consumes the staged KV."""
         self.counters.staged_kv_cleanups += 1
         body = dict(request.body)
         body["max_tokens"] = 1
