@@ -8,6 +8,8 @@ from typing import Any
 
 import trio
 
+_LIVE, _STOPPED, _KILLED = 0, 1, 2
+
 
 class RequestContext:
     """The live / stopped / killed state of one request (SEMANTICS.md C1-C5).
@@ -27,13 +29,16 @@ class RequestContext:
         metadata: read-only values carried along (trace ids, the session id, ...).
     """
 
-    __slots__ = ("_callbacks", "_children", "_killed", "_stopped", "id", "metadata")
+    __slots__ = ("_callbacks", "_children", "_killed", "_state", "_stopped", "id", "metadata")
 
     def __init__(self, request_id: str, metadata: Mapping[str, Any] | None = None) -> None:
         self.id = request_id
         self.metadata: Mapping[str, Any] = MappingProxyType(dict(metadata or {}))
-        self._stopped = trio.Event()
-        self._killed = trio.Event()
+        self._state = _LIVE
+        # Made only when somebody waits: most contexts are never awaited, and a request in
+        # flight should cost as little memory as it can (DESIGN.md P3).
+        self._stopped: trio.Event | None = None
+        self._killed: trio.Event | None = None
         self._children: list[RequestContext] = []
         self._callbacks: list[Callable[[bool], None]] = []
 
@@ -44,37 +49,52 @@ class RequestContext:
     @property
     def is_stopped(self) -> bool:
         """True once stopped *or* killed (C1)."""
-        return self._stopped.is_set()
+        return self._state >= _STOPPED
 
     @property
     def is_killed(self) -> bool:
-        return self._killed.is_set()
+        return self._state == _KILLED
 
     def stop_generating(self) -> None:
         """Ask the producer to stop; children are stopped first (C3, C4)."""
-        if self._stopped.is_set():
+        if self._state >= _STOPPED:
             return  # already stopped or killed: never downgrade a kill (C3)
         for child in self._children:
             child.stop_generating()
-        self._stopped.set()
+        self._state = _STOPPED
+        if self._stopped is not None:
+            self._stopped.set()
         self._notify(killed=False)
 
     def kill(self) -> None:
         """Ask the producer to stop at once, without draining; children first (C3, C4)."""
-        if self._killed.is_set():
+        if self._state == _KILLED:
             return
         for child in self._children:
             child.kill()
-        self._stopped.set()
-        self._killed.set()
+        self._state = _KILLED
+        if self._stopped is not None:
+            self._stopped.set()
+        if self._killed is not None:
+            self._killed.set()
         self._notify(killed=True)
 
     async def stopped(self) -> None:
         """Return once the context is stopped or killed; at once if it already is (C2)."""
+        if self._state >= _STOPPED:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._stopped is None:
+            self._stopped = trio.Event()
         await self._stopped.wait()
 
     async def killed(self) -> None:
         """Return once the context is killed; at once if it already is (C2)."""
+        if self._state == _KILLED:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._killed is None:
+            self._killed = trio.Event()
         await self._killed.wait()
 
     def link_child(self, child: RequestContext) -> None:

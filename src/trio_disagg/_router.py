@@ -178,6 +178,13 @@ class DisaggRouter:
         decode: the decode workers.
         keeper: an open :class:`TransferKeeper` that outlives every request.
         deadlines: the bounded waits (B2).
+        channel_buffer: how many items a decode leg may run ahead of the gatekeeper, and
+            the gatekeeper of the client. Smaller costs less memory per slow reader
+            (DESIGN.md P3: about 0.3 KiB an item); larger lets a worker's burst reach the
+            client in one write (P4).
+
+    Raises:
+        ValueError: a negative ``channel_buffer``.
     """
 
     def __init__(
@@ -187,7 +194,11 @@ class DisaggRouter:
         keeper: TransferKeeper,
         *,
         deadlines: Deadlines | None = None,
+        channel_buffer: int = CHANNEL_BUFFER,
     ) -> None:
+        if channel_buffer < 0:
+            raise ValueError(f"channel_buffer must be >= 0 items, got {channel_buffer}")
+        self.channel_buffer = channel_buffer
         self.prefill = prefill
         self.decode = decode
         self.keeper = keeper
@@ -317,7 +328,7 @@ class DisaggRouter:
                 )
                 decode_context = RequestContext(request.request_id, context.metadata)
                 context.link_child(decode_context)  # C4
-                decode_send, decode_receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
+                decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
                 # A bootstrap decode leg is part of the KV transfer: it runs in the keeper,
                 # so a client that leaves cannot abort the transfer (G9). It ends at its
                 # first send after the client left, once the KV is pulled.
@@ -343,7 +354,7 @@ class DisaggRouter:
                     # channel.
                     decode_receive.close()
                     raise
-                out_send, out_receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
+                out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
                 nursery.start_soon(
                     self._forward, gate, decode_receive, out_send, decode_context, tracker, leg
                 )
@@ -486,7 +497,7 @@ class DisaggRouter:
         tracker: RequestTracker,
     ) -> PrefillCompletion:
         with self.prefill.lease(worker):
-            send, receive = trio.open_memory_channel[Item](CHANNEL_BUFFER)
+            send, receive = trio.open_memory_channel[Item](self.channel_buffer)
             try:
                 with trio.move_on_after(self.deadlines.prefill) as scope:
                     async with trio.open_nursery() as nursery:
