@@ -5,12 +5,15 @@ from __future__ import annotations
 import io
 import re
 import signal
+import socket
 import subprocess
 import sys
 from functools import partial
 
 import attrs
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import openai
+import pytest
 import trio
 
 from trio_disagg._demo import Backend, in_process_backend, run_demo
@@ -82,3 +85,153 @@ async def test_serve_embedded_default_answers_and_stops_on_sigterm() -> None:
             assert await trio.to_thread.run_sync(ask) == "length"
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
+
+
+# --- signals: the first shuts down gracefully, a second at once, never a traceback -------
+
+
+async def _read_into(
+    stream: trio.abc.ReceiveStream, into: bytearray, seen: bytes = b"",
+    event: trio.Event | None = None,
+) -> None:
+    """Collect ``stream`` into ``into``; set ``event`` once ``seen`` is in it."""
+    async for data in stream:
+        into += data
+        if event is not None and seen in into:
+            event.set()
+
+
+async def _banner_port(process: trio.Process) -> int:
+    assert process.stdout is not None
+    banner = b""
+    while b"\n" not in banner:
+        data = await process.stdout.receive_some()
+        assert data, "the command exited before it printed its banner"
+        banner += data
+    match = re.search(rb"http://127\.0\.0\.1:(\d+)", banner)
+    assert match, banner
+    return int(match.group(1))
+
+
+SERVE = ["serve", "--port", "0", "--drain-window", "30"]
+MOCK_DECODE = ["mock-worker", "--role", "decode", "--port", "0", "--itl", "0.02"]
+
+
+@pytest.mark.parametrize(("argv", "path", "first", "second"), [
+    (SERVE, "/v1/completions", signal.SIGTERM, signal.SIGTERM),
+    (SERVE, "/v1/completions", signal.SIGTERM, signal.SIGINT),
+    (MOCK_DECODE, "/v1/completions", signal.SIGINT, signal.SIGINT),
+    (MOCK_DECODE, "/v1/completions", signal.SIGINT, signal.SIGTERM),
+], ids=["serve-term-term", "serve-term-int", "worker-int-int", "worker-int-term"])
+async def test_a_second_signal_stops_at_once_with_one_line(
+    argv: list[str], path: str, first: signal.Signals, second: signal.Signals
+) -> None:
+    """Regression: a second signal during the graceful shutdown was a KeyboardInterrupt
+    traceback (SIGINT) or a death by the signal (SIGTERM). It now stops at once: one line
+    on stderr, exit code 128 + the signal; a stream in flight still gets an ending."""
+    stderr = bytearray()
+    body = bytearray()
+    streaming = trio.Event()
+    graceful = trio.Event()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "--log-level", "WARNING", *argv],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False,
+            ))
+            assert process.stderr is not None
+            nursery.start_soon(_read_into, process.stderr, stderr,
+                               b"shutting down gracefully", graceful)
+            port = await _banner_port(process)
+
+            async def stream() -> None:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                             timeout=30) as http:
+                    try:
+                        async with http.stream("POST", path, json={
+                                "model": "trio-disagg-mock", "prompt": "hello there",
+                                "max_tokens": 20000, "stream": True}) as response:
+                            async for data in response.aiter_raw():
+                                body.extend(data)
+                                streaming.set()
+                    except httpx.HTTPError:
+                        streaming.set()
+
+            nursery.start_soon(stream)
+            await streaming.wait()
+            process.send_signal(first)
+            await graceful.wait()
+            assert process.returncode is None  # the stream holds the graceful shutdown
+            process.send_signal(second)
+            with trio.fail_after(5):  # at once, not after the 30 s drain window
+                returncode = await process.wait()
+    text = stderr.decode()
+    assert returncode == 128 + second, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith(f"trio-disagg {argv[0]}: {second.name} again: stopped at once"), text
+    if argv is SERVE:  # the router's own stream ends cleanly even when forced (B4)
+        assert body.endswith(b"data: [DONE]\n\n"), bytes(body[-200:])
+        assert b'"code":"server_shutting_down"' in body
+
+
+async def test_one_sigint_is_a_graceful_shutdown_and_exit_0() -> None:
+    stderr = bytearray()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, *MOCK_DECODE],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False,
+            ))
+            assert process.stderr is not None
+            nursery.start_soon(_read_into, process.stderr, stderr)
+            await _banner_port(process)
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+    assert "Traceback" not in stderr.decode()
+
+
+# --- startup errors: one line and exit code 2 -------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--port", "99999"],
+    ["serve", "--drain-window", "-1"],
+    ["serve", "--drain-window", "inf"],
+    ["serve", "--decode-idle-deadline", "nan"],
+    ["serve", "--prefill-deadline", "0"],
+    ["mock-worker", "--role", "prefill", "--port", "-1"],
+    ["mock-worker", "--role", "decode", "--itl", "-0.5"],
+    ["mock-worker", "--role", "prefill", "--kv-ttl", "nan"],
+], ids=lambda argv: " ".join(argv))
+async def test_bad_numbers_are_refused_before_anything_starts(argv: list[str]) -> None:
+    with trio.fail_after(30):
+        done = await trio.run_process([*COMMAND, *argv], capture_stdout=True,
+                                      capture_stderr=True, check=False)
+    text = done.stderr.decode()
+    assert done.returncode == 2, text
+    assert "Traceback" not in text
+    assert text.strip().splitlines()[-1].startswith(f"trio-disagg {argv[0]}: error: argument")
+    assert done.stdout == b""  # nothing started
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--port"],
+    ["mock-worker", "--role", "prefill", "--port"],
+    ["mock-worker", "--role", "prefill", "--protocol", "sglang", "--port", "0",
+     "--bootstrap-port"],
+], ids=["serve", "mock-worker", "mock-worker-bootstrap"])
+async def test_a_port_in_use_is_one_line_and_exit_2(argv: list[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with trio.fail_after(30):
+            done = await trio.run_process(
+                [*COMMAND, *argv, str(port), "--host", "127.0.0.1"],
+                capture_stdout=True, capture_stderr=True, check=False)
+    text = done.stderr.decode()
+    assert done.returncode == 2, text
+    (line,) = text.strip().splitlines()
+    assert line.startswith(f"trio-disagg {argv[0]}: error: cannot listen on 127.0.0.1:"), line
+    assert str(port) in line and "in use" in line, line

@@ -7,13 +7,15 @@ B1-B5 through HTTP, and the disconnect listener's regression test.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import signal
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
@@ -117,12 +119,13 @@ async def running(
     graceful_timeout: float = 5.0,
     failure_threshold: int = 1000,
     style: HandoffStyle = HandoffStyle.SEQUENTIAL,
+    decode_engine: Callable[[Any], Watched] = Watched,
     **app_options: Any,
 ) -> AsyncIterator[Server]:
     cluster = mock_cluster(latency=latency if latency is not None else LatencyModel.zero(),
                            style=style)
     prefill = Watched(cluster.prefill[0])
-    decode = Watched(cluster.decode[0])
+    decode = decode_engine(cluster.decode[0])
     async with TransferKeeper(drain_window=5.0) as keeper:
         router = DisaggRouter(
             WorkerPool([prefill], failure_threshold=failure_threshold),
@@ -733,3 +736,168 @@ async def test_a_signal_shuts_the_server_down() -> None:
                 os.kill(os.getpid(), signal.SIGUSR1)
         assert received == [signal.SIGUSR1]
         assert router.closing
+
+
+# --- a crash in one request never stops the server ------------------------------------------
+
+
+class CrashesAfterItsAnswer(Watched):
+    """A buggy decode engine: once its whole answer is out, it sends an item that is not an
+    :class:`Annotated` (or, if the gate already closed the channel, crashes on the send)."""
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.requests.append(request)
+        inner_send, inner_receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](
+            math.inf)
+        with send_channel:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(partial(
+                    self.engine.generate, request, context, inner_send))
+                task_status.started()
+                with inner_receive:
+                    async for item in inner_receive:
+                        await send_channel.send(item)
+                await cast(Any, send_channel).send("not an Annotated item")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_task_crashing_as_the_answer_goes_out_never_stops_the_server(
+    stream: bool,
+) -> None:
+    """Regression: the decode task crashed while ``http.response.start`` was being sent;
+    the responder believed the response started, sent a body with no start, and the h11
+    ``LocalProtocolError`` escaped into hypercorn and killed the server."""
+    async with running(decode_engine=CrashesAfterItsAnswer) as server, server.http() as http:
+        with trio.fail_after(20):
+            for _ in range(25):
+                response = await http.post(COMPLETIONS, json={**GOOD, "stream": stream})
+                if response.status_code == 500:  # the crash came first: a real status
+                    assert response.json()["error"]["code"] == "internal_error"
+                elif stream:
+                    assert response.status_code == 200
+                    data = events(response.content)
+                    assert data[-1] == b"[DONE]" and data.count(b"[DONE]") == 1
+                else:
+                    assert response.status_code == 200, response.text
+                    assert response.json()["choices"][0]["finish_reason"] == "length"
+            assert (await http.get("/health")).status_code == 200
+        await server.settled()
+    # leaving ``running`` returned from serve(): nothing escaped into hypercorn
+
+
+async def test_an_exception_at_the_app_boundary_is_a_500_or_an_error_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing a handler raises reaches the server: a 500 if nothing was sent, else an
+    error event and [DONE] (B4), and the server keeps serving."""
+
+    class Broken:
+        def observe(self, value: float) -> None:
+            raise RuntimeError("a bug in a metric")
+
+    latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.05,
+                           kv_transfer_per_token=0.0)
+    async with running(latency=latency) as server, server.http() as http:
+        with monkeypatch.context() as patch:
+            patch.setattr(server.app.metrics, "render", lambda: 1 / 0)
+            response = await http.get("/metrics")
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "internal_error"
+
+        monkeypatch.setattr(server.app.metrics, "itl", Broken())  # raises at the 2nd token
+        with trio.fail_after(10):
+            response = await http.post(COMPLETIONS, json={**GOOD, "stream": True})
+        assert response.status_code == 200
+        data = events(response.content)
+        assert data[-1] == b"[DONE]" and data.count(b"[DONE]") == 1
+        assert orjson.loads(data[-2])["error"]["code"] == "internal_error"
+        assert (await http.get("/metrics")).status_code == 200
+        await server.settled()
+
+
+# --- shutdown past the graceful window --------------------------------------------------------
+
+
+class ArrivalsCounted(Watched):
+    """Sets ``second`` when the second request reaches the engine."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.second = trio.Event()
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        if len(self.requests) == 1:
+            self.second.set()
+        await super().generate(request, context, send_channel, task_status=task_status)
+
+
+async def test_shutdown_past_the_window_ends_each_request_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """B3, B4: requests still running when the graceful window is over are cancelled, each
+    with a clean ending (a 503, or an error event then [DONE]), and the count is logged."""
+    caplog.set_level(logging.WARNING, logger="trio_disagg.server")
+    latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.05,
+                           kv_transfer_per_token=0.0)
+    long = {**GOOD, "max_tokens": 2000}
+    bodies: dict[str, bytes] = {}
+    statuses: dict[str, int] = {}
+    with trio.fail_after(15):
+        async with running(latency=latency, graceful_timeout=0.3,
+                           decode_engine=ArrivalsCounted) as server, server.http() as http:
+            decode = cast(ArrivalsCounted, server.decode)
+            streaming = trio.Event()
+
+            async def streamed() -> None:
+                async with http.stream("POST", COMPLETIONS,
+                                       json={**long, "stream": True}) as response:
+                    statuses["sse"] = response.status_code
+                    body = b""
+                    async for chunk in response.aiter_raw():
+                        body += chunk
+                        streaming.set()
+                    bodies["sse"] = body
+
+            async def collected() -> None:
+                response = await http.post(COMPLETIONS, json=long)
+                statuses["json"] = response.status_code
+                bodies["json"] = response.content
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(streamed)
+                nursery.start_soon(collected)
+                await streaming.wait()
+                await decode.second.wait()
+                server.stop.set()
+                stopped_at = trio.current_time()
+            # both answers are in well before hypercorn's own (longer) graceful timeout
+            assert trio.current_time() - stopped_at < 0.3 + 1.0
+            await server.settled()
+
+    assert statuses == {"sse": 200, "json": 503}
+    data = events(bodies["sse"])
+    assert data[-1] == b"[DONE]" and data.count(b"[DONE]") == 1
+    error = orjson.loads(data[-2])["error"]
+    assert error["code"] == "server_shutting_down"
+    assert error["type"] == "service_unavailable_error"
+    assert len(data) > 3  # it streamed tokens before
+    assert orjson.loads(data[0])["choices"][0]["finish_reason"] is None
+    error = orjson.loads(bodies["json"])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "server_shutting_down"
+    messages = [record.getMessage() for record in caplog.records]
+    assert "cancelled 2 request(s) still in flight after the 0.3 s window" in messages

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
+from typing import cast
 
 import attrs
 import httpx
@@ -28,6 +31,124 @@ POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "session-affinity": SessionAffinity,
 }
 
+#: The exit code of a command that could not start (argparse's).
+EXIT_STARTUP = 2
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+logger = logging.getLogger("trio_disagg")
+
+
+class StartupError(Exception):
+    """A command could not start: one line on stderr, exit code 2 (:data:`EXIT_STARTUP`)."""
+
+
+# --- argument types: bad values are refused before anything starts ----------------------
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0 picks a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be 0 to 65535, got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite, non-negative number of seconds."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds, > 0 (a deadline, a lease)."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text!r}")
+    return value
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _reason(group: BaseExceptionGroup[OSError]) -> str:
+    exc = group.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc.strerror or str(exc)
+
+
+# --- signals: the first one shuts down gracefully, a second one at once -------------------
+
+
+@contextmanager
+def _ignoring(signums: Sequence[int]) -> Iterator[None]:
+    """Ignore ``signums`` in this block: a signal the receiver inside had not consumed when
+    it closed is re-delivered to this (ignoring) handler, not to Python's default ones."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+async def run_until_signalled(
+    command: str, body: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]]
+) -> int:
+    """Run ``body(shutdown_trigger)`` with SIGINT and SIGTERM handled for its whole life.
+
+    The first signal makes ``shutdown_trigger`` return: a graceful shutdown, exit code 0
+    once ``body`` returned. A second one cancels ``body`` at once (a forced shutdown):
+    one line on stderr, exit code 128 + the signal number (130 for SIGINT, 143 for
+    SIGTERM). The signals are consumed until ``body`` has returned, so Python's default
+    handlers (KeyboardInterrupt, death by SIGTERM) never fire meanwhile.
+
+    Returns:
+        The exit code.
+    """
+    graceful = trio.Event()
+    forced: list[int] = []
+    with _ignoring(SHUTDOWN_SIGNALS), trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as body_scope:
+
+                async def watch() -> None:
+                    async for signum in signals:
+                        name = signal.Signals(signum).name
+                        if not graceful.is_set():
+                            logger.warning("%s: shutting down gracefully (send it again to "
+                                           "stop at once)", name)
+                            graceful.set()
+                        elif not forced:
+                            forced.append(signum)
+                            body_scope.cancel()
+
+                nursery.start_soon(watch)
+                await body(graceful.wait)
+            nursery.cancel_scope.cancel()  # stop watching: the body is over
+    if forced:
+        name = signal.Signals(forced[0]).name
+        print(f"trio-disagg {command}: {name} again: stopped at once, requests in flight "
+              "were cancelled", file=sys.stderr, flush=True)
+        return 128 + forced[0]
+    return 0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -44,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the router. With no --prefill/--decode it runs the embedded "
                     "default: in-process mock prefill and decode engines.")
     serve_cmd.add_argument("--host", default="127.0.0.1")
-    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--port", type=port_number, default=8000)
     serve_cmd.add_argument("--backend", default="mock",
                            choices=["mock", "vllm", "sglang", "trtllm"])
     serve_cmd.add_argument("--prefill", action="append", default=[], metavar="URL",
@@ -59,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--mock-style", default="sequential",
                            choices=["sequential", "bootstrap"],
                            help="handoff style of the embedded mock prefill engines")
-    serve_cmd.add_argument("--drain-window", type=float, default=30.0,
+    serve_cmd.add_argument("--drain-window", type=seconds, default=30.0,
                            help="seconds in-flight streams and transfers get on shutdown")
     for name, default in attrs_defaults(Deadlines()).items():
-        serve_cmd.add_argument(f"--{name.replace('_', '-')}-deadline", type=float,
+        serve_cmd.add_argument(f"--{name.replace('_', '-')}-deadline", type=positive_seconds,
                                default=default, dest=f"deadline_{name}",
                                help=f"seconds (default {default:g}; SEMANTICS.md B2)")
 
@@ -75,21 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
     worker_cmd.add_argument("--host", default="127.0.0.1")
-    worker_cmd.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
     worker_cmd.add_argument("--model", help="the only model accepted (default: any)")
     worker_cmd.add_argument("--seed", type=int, default=0)
-    worker_cmd.add_argument("--ttft-per-token", type=float, default=0.0002,
+    worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
                             help="seconds of prefill compute per prompt token")
-    worker_cmd.add_argument("--itl", type=float, default=0.02,
+    worker_cmd.add_argument("--itl", type=seconds, default=0.02,
                             help="seconds between decoded tokens")
-    worker_cmd.add_argument("--kv-transfer-per-token", type=float, default=0.00002,
+    worker_cmd.add_argument("--kv-transfer-per-token", type=seconds, default=0.00002,
                             help="seconds per prompt token to move the KV")
-    worker_cmd.add_argument("--kv-ttl", type=float, default=30.0,
+    worker_cmd.add_argument("--kv-ttl", type=positive_seconds, default=30.0,
                             help="seconds staged KV waits for its decode")
-    worker_cmd.add_argument("--bootstrap-port", type=int,
+    worker_cmd.add_argument("--bootstrap-port", type=port_number,
                             help="sglang prefill only: the bootstrap port (default 8998; "
                                  "0 picks a free one)")
-    worker_cmd.add_argument("--bootstrap-timeout", type=float, default=300.0,
+    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, default=300.0,
                             help="sglang only: seconds either side of a bootstrap room "
                                  "waits for the other")
 
@@ -110,32 +231,43 @@ def attrs_defaults(instance: Deadlines) -> dict[str, float]:
     return {field.name: getattr(instance, field.name) for field in attrs.fields(Deadlines)}
 
 
-async def serve_command(args: argparse.Namespace) -> None:
-    """Run the router until SIGINT or SIGTERM, then shut down gracefully (B3)."""
+async def serve_command(args: argparse.Namespace) -> int:
+    """Run the router until SIGINT or SIGTERM, then shut down gracefully (B3); a second
+    signal stops it at once. Returns the exit code.
+
+    Raises:
+        StartupError: bad arguments, or the address could not be bound.
+    """
     deadlines = Deadlines(**{name: getattr(args, f"deadline_{name}")
                              for name in attrs_defaults(Deadlines())})
     policy = POLICIES[args.policy]
     client = vllm_client()
-    prefill, decode = engines_for(args, client)  # exits on bad arguments, before any nursery
-    async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
-        router = DisaggRouter(WorkerPool(prefill, policy=policy()),
-                              WorkerPool(decode, policy=policy()), keeper, deadlines=deadlines)
-        app = create_app(router, models=[args.model])
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    prefill, decode = engines_for(args, client)  # refuses bad arguments before any nursery
 
-            async def shutdown_trigger() -> None:
-                async for signum in signals:
-                    logging.getLogger("trio_disagg").warning(
-                        "%s: shutting down gracefully", signal.Signals(signum).name)
-                    return
-
+    async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
+        async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
+            router = DisaggRouter(WorkerPool(prefill, policy=policy()),
+                                  WorkerPool(decode, policy=policy()), keeper,
+                                  deadlines=deadlines)
+            try:
+                app = create_app(router, models=[args.model])
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
             async with trio.open_nursery() as nursery:
-                port = await nursery.start(partial(
-                    serve, app, host=args.host, port=args.port,
-                    shutdown_trigger=shutdown_trigger, graceful_timeout=args.drain_window))
-                print(f"trio-disagg: serving {args.model!r} on http://{args.host}:{port}/v1 "
+                try:
+                    port = await nursery.start(partial(
+                        serve, app, host=args.host, port=args.port,
+                        shutdown_trigger=shutdown_trigger,
+                        graceful_timeout=args.drain_window))
+                except* OSError as group:
+                    raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
+                                       f"{_reason(group)}") from None
+                print(f"trio-disagg: serving {args.model!r} on "
+                      f"http://{_address(args.host, port)}/v1 "
                       f"({args.backend}: {len(prefill)} prefill, {len(decode)} decode)",
                       flush=True)
+
+    return await run_until_signalled("serve", body)
 
 
 def engines_for(
@@ -144,30 +276,36 @@ def engines_for(
     """The engines ``serve`` routes to: in-process mocks, or adapters over HTTP."""
     if args.backend == "mock":
         if args.prefill or args.decode:
-            raise SystemExit("--prefill/--decode need --backend vllm, sglang or trtllm")
+            raise StartupError("--prefill/--decode need --backend vllm, sglang or trtllm")
         style = HandoffStyle(args.mock_style)
         cluster = mock_cluster(1, 1, style=style, latency=LatencyModel())
         return list(cluster.prefill), list(cluster.decode)
     if not args.prefill or not args.decode:
-        raise SystemExit(f"--backend {args.backend} needs at least one --prefill and --decode")
+        raise StartupError(f"--backend {args.backend} needs at least one --prefill and "
+                           "--decode")
     adapter = ADAPTERS.get(args.backend)
     if adapter is None:
-        raise SystemExit(f"--backend {args.backend} is not available yet")
+        raise StartupError(f"--backend {args.backend} is not available yet")
     try:
         prefill, decode = adapter(args.prefill, args.decode, client=client)
     except ValueError as exc:
-        raise SystemExit(f"trio-disagg serve: {exc}") from None
+        raise StartupError(str(exc)) from None
     return list(prefill), list(decode)
 
 
-async def mock_worker_command(args: argparse.Namespace) -> None:
-    """Run one mock worker until SIGINT or SIGTERM."""
+async def mock_worker_command(args: argparse.Namespace) -> int:
+    """Run one mock worker until SIGINT or SIGTERM; a second signal stops it at once.
+    Returns the exit code.
+
+    Raises:
+        StartupError: bad arguments, or the address could not be bound.
+    """
     latency = LatencyModel(ttft_per_prompt_token=args.ttft_per_token,
                            inter_token_latency=args.itl,
                            kv_transfer_per_token=args.kv_transfer_per_token)
     sglang_prefill = (args.protocol, args.role) == ("sglang", "prefill")
     if args.bootstrap_port is not None and not sglang_prefill:
-        raise SystemExit("--bootstrap-port is for --protocol sglang --role prefill only")
+        raise StartupError("--bootstrap-port is for --protocol sglang --role prefill only")
     if sglang_prefill and args.bootstrap_port is None:
         args.bootstrap_port = 8998  # SGLang's default
     try:
@@ -176,21 +314,42 @@ async def mock_worker_command(args: argparse.Namespace) -> None:
             kv_ttl=args.kv_ttl, bootstrap_port=args.bootstrap_port,
             bootstrap_timeout=args.bootstrap_timeout)
     except ValueError as exc:
-        raise SystemExit(f"trio-disagg mock-worker: {exc}") from None
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        raise StartupError(str(exc)) from None
 
-        async def shutdown_trigger() -> None:
-            async for _ in signals:
-                return
-
+    async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(partial(
-                serve_worker, app, host=args.host, port=args.port,
-                shutdown_trigger=shutdown_trigger))
+            try:
+                port = await nursery.start(partial(
+                    serve_worker, app, host=args.host, port=args.port,
+                    shutdown_trigger=shutdown_trigger))
+            except* OSError as group:
+                where = _address(args.host, args.port)
+                if args.bootstrap_port is not None:
+                    where += f" (bootstrap port {args.bootstrap_port})"
+                raise StartupError(f"cannot listen on {where}: {_reason(group)}") from None
             bootstrap = getattr(app, "bootstrap_port", None)
             extra = f", bootstrap port {bootstrap}" if bootstrap is not None else ""
             print(f"trio-disagg: mock {args.protocol} {args.role} worker on "
-                  f"http://{args.host}:{port}{extra}", flush=True)
+                  f"http://{_address(args.host, port)}{extra}", flush=True)
+
+    return await run_until_signalled("mock-worker", body)
+
+
+def run_command(
+    command: str, main: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace
+) -> int:
+    """Run a long-running command; a :class:`StartupError` becomes one line on stderr and
+    exit code 2, however deep in exception groups it is."""
+    failure: StartupError | None = None
+    try:
+        return trio.run(main, args)
+    except* StartupError as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        failure = cast(StartupError, leaf)
+    print(f"trio-disagg {command}: error: {failure}", file=sys.stderr, flush=True)
+    return EXIT_STARTUP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,11 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        trio.run(serve_command, args)
-        return 0
+        return run_command("serve", serve_command, args)
     if args.command == "mock-worker":
-        trio.run(mock_worker_command, args)
-        return 0
+        return run_command("mock-worker", mock_worker_command, args)
     if args.command == "demo":
         names = DEMO_BACKENDS if args.backend == "all" else (args.backend,)
         backends = demo_backends(names, args.seed)

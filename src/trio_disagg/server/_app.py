@@ -63,21 +63,49 @@ def _outcome(error: ApiError) -> str:
     return "upstream_error"
 
 
+#: Seconds one send of a response may wait for the connection. Sends are shielded so that
+#: the responder's state is exactly what went out: a send cancelled half-way can leave
+#: hypercorn and h11 disagreeing about the response, and the next message then crashes
+#: the connection's task group, and with it the whole server.
+_SEND_WINDOW = 10.0
+
+#: Seconds a request cancelled at shutdown (or by the server from outside) gets to write
+#: its ending: a 503 error, or an error event and ``[DONE]`` (B3, B4).
+ENDING_WINDOW = 1.0
+
+
+class ResponseBroken(Exception):
+    """A send of the response did not complete: nothing more can be sent on it."""
+
+
 class _Responder:
     """One HTTP response, and where it is: not started, streaming, or finished.
+
+    ``started`` and ``finished`` say what really went out: each is set once its send
+    completed. A send that failed or ran out of time marks the response ``broken``: what
+    reached the connection is then unknown, and nothing more is sent.
 
     Before the final bytes go out it cancels the disconnect listener, because hypercorn
     reports the end of a response to the app as an ``http.disconnect`` too.
     """
 
-    __slots__ = ("finished", "listener", "request_id", "send", "started")
+    __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_deadline",
+                 "started")
 
     def __init__(self, send: Send) -> None:
         self.send = send
         self.request_id: bytes | None = None
         self.started = False
         self.finished = False
+        self.broken = False
         self.listener: trio.CancelScope | None = None
+        #: No send may go on past this time (the shutdown ending caps it).
+        self.send_deadline = math.inf
+
+    @property
+    def done(self) -> bool:
+        """Nothing more can be sent: the response is finished, or broken."""
+        return self.finished or self.broken
 
     def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", content_type)]
@@ -85,21 +113,39 @@ class _Responder:
             headers.append((b"x-request-id", self.request_id))
         return headers
 
+    async def _send(self, message: Message) -> None:
+        """Send one message, shielded and bounded, so it either completes or breaks.
+
+        Raises:
+            ResponseBroken: the response was already broken, or this send timed out.
+        """
+        if self.done:
+            raise ResponseBroken(f"cannot send {message['type']}: the response is over")
+        deadline = min(trio.current_time() + _SEND_WINDOW, self.send_deadline)
+        with trio.CancelScope(deadline=deadline, shield=True) as scope:
+            try:
+                await self.send(message)
+            except BaseException:
+                self.broken = True
+                raise
+        if scope.cancelled_caught:
+            raise ResponseBroken(f"sending {message['type']} timed out")
+
     async def start_stream(self) -> None:
         headers = self._headers(b"text/event-stream")
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
         self.started = True
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
 
     async def body(self, data: bytes) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, data: bytes) -> None:
         if self.listener is not None:
             self.listener.cancel()
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
         self.finished = True
-        await self.send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def respond(
         self,
@@ -110,25 +156,64 @@ class _Responder:
     ) -> None:
         headers = self._headers(content_type)
         headers.extend(extra)
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.finish(data)
 
     async def error(self, error: ApiError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """An error response, or, once streaming, an error event and ``[DONE]`` (B4)."""
-        if not self.started:
-            await self.respond(error.status, error.to_json(), extra=extra)
-        elif not self.finished:
-            await self.finish(error.to_event() + DONE_EVENT)
-        else:
+        if self.done:
             await trio.lowlevel.checkpoint()
+        elif not self.started:
+            await self.respond(error.status, error.to_json(), extra=extra)
+        else:
+            await self.finish(error.to_event() + DONE_EVENT)
+
+
+def shutdown_error() -> ApiError:
+    """The error of a request the server cancelled because it is shutting down."""
+    return ApiError(503, "the server is shutting down; the request was cancelled before it "
+                    "completed", type="service_unavailable_error", code="server_shutting_down")
+
+
+async def _end_cancelled(responder: _Responder) -> None:
+    """Give a request cancelled by the server its ending (B3, B4): a 503 if nothing was
+    sent yet, else an error event and ``[DONE]``; shielded, for ``ENDING_WINDOW``."""
+    if responder.done:
+        await trio.lowlevel.checkpoint()
+        return
+    responder.send_deadline = min(responder.send_deadline,
+                                  trio.current_time() + ENDING_WINDOW)
+    with trio.move_on_after(ENDING_WINDOW, shield=True):
+        try:
+            await responder.error(shutdown_error())
+        except Exception as exc:
+            logger.debug("could not end a cancelled request: %r", exc)
 
 
 class _RequestState:
-    __slots__ = ("disconnected",)
+    """One generation request, as the app's shutdown sees it.
 
-    def __init__(self) -> None:
+    Attributes:
+        responder: its response.
+        scope: cancelled by :meth:`OpenAIApp.shutdown` (with ``shutdown`` set).
+        disconnected: the client went away.
+        shutdown: the server cancelled the request because it is shutting down.
+        outcome: the ``requests_total`` outcome, once known.
+    """
+
+    __slots__ = ("disconnected", "outcome", "responder", "scope", "shutdown")
+
+    def __init__(self, responder: _Responder) -> None:
+        self.responder = responder
+        self.scope = trio.CancelScope()
         self.disconnected = False
+        self.shutdown = False
+        self.outcome = "disconnected"  # unless the request gets further
+
+    def cancel_for_shutdown(self) -> None:
+        self.shutdown = True
+        self.scope.cancel()
 
 
 async def _watch_disconnect(
@@ -181,9 +266,10 @@ class OpenAIApp:
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
         self.linger = linger
-        self.metrics = ServerMetrics(router, http_in_flight=lambda: self._in_flight)
+        self.metrics = ServerMetrics(router, http_in_flight=lambda: len(self._active))
         self._created = int(time.time())
-        self._in_flight = 0
+        self._active: set[_RequestState] = set()
+        self._cancelling = False
         self._idle = trio.Event()
         self._idle.set()
         self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
@@ -198,7 +284,7 @@ class OpenAIApp:
     def in_flight(self) -> int:
         """Generation requests being handled, until their nursery closed (SEMANTICS.md B5);
         a request's decode leg may outlive the response by up to ``linger`` seconds."""
-        return self._in_flight
+        return len(self._active)
 
     async def wait_idle(self) -> None:
         """Return once no generation request is being handled."""
@@ -206,10 +292,40 @@ class OpenAIApp:
             await self._idle.wait()
         await trio.lowlevel.checkpoint()
 
+    async def shutdown(self, window: float) -> int:
+        """End the generation requests in flight (SEMANTICS.md B3), as :func:`serve` does
+        once its shutdown trigger fired and the router is closed.
+
+        Requests get ``window`` seconds to finish. Those still running then are cancelled,
+        each with a clean ending (B4): a 503 ``server_shutting_down`` error if its response
+        had not started, else an error event and ``[DONE]``; each gets up to
+        ``ENDING_WINDOW`` seconds to write it. Requests arriving afterwards are refused
+        the same way. Returns once no request is handled (or the ending window is over).
+
+        Returns:
+            How many requests were cancelled before their response was complete (requests
+            whose answer was complete and whose decode leg was winding down are not
+            counted).
+        """
+        with trio.move_on_after(window):
+            await self.wait_idle()
+        self._cancelling = True
+        cancelled = 0
+        for state in list(self._active):
+            if not state.responder.done:
+                cancelled += 1
+            state.cancel_for_shutdown()
+        if cancelled:
+            logger.warning("cancelled %d request(s) still in flight after the %g s window",
+                           cancelled, window)
+        with trio.move_on_after(ENDING_WINDOW + 1.0):
+            await self.wait_idle()
+        return cancelled
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            await self._http_boundary(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
         else:  # websocket: refused by the server when the app returns
@@ -224,36 +340,54 @@ class OpenAIApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _http_boundary(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's boundary: nothing one request does may escape into the server.
+
+        An exception is logged and answered with a 500 if nothing was sent, else with an
+        error event and ``[DONE]``. A request the server cancels from outside (its graceful
+        timeout over, a hard stop) still gets its ending, shielded and bounded.
+        """
         responder = _Responder(send)
+        handled = False
         try:
-            route = self._routes.get(scope["path"])
-            if route is None:
-                method = scope["method"]
-                await responder.error(ApiError(
-                    404, f"Invalid URL ({method} {scope['path']})", code="unknown_url"))
-                return
-            methods, handler = route
-            if scope["method"] not in methods:
-                allow = ", ".join(sorted(methods)).encode()
-                await responder.error(
-                    ApiError(405, f"Method {scope['method']} not allowed for {scope['path']}; "
-                             f"use {allow.decode()}", code="method_not_allowed"),
-                    extra=[(b"allow", allow)],
-                )
-                return
-            await handler(scope, receive, responder)
-        except Exception as exc:  # a bug: never crash the server, never an opaque close
+            await self._http(scope, receive, responder)
+            handled = True
+        except* Exception as group:  # a bug: never crash the server, never an opaque close
+            handled = True
             logger.error("unexpected error serving %s %s", scope.get("method"),
-                         scope.get("path"), exc_info=exc)
+                         scope.get("path"), exc_info=group)
             await self._internal_error(responder)
+        finally:
+            if not handled and not responder.done:  # cancelled from outside
+                with trio.move_on_after(ENDING_WINDOW, shield=True):
+                    await _end_cancelled(responder)
+
+    async def _http(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        route = self._routes.get(scope["path"])
+        if route is None:
+            method = scope["method"]
+            await responder.error(ApiError(
+                404, f"Invalid URL ({method} {scope['path']})", code="unknown_url"))
+            return
+        methods, handler = route
+        if scope["method"] not in methods:
+            allow = ", ".join(sorted(methods)).encode()
+            await responder.error(
+                ApiError(405, f"Method {scope['method']} not allowed for {scope['path']}; "
+                         f"use {allow.decode()}", code="method_not_allowed"),
+                extra=[(b"allow", allow)],
+            )
+            return
+        await handler(scope, receive, responder)
 
     async def _internal_error(self, responder: _Responder) -> None:
-        try:
-            await responder.error(error_for_exception(RuntimeError()))
-        except Exception as exc:
-            logger.debug("could not report an internal error: %r", exc)
-            await trio.lowlevel.checkpoint()
+        """Report a bug to the client, shielded and bounded: a 500 if nothing was sent,
+        else an error event and ``[DONE]``."""
+        with trio.move_on_after(_SEND_WINDOW, shield=True):
+            try:
+                await responder.error(error_for_exception(RuntimeError()))
+            except Exception as exc:
+                logger.debug("could not report an internal error: %r", exc)
 
     # --- simple endpoints -------------------------------------------------------------
 
@@ -299,20 +433,26 @@ class OpenAIApp:
         self, scope: Scope, receive: Receive, responder: _Responder, *, chat: bool
     ) -> None:
         endpoint = "chat_completions" if chat else "completions"
-        outcome = "disconnected"  # unless the request gets further
-        self._in_flight += 1
-        if self._in_flight == 1:
+        state = _RequestState(responder)
+        self._active.add(state)
+        if len(self._active) == 1:
             self._idle = trio.Event()
         try:
-            outcome = await self._serve_generation(scope, receive, responder, chat=chat)
-        except Exception as exc:
-            logger.error("unexpected error serving %s", endpoint, exc_info=exc)
-            outcome = "internal_error"
+            with state.scope:
+                if self._cancelling:  # arrived after the shutdown window
+                    state.cancel_for_shutdown()
+                await self._serve_generation(scope, receive, state, chat=chat)
+            if state.shutdown and not responder.done and not state.disconnected:
+                state.outcome = "unavailable"
+                await _end_cancelled(responder)
+        except* Exception as group:
+            logger.error("unexpected error serving %s", endpoint, exc_info=group)
+            state.outcome = "internal_error"
             await self._internal_error(responder)
         finally:
-            self.metrics.requests.labels(endpoint, outcome).inc()
-            self._in_flight -= 1
-            if self._in_flight == 0:
+            self.metrics.requests.labels(endpoint, state.outcome).inc()
+            self._active.discard(state)
+            if not self._active:
                 self._idle.set()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
@@ -400,9 +540,11 @@ class OpenAIApp:
         return request, include_usage
 
     async def _serve_generation(
-        self, scope: Scope, receive: Receive, responder: _Responder, *, chat: bool
-    ) -> str:
-        """Read, validate, route and answer one generation request; return its outcome."""
+        self, scope: Scope, receive: Receive, state: _RequestState, *, chat: bool
+    ) -> None:
+        """Read, validate, route and answer one generation request; record its outcome
+        in ``state`` as soon as it is known."""
+        responder = state.responder
         # The request id goes out on every answer, errors included: the client's if it is
         # usable, else a fresh uuid4.
         request_id = _header(scope, b"x-request-id")
@@ -415,18 +557,19 @@ class OpenAIApp:
         try:
             data = await self._read_body(scope, receive)
             if data is None:
-                return "disconnected"
+                state.disconnected = True
+                return
             if bad_id:
                 raise ApiError(400, f"X-Request-Id must be 1 to {_MAX_REQUEST_ID} printable "
                                "characters", param="X-Request-Id", code="invalid_value")
             request, include_usage = self._build_request(scope, data, request_id, chat=chat)
         except ApiError as error:
+            state.outcome = _outcome(error)
             await responder.error(error)
-            return _outcome(error)
+            return
         context = RequestContext(
             request.request_id, {"session_id": request.routing.session_id}
         )
-        state = _RequestState()
         outcome: str | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -461,6 +604,7 @@ class OpenAIApp:
                             model=request.model, created=created,
                         )
                     self._observe_phases(stream)
+                state.outcome = outcome
                 # The answer is complete: let the decode leg end on its own (it records
                 # the worker's success), but not for longer than ``linger`` seconds.
                 listener.cancel()
@@ -469,21 +613,21 @@ class OpenAIApp:
                 )
         except* Exception as group:
             # A task of the request crashed (an engine raising after it started, a bug).
-            if not responder.finished:
+            if not responder.done:
                 crash = error_for_exception(group)
                 if crash.status == 500:
                     logger.error("unexpected error in request %s", request.request_id,
                                  exc_info=group)
                 else:
                     logger.warning("request %s failed: %s", request.request_id, crash.message)
-                await responder.error(crash)
                 outcome = _outcome(crash)
+                await responder.error(crash)
             else:
                 logger.warning("request %s: a task failed after the answer was complete",
                                request.request_id, exc_info=group)
         if outcome is None:
-            return "disconnected" if state.disconnected else "internal_error"
-        return outcome
+            outcome = "disconnected" if state.disconnected else "internal_error"
+        state.outcome = outcome
 
     def _observe_phases(self, stream: RequestStream) -> None:
         tracker = stream.tracker
@@ -593,6 +737,9 @@ class OpenAIApp:
                     await responder.start_stream()
                 await responder.finish(b"".join(parts))
                 return "success"
+        # A decode leg cancelled with this request ends its channel first: the request's
+        # own cancellation then decides the ending (client gone, shutdown), not the leg.
+        await trio.lowlevel.checkpoint_if_cancelled()
         if failure.status == 500:
             logger.error("request stream failed: %s", failure.message)
         if not responder.started and not parts:
@@ -656,6 +803,7 @@ class OpenAIApp:
                 )
                 await responder.respond(200, body)
                 return "success"
+        await trio.lowlevel.checkpoint_if_cancelled()  # as in _write_stream
         await responder.error(failure)
         return _outcome(failure)
 

@@ -12,9 +12,13 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from ._app import OpenAIApp
+from ._app import ENDING_WINDOW, OpenAIApp
 
 logger = logging.getLogger("trio_disagg.server")
+
+#: Seconds hypercorn waits beyond the app's own shutdown (the graceful window and the
+#: ending window) before it cancels what is left and closes the connections: a backstop.
+_BACKSTOP = 1.0
 
 
 async def wait_for_signals(*signums: int) -> int:
@@ -76,9 +80,12 @@ async def serve(
 
     Graceful shutdown (SEMANTICS.md B3): when ``shutdown_trigger`` returns, the router is
     closed (new requests get 503), hypercorn stops listening and closes idle connections,
-    requests in flight get up to ``graceful_timeout`` seconds to finish, then whatever is
-    left is cancelled (their prefill legs run on in the keeper) and :func:`serve` returns.
-    Leaving the keeper then gives in-flight transfers its own drain window.
+    requests in flight get up to ``graceful_timeout`` seconds to finish, then the app
+    cancels whatever is left (:meth:`OpenAIApp.shutdown`), each request with a clean ending
+    (a 503 ``server_shutting_down``, or an error event and ``[DONE]``: B4), and logs how
+    many; their prefill legs run on in the keeper. Then :func:`serve` returns. Leaving the
+    keeper then gives in-flight transfers its own drain window. Hypercorn's own graceful
+    timeout is set a little longer, as a backstop.
 
     Cancelling :func:`serve` itself is a hard stop.
 
@@ -101,7 +108,7 @@ async def serve(
         raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
     config = config if config is not None else Config()
     config.bind = [_bind(host, port)]
-    config.graceful_timeout = graceful_timeout
+    config.graceful_timeout = graceful_timeout + ENDING_WINDOW + _BACKSTOP
     router = app.router
 
     trigger: Callable[[], Awaitable[None]] | None = None
@@ -115,6 +122,9 @@ async def serve(
                 "graceful timeout %g s", router.in_flight, graceful_timeout,
             )
             router.close()
+            # The app's shutdown runs beside hypercorn's: it ends what is left when the
+            # window is over, before hypercorn's longer graceful timeout closes connections.
+            nursery.start_soon(app.shutdown, graceful_timeout)
 
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(
