@@ -11,7 +11,7 @@ import sys
 from functools import partial
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import httpx
 import openai
 import pytest
 import trio
@@ -83,6 +83,11 @@ async def test_serve_embedded_default_answers_and_stops_on_sigterm() -> None:
                 return answer.choices[0].finish_reason
 
             assert await trio.to_thread.run_sync(ask) == "length"
+            # The embedded mocks' KV accounting is on /metrics too (PROTOCOLS.md 5, B5).
+            async with httpx.AsyncClient() as http:
+                metrics = (await http.get(base_url.removesuffix("/v1") + "/metrics")).text
+            assert 'trio_disagg_mock_kv_held_blocks{role="prefill"} 0.0' in metrics
+            assert 'trio_disagg_mock_kv_served_requests_total{role="prefill"} 1.0' in metrics
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
 

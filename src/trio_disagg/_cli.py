@@ -21,9 +21,9 @@ from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import LatencyModel, mock_cluster, vllm_client
+from .engines import LatencyModel, MockCluster, mock_cluster, vllm_client
 from .server import create_app, serve
-from .workers import PROTOCOLS, create_mock_worker, serve_worker
+from .workers import PROTOCOLS, KVCollector, create_mock_worker, serve_worker
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
@@ -242,7 +242,7 @@ async def serve_command(args: argparse.Namespace) -> int:
                              for name in attrs_defaults(Deadlines())})
     policy = POLICIES[args.policy]
     client = vllm_client()
-    prefill, decode = engines_for(args, client)  # refuses bad arguments before any nursery
+    prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
 
     async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
@@ -253,6 +253,8 @@ async def serve_command(args: argparse.Namespace) -> int:
                 app = create_app(router, models=[args.model])
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
+            if cluster is not None:  # the embedded mocks' KV blocks (PROTOCOLS.md section 5)
+                app.metrics.registry.register(KVCollector(cluster.counters))
             async with trio.open_nursery() as nursery:
                 try:
                     port = await nursery.start(partial(
@@ -272,14 +274,15 @@ async def serve_command(args: argparse.Namespace) -> int:
 
 def engines_for(
     args: argparse.Namespace, client: httpx.AsyncClient
-) -> tuple[list[Engine], list[Engine]]:
-    """The engines ``serve`` routes to: in-process mocks, or adapters over HTTP."""
+) -> tuple[list[Engine], list[Engine], MockCluster | None]:
+    """The engines ``serve`` routes to: in-process mocks (and their cluster, whose KV
+    counters ``/metrics`` then shows), or adapters over HTTP."""
     if args.backend == "mock":
         if args.prefill or args.decode:
             raise StartupError("--prefill/--decode need --backend vllm, sglang or trtllm")
         style = HandoffStyle(args.mock_style)
         cluster = mock_cluster(1, 1, style=style, latency=LatencyModel())
-        return list(cluster.prefill), list(cluster.decode)
+        return list(cluster.prefill), list(cluster.decode), cluster
     if not args.prefill or not args.decode:
         raise StartupError(f"--backend {args.backend} needs at least one --prefill and "
                            "--decode")
@@ -290,7 +293,7 @@ def engines_for(
         prefill, decode = adapter(args.prefill, args.decode, client=client)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return list(prefill), list(decode)
+    return list(prefill), list(decode), None
 
 
 async def mock_worker_command(args: argparse.Namespace) -> int:
