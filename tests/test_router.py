@@ -282,11 +282,15 @@ async def test_G4_decode_fails_before_first_token(autojump_clock: trio.abc.Clock
         h.assert_clean()
 
 
-async def test_decode_rejection_is_raised_and_kv_consumed(autojump_clock: trio.abc.Clock) -> None:
+@pytest.mark.parametrize("style", STYLES)
+async def test_decode_rejection_is_raised_and_kv_consumed(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
     """A decode worker that refuses the request: the error reaches the caller, and the
-    staged KV is consumed by the keeper's cleanup decode (B1), not left for the TTL."""
+    staged KV is consumed by the keeper's cleanup decode (B1), not left for the TTL. In
+    the bootstrap style that decode may join the room: the refused one never did."""
     async with TransferKeeper() as keeper:
-        h = harness_for(keeper, SEQ, decode=2)
+        h = harness_for(keeper, style, decode=2)
         with pytest.raises(WorkerError):
             await h.run(make_request(fault="decode_reject:503"))
         await h.settle()

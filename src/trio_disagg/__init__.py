@@ -20,6 +20,7 @@ from ._gate import Gatekeeper as Gatekeeper
 from ._gate import is_decode_failure as is_decode_failure
 from ._keeper import PrefillTask as PrefillTask
 from ._keeper import TransferKeeper as TransferKeeper
+from ._keeper import TransferLeg as TransferLeg
 from ._pool import LeastOutstanding as LeastOutstanding
 from ._pool import RoundRobin as RoundRobin
 from ._pool import SelectionPolicy as SelectionPolicy

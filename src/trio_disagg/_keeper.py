@@ -253,68 +253,100 @@ class TransferKeeper:
         if not self._in_flight:
             self._idle.set()
 
-    async def start_leg(
+    def spawn_leg(
         self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str
-    ) -> trio.CancelScope:
-        """Start a worker leg that is part of a KV transfer in the keeper's nursery.
+    ) -> TransferLeg:
+        """Start a worker leg that is part of a KV transfer, in the keeper's nursery.
 
-        ``await keeper.start_leg(fn, *args)`` works like ``await nursery.start(fn, *args)``:
-        it returns once ``fn`` called ``task_status.started()``, and an exception ``fn``
-        raises before that is raised here. After that the leg belongs to the keeper: the
-        caller's cancellation does not reach it (an SGLang decode leg must finish its KV
-        pull even if its client left: G9), and an exception it raises is logged, never
-        raised into the keeper's nursery. It counts as in flight until it ends.
+        The leg is dispatched as ``await nursery.start(async_fn, *args)`` *inside* the
+        keeper, so not even its dispatch is under the caller's cancel scope: an SGLang
+        decode leg that a leaving client cancelled half-way through its dispatch could
+        have joined its bootstrap room or not, and nobody could tell (G9, B1). The caller
+        awaits :meth:`TransferLeg.wait_started` instead, which it may abandon. An exception
+        the leg raises after it started is logged, never raised into the keeper's nursery.
+        It counts as in flight until it ends.
 
         Returns:
-            The leg's cancel scope, so the caller can bound the leg later (for example
-            ``scope.deadline = trio.current_time() + grace`` once nobody reads its output).
+            The leg's :class:`TransferLeg`.
 
         Raises:
             RuntimeError: if the keeper is not open.
         """
         if self._nursery is None:
             raise RuntimeError("the TransferKeeper is not open; no new legs are accepted")
-        scope: trio.CancelScope = await self._nursery.start(
-            self._run_leg, async_fn, args, name
-        )
-        return scope
+        leg = TransferLeg(name)
+        key = object()
+        self._enter(key)
+        self._nursery.start_soon(self._run_leg, leg, key, async_fn, args, name=f"leg {name}")
+        return leg
 
     async def _run_leg(
         self,
+        leg: TransferLeg,
+        key: object,
         async_fn: Callable[..., Awaitable[object]],
         args: tuple[Any, ...],
-        name: str,
-        task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        scope = trio.CancelScope()
-        status = _LegStatus(task_status, scope)
-        key = object()
-        self._enter(key)
         try:
-            with scope:
-                await async_fn(*args, task_status=status)
+            with leg.scope:
+                async with trio.open_nursery() as nursery:
+                    try:
+                        await nursery.start(async_fn, *args)
+                    except Exception as exc:
+                        leg._settle(exc)  # refused before it started: the waiter's error
+                    else:
+                        leg._settle(None)
         except Exception as exc:
-            if not status.reported:
-                raise  # nursery.start semantics: the caller gets it
-            logger.warning("transfer leg %s failed", name, exc_info=exc)
+            logger.warning("transfer leg %s failed", leg.name, exc_info=exc)
         finally:
+            if not leg.settled.is_set():  # cancelled before it started
+                leg._settle(RuntimeError(f"transfer leg {leg.name} was cancelled"))
             self._leave(key)
 
 
-class _LegStatus:
-    """Passes a leg's ``started()`` on, reporting the leg's cancel scope instead."""
+class TransferLeg:
+    """A worker leg running in a :class:`TransferKeeper` (see
+    :meth:`TransferKeeper.spawn_leg`).
 
-    __slots__ = ("_scope", "_status", "reported")
+    Attributes:
+        name: shown in logs.
+        scope: the leg's cancel scope; :meth:`bound` sets its deadline.
+        settled: set once the leg started, or failed to.
+        error: why it failed to start, once settled; None if it started.
+    """
 
-    def __init__(self, status: trio.TaskStatus[trio.CancelScope], scope: trio.CancelScope
-                 ) -> None:
-        self._status = status
-        self._scope = scope
-        self.reported = False
+    __slots__ = ("error", "name", "scope", "settled")
 
-    def started(self, value: object = None) -> None:
-        self.reported = True
-        self._status.started(self._scope)
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.scope = trio.CancelScope()
+        self.settled = trio.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.settled.is_set() and self.error is None
+
+    async def wait_started(self) -> None:
+        """Return once the leg started (its worker accepted the request).
+
+        Raises:
+            Exception: what the leg raised before it started (e.g. a
+                :class:`~trio_disagg.WorkerError`).
+
+        Cancelling this wait does not affect the leg.
+        """
+        await self.settled.wait()
+        if self.error is not None:
+            raise self.error
+
+    def bound(self, grace: float) -> None:
+        """Cancel the leg if it is still running ``grace`` seconds from now."""
+        self.scope.deadline = min(self.scope.deadline, trio.current_time() + grace)
+
+    def _settle(self, error: BaseException | None) -> None:
+        self.error = error
+        self.settled.set()
 
 
 def _first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:

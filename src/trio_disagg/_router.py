@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from functools import partial
 from typing import Any
@@ -20,7 +21,7 @@ from ._errors import (
     WorkerError,
 )
 from ._gate import Gatekeeper
-from ._keeper import PrefillTask, TransferKeeper
+from ._keeper import PrefillTask, TransferKeeper, TransferLeg
 from ._pool import Worker, WorkerPool
 from ._prefill import Handoff, PrefillCompletion, Terminal, consume_prefill_stream
 from ._protocols import (
@@ -135,17 +136,27 @@ class _HandoffSlot:
             self.settled.set()
 
 
-class _DetachedLeg:
-    """The cancel scope of a decode leg running in the keeper, once it started."""
+class _BootstrapDecode:
+    """A bootstrap request's decode leg, which runs in the keeper (it is part of the KV
+    transfer: G9), and what B1 needs to know of it: whether a decode joined the room."""
 
-    __slots__ = ("scope",)
+    __slots__ = ("decided", "leg")
 
     def __init__(self) -> None:
-        self.scope: trio.CancelScope | None = None
+        self.leg: TransferLeg | None = None
+        self.decided = trio.Event()  # the leg was spawned, or the request ended without one
 
     def bound(self, grace: float) -> None:
-        if self.scope is not None:
-            self.scope.deadline = min(self.scope.deadline, trio.current_time() + grace)
+        if self.leg is not None:
+            self.leg.bound(grace)
+
+    async def joined(self) -> bool:
+        """Whether a decode worker accepted the request (and so joined the room)."""
+        await self.decided.wait()
+        if self.leg is None:
+            return False
+        await self.leg.settled.wait()
+        return self.leg.started
 
 
 @attrs.define(kw_only=True)
@@ -290,6 +301,7 @@ class DisaggRouter:
             request.routing.decode_worker = decode_worker.name
             tracker = RequestTracker()
             slot = _HandoffSlot()
+            bootstrap_decode = _BootstrapDecode()
             engine = prefill_worker.engine
             bootstrap = engine.handoff_style is HandoffStyle.BOOTSTRAP
             if bootstrap:
@@ -304,7 +316,8 @@ class DisaggRouter:
 
             async def prefill_leg() -> PrefillCompletion:
                 return await self._prefill_leg(
-                    prefill_worker, request, prefill_context, tracker, slot, room
+                    prefill_worker, request, prefill_context, tracker, slot, room,
+                    bootstrap_decode,
                 )
 
             task = self.keeper.start(prefill_leg, name=request.request_id, permit=permit)
@@ -332,7 +345,7 @@ class DisaggRouter:
                 # A bootstrap decode leg is part of the KV transfer: it runs in the keeper,
                 # so a client that leaves cannot abort the transfer (G9). It ends at its
                 # first send after the client left, once the KV is pulled.
-                leg: _DetachedLeg | None = _DetachedLeg() if bootstrap else None
+                leg = bootstrap_decode if bootstrap else None
                 try:
                     with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
                         await gate.dispatch(
@@ -353,6 +366,7 @@ class DisaggRouter:
                     # BrokenResourceError on its next send instead of blocking on a full
                     # channel.
                     decode_receive.close()
+                    bootstrap_decode.bound(self.deadlines.decode_idle)
                     raise
                 out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
                 nursery.start_soon(
@@ -369,6 +383,7 @@ class DisaggRouter:
                     decode_worker=decode_worker.name,
                 )
             finally:
+                bootstrap_decode.decided.set()  # no-op once a decode leg was spawned
                 if not slot.dispatched:
                     slot.abandon()
                     if isinstance(slot.completion, Handoff) and not bootstrap:
@@ -408,7 +423,7 @@ class DisaggRouter:
         out_send: trio.MemorySendChannel[Item],
         decode_context: RequestContext,
         tracker: RequestTracker,
-        leg: _DetachedLeg | None,
+        leg: _BootstrapDecode | None,
     ) -> None:
         try:
             await gate.forward(decode_receive, out_send, decode_context)
@@ -420,20 +435,31 @@ class DisaggRouter:
                 # to finish its KV pull and reach its first send, then it is cancelled.
                 leg.bound(self.deadlines.decode_idle)
 
-    async def _detached_decode_leg(  # noqa: ASYNC128 (the keeper reports started())
+    async def _detached_decode_leg(  # noqa: ASYNC128 (reports started() itself)
         self,
         worker: Worker,
         request: PreprocessedRequest,
         context: RequestContext,
         send_channel: trio.MemorySendChannel[Item],
-        leg: _DetachedLeg,
+        holder: _BootstrapDecode,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        leg.scope = await self.keeper.start_leg(
+        """Dispatch a bootstrap decode leg in the keeper and wait for its worker to accept.
+
+        Cancelling the wait (the client left, or G1) does not cancel the dispatch: a decode
+        half-dispatched might or might not have joined the room, and then nobody could say
+        whether the KV still needs consuming (B1).
+        """
+        leg = self.keeper.spawn_leg(
             self._decode_leg, worker, request, context, send_channel,
             name=f"decode {request.request_id}",
         )
+        leg.bound(self.deadlines.handoff)  # accepted within the handoff deadline, waited or not
+        holder.leg = leg
+        holder.decided.set()
+        await leg.wait_started()
+        leg.scope.deadline = math.inf  # its stream is bounded by the gatekeeper from here
         task_status.started()
 
     async def _decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
@@ -463,6 +489,7 @@ class DisaggRouter:
         tracker: RequestTracker,
         slot: _HandoffSlot,
         room: int | None,
+        bootstrap_decode: _BootstrapDecode,
     ) -> PrefillCompletion:
         """The whole prefill leg, run by the keeper: dispatch, classify, drain, and B1."""
         try:
@@ -471,7 +498,8 @@ class DisaggRouter:
                     if room is not None:
                         # Decode is dispatched concurrently: B1 may be needed while the
                         # prefill still waits for the decode worker to join the room.
-                        nursery.start_soon(self._consume_if_abandoned, slot, request)
+                        nursery.start_soon(self._consume_if_no_decode, bootstrap_decode,
+                                           request)
                     completion = await self._run_prefill(worker, request, context, tracker)
                     slot.completion = completion
                     if room is None and isinstance(completion, Handoff) and slot.abandoned:
@@ -530,13 +558,13 @@ class DisaggRouter:
             self.prefill.record_success(worker)
             return completion
 
-    async def _consume_if_abandoned(
-        self, slot: _HandoffSlot, request: PreprocessedRequest
+    async def _consume_if_no_decode(
+        self, bootstrap_decode: _BootstrapDecode, request: PreprocessedRequest
     ) -> None:
-        """B1 for the bootstrap style, alongside the prefill: if the request ends before
-        its decode leg was accepted, a minimal decode joins the room instead."""
-        await slot.settled.wait()
-        if slot.abandoned:
+        """B1 for the bootstrap style, alongside the prefill: if no decode worker accepted
+        the request (it ended before dispatching one, or the decode refused), a minimal
+        decode joins the room instead. Never when one did: a room is never reused."""
+        if not await bootstrap_decode.joined():
             await self._consume_staged_kv(request)
 
     def _start_cleanup(self, request: PreprocessedRequest) -> None:
