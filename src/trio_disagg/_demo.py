@@ -56,8 +56,10 @@ MODEL = "trio-disagg-mock"
 DEMO_LATENCY = LatencyModel(
     ttft_per_prompt_token=0.0005, inter_token_latency=0.004, kv_transfer_per_token=0.00002
 )
-DEMO_DEADLINES = Deadlines(prefill=1.0, handoff=2.0, decode_idle=1.5, terminal_hold=2.0,
-                           transfer=10.0)
+#: Short enough that the stall scenarios end in seconds, long enough that a 2-core machine
+#: running 64 clients, the router and its workers in one process never hits them by accident.
+DEMO_DEADLINES = Deadlines(prefill=2.5, handoff=3.0, decode_idle=3.0, terminal_hold=3.0,
+                           transfer=15.0)
 
 
 @attrs.define
