@@ -359,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # hypercorn prints its own lines with its own handler: not a second time through ours.
+    logging.getLogger("hypercorn").propagate = False
     if args.command == "serve":
         return run_command("serve", serve_command, args)
     if args.command == "mock-worker":

@@ -59,7 +59,10 @@ DEMO_LATENCY = LatencyModel(
 #: Short enough that the stall scenarios end in seconds, long enough that a 2-core machine
 #: running 64 clients, the router and its workers in one process never hits them by accident.
 DEMO_DEADLINES = Deadlines(prefill=2.5, handoff=3.0, decode_idle=3.0, terminal_hold=3.0,
-                           transfer=15.0)
+                           transfer=8.0)
+#: How long the demo waits after its last request for the keeper to be idle: past the
+#: transfer deadline, which bounds a stalled bootstrap prefill.
+SETTLE_WINDOW = DEMO_DEADLINES.transfer + 4.0
 
 
 @attrs.define
@@ -217,7 +220,7 @@ async def drive_backend(
                         )
             wall = time.perf_counter() - start
             # Disconnected requests may still be cleaning up (B1): give them a moment.
-            with trio.move_on_after(10):
+            with trio.move_on_after(SETTLE_WINDOW):
                 await router.wait_idle()
                 await keeper.wait_idle()
             requests_left, drains_left = router.in_flight, keeper.in_flight

@@ -534,9 +534,7 @@ class DisaggRouter:
                                 worker.engine.generate, request, context, send
                             )
                         except WorkerError as exc:
-                            raise PrefillError(
-                                f"prefill worker {worker.name} failed: {exc}"
-                            ) from exc
+                            raise PrefillError(_naming(worker, exc)) from exc
                         # The prefill deadline bounds the wait for the handoff; the rest
                         # of the stream (a bootstrap prefill answers after the transfer)
                         # is bounded by the transfer deadline of the whole leg.
@@ -549,9 +547,7 @@ class DisaggRouter:
                 raise leaf from leaf.__cause__
             except* WorkerError as group:
                 self.prefill.record_failure(worker, _single(group))
-                raise PrefillError(
-                    f"prefill worker {worker.name} failed: {_single(group)}"
-                ) from _single(group)
+                raise PrefillError(_naming(worker, _single(group))) from _single(group)
             if scope.cancelled_caught:
                 self.prefill.record_failure(worker)
                 raise PrefillDeadlineExceeded("prefill", self.deadlines.prefill)
@@ -602,6 +598,12 @@ class DisaggRouter:
         except Exception as exc:  # logged, never raised into the keeper (T2)
             self.counters.staged_kv_cleanup_failures += 1
             logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+def _naming(worker: Worker, exc: BaseException) -> str:
+    """The error's message, naming the prefill worker once (adapters' messages often do)."""
+    text = str(exc)
+    return text if worker.name in text else f"prefill worker {worker.name} failed: {text}"
 
 
 def _single(group: BaseExceptionGroup[Any]) -> Any:
