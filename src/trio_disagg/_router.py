@@ -117,23 +117,12 @@ class _HandoffSlot:
     without awaiting, so exactly one of them does it.
     """
 
-    __slots__ = ("abandoned", "completion", "dispatched", "settled")
+    __slots__ = ("abandoned", "completion", "dispatched")
 
     def __init__(self) -> None:
         self.completion: PrefillCompletion | None = None  # offered by the prefill leg
-        self.settled = trio.Event()
-        self.dispatched = False
-        self.abandoned = False
-
-    def mark_dispatched(self) -> None:
-        if not self.settled.is_set():
-            self.dispatched = True
-            self.settled.set()
-
-    def abandon(self) -> None:
-        if not self.settled.is_set():
-            self.abandoned = True
-            self.settled.set()
+        self.dispatched = False  # the request's decode leg was accepted
+        self.abandoned = False  # the request ended before that
 
 
 class _BootstrapDecode:
@@ -359,7 +348,7 @@ class DisaggRouter:
                         )
                     if handoff_scope.cancelled_caught:
                         raise DeadlineExceeded("handoff", self.deadlines.handoff)
-                    slot.mark_dispatched()
+                    slot.dispatched = True
                     await tracker.enter_decode()  # S11: waits for the drain to have started
                 except BaseException:
                     # Nobody will read the decode stream: a decode leg that did start gets
@@ -385,7 +374,7 @@ class DisaggRouter:
             finally:
                 bootstrap_decode.decided.set()  # no-op once a decode leg was spawned
                 if not slot.dispatched:
-                    slot.abandon()
+                    slot.abandoned = True
                     if isinstance(slot.completion, Handoff) and not bootstrap:
                         # The KV was staged before the request ended: consume it (B1).
                         staged = attrs.evolve(request, prefill_result=slot.completion.result)
