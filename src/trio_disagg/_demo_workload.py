@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import math
 import random
-import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -258,6 +257,3 @@ def check_outcomes(results: Sequence[Result]) -> list[str]:
             )
     return broken
 
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else math.nan
