@@ -2,15 +2,19 @@
 sections 1, 3 and 5): the bootstrap handoff (S5) with prefill and decode dispatched at once
 and meeting in a room on the prefill's bootstrap port, the drain of the prefill by the
 transfer keeper (T1-T4), the gatekeeper's late-failure rules for real (G1-G9), client
-disconnects that never strand KV (B1, B5), distinct rooms under concurrency, and end to
-end with the official ``openai`` client through the router's HTTP server.
+disconnects before the first token that never strand KV (B1, B5), distinct rooms under
+concurrency, and end to end with the official ``openai`` client through the router's HTTP
+server.
+
+stop_generating (G4) and the disconnect mid-stream (G9), which every protocol shares, are
+in ``test_protocol_router``.
 
 Everything runs on 127.0.0.1 with port 0 and the real clock; every wait is bounded.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -30,24 +34,28 @@ from e2e_support import (
     served,
     wait_until,
 )
-from prometheus_client.parser import text_string_to_metric_families
+from protocol_support import (
+    Cluster,
+    Item,
+    completion,
+    gating,
+    metric_samples,
+    open_cluster,
+    run,
+    texts,
+)
 
 from trio_disagg import (
-    Annotated,
     BootstrapInfo,
     Deadlines,
-    DisaggRouter,
+    Engine,
     FinishKind,
     HandoffStyle,
-    LLMEngineOutput,
     PrefillError,
     PreprocessedRequest,
     RequestContext,
-    RequestStream,
-    TransferKeeper,
     TrioDisaggError,
     WorkerError,
-    WorkerPool,
 )
 from trio_disagg.engines import (
     DEFAULT_BOOTSTRAP_PORT,
@@ -65,38 +73,6 @@ from trio_disagg.workers import (
     serve_mock_worker,
     serve_worker,
 )
-
-Item = Annotated[LLMEngineOutput]
-
-
-
-class Gated:
-    """A decode engine whose first request waits at the gate before reaching the worker:
-    the decode dispatch is pending while the prefill runs."""
-
-    def __init__(self, engine: SglangEngine) -> None:
-        self.engine = engine
-        self.name = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = None
-        self.bootstrap_port: int | None = None
-        self.entered = trio.Event()
-        self.gate = trio.Event()
-        self.calls = 0
-
-    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: trio.MemorySendChannel[Item],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        self.calls += 1
-        if self.calls == 1:
-            self.entered.set()
-            await self.gate.wait()
-        await self.engine.generate(request, context, send_channel, task_status=task_status)
 
 
 class HeldPrefill:
@@ -134,35 +110,6 @@ class HeldPrefill:
                     await send_channel.send(item)
 
 
-@attrs.define(eq=False)
-class Cluster:
-    prefill: MockSglangWorker
-    decode: MockSglangWorker
-    prefill_url: str
-    decode_url: str
-    client: httpx.AsyncClient
-    keeper: TransferKeeper
-    router: DisaggRouter
-    decode_scope: trio.CancelScope  # cancelling it kills the decode worker
-
-    async def settled(self) -> None:
-        """B5: no request, drain or worker request left; no KV block held, no room open."""
-        with trio.fail_after(5):
-            await self.router.wait_idle()
-            await self.keeper.wait_idle()
-            await wait_until(lambda: self.prefill.stats.running == 0
-                             and self.decode.stats.running == 0
-                             and self.prefill.kv.counters().held_blocks == 0
-                             and self.prefill.kv.open_rooms == 0)
-        assert self.router.in_flight == self.keeper.in_flight == 0
-
-
-async def _serve_in(scope: trio.CancelScope, app: MockSglangWorker, *,
-                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    with scope:
-        await serve_worker(app, task_status=task_status)
-
-
 @asynccontextmanager
 async def sglang_cluster(
     *,
@@ -171,55 +118,23 @@ async def sglang_cluster(
     prefill_model: str | None = None,
     wrap_prefill: Callable[[SglangEngine], Any] | None = None,
     wrap_decode: Callable[[SglangEngine], Any] | None = None,
-) -> AsyncIterator[Cluster]:
+) -> AsyncIterator[Cluster[MockSglangWorker]]:
     prefill = create_mock_worker("prefill", "sglang", latency=latency, model=prefill_model,
                                  bootstrap_port=0)
     decode = create_mock_worker("decode", "sglang", latency=latency)
-    decode_scope = trio.CancelScope()
-    async with trio.open_nursery() as nursery:
-        prefill_port = await nursery.start(partial(serve_worker, prefill))
-        decode_port = await nursery.start(partial(_serve_in, decode_scope, decode))
-        urls = (f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}")
-        async with worker_client() as client:
-            prefill_engines, decode_engines = sglang_engines(
-                [f"{urls[0]},{prefill.bootstrap_port}"], [urls[1]], client=client)
-            prefill_engine: Any = prefill_engines[0]
-            decode_engine: Any = decode_engines[0]
-            if wrap_prefill is not None:
-                prefill_engine = wrap_prefill(prefill_engines[0])
-            if wrap_decode is not None:
-                decode_engine = wrap_decode(decode_engines[0])
-            async with TransferKeeper(drain_window=5.0) as keeper:
-                router = DisaggRouter(
-                    WorkerPool([prefill_engine], failure_threshold=1000),
-                    WorkerPool([decode_engine], failure_threshold=1000),
-                    keeper, deadlines=deadlines,
-                )
-                yield Cluster(prefill, decode, urls[0], urls[1], client, keeper, router,
-                              decode_scope)
-        nursery.cancel_scope.cancel()
+
+    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+                ) -> tuple[Sequence[Engine], Sequence[Engine]]:
+        # the prefill's bootstrap port is known once it is served
+        return sglang_engines([f"{prefill_url},{prefill.bootstrap_port}"], [decode_url],
+                              client=client)
+
+    async with open_cluster(prefill, decode, worker_client(), engines, deadlines=deadlines,
+                            wrap_prefill=wrap_prefill, wrap_decode=wrap_decode) as cluster:
+        yield cluster
 
 
-def completion(rid: str, *, max_tokens: int = 5, **fields: Any) -> PreprocessedRequest:
-    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens}
-    body.update(fields)
-    return PreprocessedRequest(request_id=rid, model=MODEL, body=body, max_tokens=max_tokens,
-                               stream=body.get("stream") is True)
-
-
-async def run(cluster: Cluster, request: PreprocessedRequest
-              ) -> tuple[RequestStream, list[Item]]:
-    """Route ``request`` and read its whole stream."""
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            stream = await cluster.router.stream(nursery, request,
-                                                 RequestContext(request.request_id))
-            with stream.outputs:
-                items = [item async for item in stream.outputs]
-    return stream, items
-
-
-async def prefill_failure(cluster: Cluster, request: PreprocessedRequest
+async def prefill_failure(cluster: Cluster[Any], request: PreprocessedRequest
                           ) -> tuple[TrioDisaggError, list[Item]]:
     """How a failed prefill reaches the caller: raised by ``router.stream`` (G1: the decode
     dispatch was still pending), or as the one error item ending the stream (G6; the
@@ -241,15 +156,6 @@ async def prefill_failure(cluster: Cluster, request: PreprocessedRequest
             (error,) = group.exceptions  # type: ignore[assignment]
     assert error is not None
     return error, items
-
-
-def texts(items: list[Item]) -> list[str]:
-    return [item.data.text or "" for item in items if item.data is not None]
-
-
-def metric_samples(text: str) -> dict[str, float]:
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples}
 
 
 # --- the wire: what the adapter sends -----------------------------------------------------
@@ -638,24 +544,7 @@ async def test_decode_worker_death_mid_stream_is_an_error_item() -> None:
         assert cluster.prefill.stats.completed == 1
 
 
-async def test_G4_stop_generating_closes_the_decode_response() -> None:
-    async with sglang_cluster(latency=SLOW_TOKENS) as cluster:
-        context = RequestContext("stop-1")
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                stream = await cluster.router.stream(
-                    nursery, completion("stop-1", max_tokens=200), context)
-                with stream.outputs:
-                    first = await stream.outputs.receive()
-                    context.stop_generating()
-                    rest = [item async for item in stream.outputs]
-        assert first.data is not None and first.data.text
-        last = rest[-1]
-        assert last.data is not None and last.data.finish_reason is not None
-        assert last.data.finish_reason.kind is FinishKind.CANCELLED
-        await wait_until(lambda: cluster.decode.stats.aborted == 1)  # SGLang aborts on close
-        await cluster.settled()
-        assert cluster.prefill.stats.aborted == 0
+# stop_generating and the disconnect mid-stream (G4, G9) are in test_protocol_router.py.
 
 
 # --- client disconnects: never abort the prefill, never strand KV (G9, B1) ----------------
@@ -686,12 +575,7 @@ async def test_G9_disconnect_during_prefill_leaves_no_kv() -> None:
 
 
 async def test_B1_disconnect_while_the_decode_dispatch_is_pending() -> None:
-    gated: list[Gated] = []
-
-    def wrap(engine: SglangEngine) -> Gated:
-        gated.append(Gated(engine))
-        return gated[0]
-
+    gated, wrap = gating()
     async with sglang_cluster(wrap_decode=wrap) as cluster:
         (gate,) = gated
         with trio.move_on_after(10):
@@ -715,21 +599,7 @@ async def test_B1_disconnect_while_the_decode_dispatch_is_pending() -> None:
         assert gate.calls == 1
 
 
-async def test_G9_disconnect_mid_stream() -> None:
-    async with sglang_cluster(latency=SLOW_TOKENS) as cluster:
-        with trio.move_on_after(10):
-            async with trio.open_nursery() as nursery:
-                stream = await cluster.router.stream(
-                    nursery, completion("ds", max_tokens=200), RequestContext("ds"))
-                with stream.outputs:
-                    for _ in range(3):
-                        await stream.outputs.receive()
-                nursery.cancel_scope.cancel()
-        await wait_until(lambda: cluster.decode.stats.aborted == 1)
-        await cluster.settled()
-        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
-        counters = cluster.prefill.kv.counters()
-        assert (counters.served, counters.aborted) == (1, 0)
+# --- concurrency --------------------------------------------------------------------------
 
 
 async def test_fifty_concurrent_requests_get_fifty_rooms() -> None:

@@ -1,8 +1,11 @@
 """The vLLM adapter against the mock vLLM workers over real sockets (PROTOCOLS.md sections
 1, 2 and 5): the sequential handoff, the terminal first token (S7), errors before and
-after the first token, worker death, cached_tokens from the prefill (S4, S10), client
-disconnects that never abort the prefill and never strand KV (G9, B1, B5), concurrency,
-and end to end with the official ``openai`` client through the router's HTTP server.
+after the first token, worker death, cached_tokens from the prefill (S4, S10),
+concurrency, and end to end with the official ``openai`` client through the router's HTTP
+server.
+
+stop_generating (G4) and the client disconnects (G9, B1, B5), which the sequential
+handoff protocols share, are in ``test_protocol_router``.
 
 Everything runs on 127.0.0.1 with port 0 and the real clock; every wait is bounded.
 """
@@ -11,12 +14,11 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import pytest
 import trio
@@ -31,25 +33,27 @@ from e2e_support import (
     served,
     wait_until,
 )
-from prometheus_client.parser import text_string_to_metric_families
+from protocol_support import (
+    Cluster,
+    Item,
+    completion,
+    metric_samples,
+    open_cluster,
+    refusal,
+    run,
+    texts,
+)
 
 from trio_disagg import (
-    Annotated,
     Deadlines,
-    DisaggRouter,
+    Engine,
     FinishKind,
-    HandoffStyle,
-    LLMEngineOutput,
     PrefillDeadlineExceeded,
     PrefillError,
     PrefillResult,
     PreprocessedRequest,
     RequestContext,
-    RequestStream,
-    TransferKeeper,
-    TrioDisaggError,
     WorkerError,
-    WorkerPool,
 )
 from trio_disagg.engines import (
     PREFILL_KV_TRANSFER_PARAMS,
@@ -63,67 +67,8 @@ from trio_disagg.engines import (
 from trio_disagg.server import error_for_exception
 from trio_disagg.workers import MockVllmWorker, create_mock_worker, serve_worker
 
-Item = Annotated[LLMEngineOutput]
-
 #: A long TTL: every test checks the KV is freed without waiting for it.
 KV_TTL = 120.0
-
-
-class Gated:
-    """A decode engine whose first request waits at the gate before reaching the worker:
-    the window between the handoff and the decode worker's acceptance."""
-
-    def __init__(self, engine: VllmEngine) -> None:
-        self.engine = engine
-        self.name = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = None
-        self.bootstrap_port: int | None = None
-        self.entered = trio.Event()
-        self.gate = trio.Event()
-        self.calls = 0
-
-    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: trio.MemorySendChannel[Item],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        self.calls += 1
-        if self.calls == 1:
-            self.entered.set()
-            await self.gate.wait()
-        await self.engine.generate(request, context, send_channel, task_status=task_status)
-
-
-@attrs.define(eq=False)
-class Cluster:
-    prefill: MockVllmWorker
-    decode: MockVllmWorker
-    prefill_url: str
-    decode_url: str
-    client: httpx.AsyncClient
-    keeper: TransferKeeper
-    router: DisaggRouter
-    decode_scope: trio.CancelScope  # cancelling it kills the decode worker
-
-    async def settled(self) -> None:
-        """B5: no request, drain or worker request left; no KV block held."""
-        with trio.fail_after(5):
-            await self.router.wait_idle()
-            await self.keeper.wait_idle()
-            await wait_until(lambda: self.prefill.stats.running == 0
-                             and self.decode.stats.running == 0
-                             and self.prefill.kv.counters().held_blocks == 0)
-        assert self.router.in_flight == self.keeper.in_flight == 0
-
-
-async def _serve_in(scope: trio.CancelScope, app: MockVllmWorker, *,
-                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    with scope:
-        await serve_worker(app, task_status=task_status)
 
 
 @asynccontextmanager
@@ -134,71 +79,17 @@ async def vllm_cluster(
     prefill_model: str | None = None,
     prefill_url: str | None = None,
     wrap_decode: Callable[[VllmEngine], Any] | None = None,
-) -> AsyncIterator[Cluster]:
+) -> AsyncIterator[Cluster[MockVllmWorker]]:
     prefill = create_mock_worker("prefill", latency=latency, kv_ttl=KV_TTL, model=prefill_model)
     decode = create_mock_worker("decode", latency=latency)
-    decode_scope = trio.CancelScope()
-    async with trio.open_nursery() as nursery:
-        prefill_port = await nursery.start(partial(serve_worker, prefill))
-        decode_port = await nursery.start(partial(_serve_in, decode_scope, decode))
-        urls = (prefill_url or f"http://127.0.0.1:{prefill_port}",
-                f"http://127.0.0.1:{decode_port}")
-        async with vllm_client() as client:
-            prefill_engines, decode_engines = vllm_engines([urls[0]], [urls[1]], client=client)
-            decode_engine: Any = decode_engines[0]
-            if wrap_decode is not None:
-                decode_engine = wrap_decode(decode_engines[0])
-            async with TransferKeeper(drain_window=5.0) as keeper:
-                router = DisaggRouter(
-                    WorkerPool(prefill_engines, failure_threshold=1000),
-                    WorkerPool([decode_engine], failure_threshold=1000),
-                    keeper, deadlines=deadlines,
-                )
-                yield Cluster(prefill, decode, urls[0], urls[1], client, keeper, router,
-                              decode_scope)
-        nursery.cancel_scope.cancel()
 
+    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+                ) -> tuple[Sequence[Engine], Sequence[Engine]]:
+        return vllm_engines([prefill_url], [decode_url], client=client)
 
-def completion(rid: str, *, max_tokens: int = 5, **fields: Any) -> PreprocessedRequest:
-    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens}
-    body.update(fields)
-    return PreprocessedRequest(request_id=rid, model=MODEL, body=body, max_tokens=max_tokens,
-                               stream=body.get("stream") is True)
-
-
-async def run(cluster: Cluster, request: PreprocessedRequest
-              ) -> tuple[RequestStream, list[Item]]:
-    """Route ``request`` and read its whole stream."""
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            stream = await cluster.router.stream(nursery, request,
-                                                 RequestContext(request.request_id))
-            with stream.outputs:
-                items = [item async for item in stream.outputs]
-    return stream, items
-
-
-async def refusal(cluster: Cluster, request: PreprocessedRequest) -> TrioDisaggError:
-    """The error ``router.stream`` raises for ``request``."""
-    error: TrioDisaggError | None = None
-    with trio.fail_after(10):
-        try:
-            async with trio.open_nursery() as nursery:
-                await cluster.router.stream(nursery, request,
-                                            RequestContext(request.request_id))
-        except* TrioDisaggError as group:
-            (error,) = group.exceptions  # type: ignore[assignment]
-    assert error is not None, "the request was not refused"
-    return error
-
-
-def texts(items: list[Item]) -> list[str]:
-    return [item.data.text or "" for item in items if item.data is not None]
-
-
-def metric_samples(text: str) -> dict[str, float]:
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples}
+    async with open_cluster(prefill, decode, vllm_client(), engines, deadlines=deadlines,
+                            prefill_url=prefill_url, wrap_decode=wrap_decode) as cluster:
+        yield cluster
 
 
 # --- the wire: what the adapter sends -----------------------------------------------------
@@ -448,106 +339,10 @@ async def test_decode_worker_death_mid_stream_is_an_error_item() -> None:
         assert cluster.prefill.kv.counters().held_blocks == 0  # pulled before it died
 
 
-async def test_stop_generating_closes_the_decode_response() -> None:
-    async with vllm_cluster(latency=attrs.evolve(FAST, inter_token_latency=0.02)) as cluster:
-        context = RequestContext("stop-1")
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                stream = await cluster.router.stream(
-                    nursery, completion("stop-1", max_tokens=200), context)
-                with stream.outputs:
-                    first = await stream.outputs.receive()
-                    context.stop_generating()
-                    rest = [item async for item in stream.outputs]
-        assert first.data is not None and first.data.text
-        last = rest[-1]
-        assert last.data is not None and last.data.finish_reason is not None
-        assert last.data.finish_reason.kind is FinishKind.CANCELLED
-        await wait_until(lambda: cluster.decode.stats.aborted == 1)  # vLLM aborts on close
-        await cluster.settled()
-        assert cluster.prefill.stats.aborted == 0
+# stop_generating and the client disconnects (G4, G9, B1) are in test_protocol_router.py.
 
 
-# --- client disconnects: never abort the prefill, never strand KV (G9, B1) ----------------
-
-
-async def test_disconnect_during_prefill() -> None:
-    slow_prefill = attrs.evolve(FAST, ttft_per_prompt_token=0.01)  # 0.45 s
-    async with vllm_cluster(latency=slow_prefill) as cluster:
-        with trio.move_on_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cluster.router.stream, nursery, completion("dp"),
-                                   RequestContext("dp"))
-                await wait_until(lambda: cluster.prefill.stats.running == 1)
-                nursery.cancel_scope.cancel()  # the client goes away
-        await cluster.settled()  # within 5 s; the TTL is 120 s
-        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
-        counters = cluster.prefill.kv.counters()
-        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
-        assert cluster.router.counters.staged_kv_cleanups == 1  # B1 pulled it
-
-
-async def test_disconnect_at_the_handoff() -> None:
-    gated: list[Gated] = []
-
-    def wrap(engine: VllmEngine) -> Gated:
-        gated.append(Gated(engine))
-        return gated[0]
-
-    async with vllm_cluster(wrap_decode=wrap) as cluster:
-        (gate,) = gated
-        with trio.move_on_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cluster.router.stream, nursery, completion("dh"),
-                                   RequestContext("dh"))
-                with trio.fail_after(5):
-                    await gate.entered.wait()  # the handoff is ready, the decode not accepted
-                assert cluster.prefill.kv.counters().held_blocks == 3
-                nursery.cancel_scope.cancel()
-        gate.gate.set()
-        await cluster.settled()
-        assert cluster.prefill.stats.aborted == 0
-        counters = cluster.prefill.kv.counters()
-        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
-        assert cluster.router.counters.staged_kv_cleanups == 1
-        assert gate.calls == 2
-
-
-async def test_disconnect_during_the_kv_pull() -> None:
-    slow_pull = attrs.evolve(FAST, kv_transfer_per_token=0.02)  # 0.9 s
-    async with vllm_cluster(latency=slow_pull) as cluster:
-        kv = cluster.prefill.kv
-        with trio.move_on_after(10):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cluster.router.stream, nursery, completion("dk"),
-                                   RequestContext("dk"))
-                # claimed by the decode's pull, not yet transferred
-                await wait_until(lambda: kv.counters().held_blocks == 3
-                                 and kv.lookup("dk") is None)
-                nursery.cancel_scope.cancel()
-        await cluster.settled()
-        await wait_until(lambda: cluster.decode.stats.aborted == 1)
-        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
-        counters = kv.counters()  # the interrupted transfer freed the blocks at once
-        assert (counters.served, counters.aborted, counters.stranded_blocks) == (0, 1, 0)
-        assert cluster.router.counters.staged_kv_cleanups == 0
-
-
-async def test_disconnect_mid_stream() -> None:
-    async with vllm_cluster(latency=attrs.evolve(FAST, inter_token_latency=0.02)) as cluster:
-        with trio.move_on_after(10):
-            async with trio.open_nursery() as nursery:
-                stream = await cluster.router.stream(
-                    nursery, completion("ds", max_tokens=200), RequestContext("ds"))
-                with stream.outputs:
-                    for _ in range(3):
-                        await stream.outputs.receive()
-                nursery.cancel_scope.cancel()
-        await wait_until(lambda: cluster.decode.stats.aborted == 1)
-        await cluster.settled()
-        assert cluster.prefill.stats.aborted == 0
-        counters = cluster.prefill.kv.counters()
-        assert (counters.served, counters.aborted) == (1, 0)
+# --- concurrency --------------------------------------------------------------------------
 
 
 async def test_twenty_concurrent_requests() -> None:
