@@ -240,3 +240,11 @@ async def test_a_port_in_use_is_one_line_and_exit_2(argv: list[str]) -> None:
     (line,) = text.strip().splitlines()
     assert line.startswith(f"trio-disagg {argv[0]}: error: cannot listen on 127.0.0.1:"), line
     assert str(port) in line and "in use" in line, line
+
+
+async def test_demo_refuses_a_zero_concurrency_instead_of_hanging() -> None:
+    with trio.fail_after(60):
+        done = await trio.run_process([*COMMAND, "demo", "--concurrency", "0"],
+                                      capture_stderr=True, check=False)
+    assert done.returncode == 2
+    assert b"--concurrency: must be >= 1, got 0" in done.stderr

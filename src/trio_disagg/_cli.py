@@ -82,6 +82,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """A whole number >= 1 (a request count, a concurrency)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -219,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the router on mock workers, drive real OpenAI requests through "
                     "it (client disconnects and injected faults included), print a table "
                     "per scenario, and exit non-zero if an invariant was broken.")
-    demo_cmd.add_argument("--requests", type=int, default=200)
-    demo_cmd.add_argument("--concurrency", type=int, default=32)
+    demo_cmd.add_argument("--requests", type=positive_int, default=200,
+                          help="requests per backend (at least one per scenario)")
+    demo_cmd.add_argument("--concurrency", type=positive_int, default=32,
+                          help="clients sending at once")
     demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--backend", default="all",
                           choices=["all", *DEMO_BACKENDS])

@@ -308,8 +308,8 @@ async def run_demo(
                 out=sys.stderr,
             )
             workers.cancel_scope.cancel()
-        out.write(f"\n== {backend.name}: {requests} requests, concurrency {concurrency}, "
-                  f"seed {seed}\n")
+        out.write(f"\n== {backend.name}: {len(report.results)} requests, concurrency "
+                  f"{concurrency}, seed {seed}\n")
         out.write(format_table(report.results, report.wall) + "\n")
         kv = report.kv
         out.write(
