@@ -618,31 +618,24 @@ async def test_S10_handoff_carries_params_details_and_worker_link(
     assert handoff.drain is None
 
 
-async def test_B2_prefill_deadline_bounds_only_the_first_output(
+async def test_S1_S10_with_a_first_output_the_caller_already_read(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A bootstrap prefill answers after the KV transfer: the prefill deadline covers the
-    wait for its handoff, not the drain of the rest of its stream."""
+    """A caller may read the first output itself (to bound that wait by a deadline of
+    its own without closing the stream) and hand it over with the rest of the stream."""
     send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](math.inf)
-
-    async def produce() -> None:
-        with send:
-            await trio.sleep(1)
-            await send.send(Annotated.from_data(LLMEngineOutput(disaggregated_params={
-                "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 7})))
-            await trio.sleep(5)  # the KV transfer, past the 2 s prefill deadline
-            await send.send(Annotated.from_data(LLMEngineOutput.length()))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(produce)
-        with trio.move_on_after(2) as scope:
-            completion = await consume_prefill_stream(receive, first_output_scope=scope)
-    assert not scope.cancelled_caught
-    assert trio.current_time() == 6
-    assert isinstance(completion, Handoff) and completion.bootstrap
-
-    send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](math.inf)
-    with trio.move_on_after(2) as scope:
-        await consume_prefill_stream(receive, first_output_scope=scope)  # never answers
-    assert scope.cancelled_caught
+    first = Annotated.from_data(LLMEngineOutput(
+        finish_reason=FinishReason.LENGTH, disaggregated_params={"remote_engine_id": "p"}))
+    send.send_nowait(Annotated.from_data(LLMEngineOutput(completion_usage=CompletionUsage(
+        prompt_tokens=4, prompt_tokens_details=PromptTokensDetails(cached_tokens=2)))))
     send.close()
+    completion = await consume_prefill_stream(receive, first=first)
+    assert isinstance(completion, Handoff)
+    assert completion.result.disaggregated_params == {"remote_engine_id": "p"}
+    assert completion.result.prompt_tokens_details == PromptTokensDetails(cached_tokens=2)
+
+    send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](math.inf)
+    send.close()
+    with pytest.raises(PrefillError, match="no output"):  # S1 still applies
+        await consume_prefill_stream(receive, first=None)
+

@@ -598,3 +598,22 @@ async def test_C4_C5_client_stop_reaches_decode_but_not_prefill(
 def test_B2_deadlines_must_be_positive_seconds(bad: float) -> None:
     with pytest.raises(ValueError, match="prefill deadline must be > 0 seconds"):
         Deadlines(prefill=bad)
+
+
+@pytest.mark.parametrize(("words", "cleanups"), [(205, 1), (300, 0)])
+async def test_B1_B2_an_answer_on_its_way_at_the_prefill_deadline_is_consumed(
+    autojump_clock: trio.abc.Clock, words: int, cleanups: int
+) -> None:
+    """The prefill deadline (2 s) expires while the worker finishes (at 2.05 s it stages
+    KV and answers): the router still fails the request on its deadline, but reads the
+    late answer within a short grace and consumes its KV (B1), instead of leaving it to
+    the lease. An answer later than the grace is cancelled before anything is staged."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, kv_ttl=1000.0,
+                        deadlines=Deadlines(prefill=2, handoff=5, decode_idle=5))
+        with pytest.raises(PrefillDeadlineExceeded):
+            await h.run(make_request(words=words))
+        await h.settle()
+        h.assert_clean()  # nothing held, well before the 1000 s lease
+        assert h.router.counters.staged_kv_cleanups == cleanups
+        assert h.cluster.counters().served == cleanups

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -154,7 +153,7 @@ async def consume_prefill_stream(
     tracker: RequestTracker | None = None,
     keeper: TransferKeeper | None = None,
     guard: AbstractContextManager[Any] | None = None,
-    first_output_scope: trio.CancelScope | None = None,
+    first: Annotated[LLMEngineOutput] | None = None,
 ) -> PrefillCompletion:
     """Read a prefill stream and say what the router must do next (S1-S10, T4).
 
@@ -168,11 +167,9 @@ async def consume_prefill_stream(
         tracker: records prefill complete on the first valid output (S3).
         keeper: drains the rest of a bootstrap stream in the background.
         guard: a teardown guard to hold until the stream is fully read.
-        first_output_scope: a cancel scope whose deadline bounds only the wait for the
-            first output (the prefill deadline of SEMANTICS.md B2): its deadline is
-            lifted once that output arrived, so reading the rest of the stream (a
-            bootstrap prefill answers after the KV transfer) is bounded by the caller's
-            other deadlines, not by this one.
+        first: the first output, if the caller already read it from ``outputs`` (to
+            bound that wait by a deadline of its own, SEMANTICS.md B2, without closing
+            the stream when the deadline expires).
 
     Returns:
         A :class:`Handoff` or a :class:`Terminal`.
@@ -185,16 +182,15 @@ async def consume_prefill_stream(
     On cancellation the channel is closed; with a keeper, a bootstrap drain already
     started is not affected (T1).
     """
-    try:
-        first = await outputs.receive()
-        if first_output_scope is not None:
-            first_output_scope.deadline = math.inf
-    except trio.EndOfChannel:
-        outputs.close()
-        raise PrefillError("Prefill returned no output (stream ended)") from None
-    except BaseException:
-        outputs.close()
-        raise
+    if first is None:
+        try:
+            first = await outputs.receive()
+        except trio.EndOfChannel:
+            outputs.close()
+            raise PrefillError("Prefill returned no output (stream ended)") from None
+        except BaseException:
+            outputs.close()
+            raise
     try:
         completion = classify_first_output(first, tracker)
     except BaseException:

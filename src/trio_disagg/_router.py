@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -23,7 +24,13 @@ from ._errors import (
 from ._gate import Gatekeeper
 from ._keeper import PrefillTask, TransferKeeper, TransferLeg
 from ._pool import Worker, WorkerPool
-from ._prefill import Handoff, PrefillCompletion, Terminal, consume_prefill_stream
+from ._prefill import (
+    Handoff,
+    PrefillCompletion,
+    Terminal,
+    classify_first_output,
+    consume_prefill_stream,
+)
 from ._protocols import (
     Annotated,
     BootstrapInfo,
@@ -516,19 +523,29 @@ class DisaggRouter:
         with self.prefill.lease(worker):
             send, receive = trio.open_memory_channel[Item](self.channel_buffer)
             try:
-                with trio.move_on_after(self.deadlines.prefill) as scope:
-                    async with trio.open_nursery() as nursery:
+                async with trio.open_nursery() as nursery:
+                    # The prefill deadline bounds the dispatch and the wait for the first
+                    # output (the handoff) only. The engine itself runs outside it, so an
+                    # answer already on its way when the deadline expires can still be
+                    # read, and its staged KV consumed (B1). The rest of the stream (a
+                    # bootstrap prefill answers after the transfer) is bounded by the
+                    # transfer deadline of the whole leg.
+                    first: Item | None = None
+                    with trio.move_on_after(self.deadlines.prefill) as scope:
                         try:
                             await nursery.start(
                                 worker.engine.generate, request, context, send
                             )
                         except WorkerError as exc:
                             raise PrefillError(_naming(worker, exc)) from exc
-                        # The prefill deadline bounds the wait for the handoff; the rest
-                        # of the stream (a bootstrap prefill answers after the transfer)
-                        # is bounded by the transfer deadline of the whole leg.
+                        with contextlib.suppress(trio.EndOfChannel):  # S1, reported below
+                            first = await receive.receive()
+                    if scope.cancelled_caught:
+                        await self._consume_late_handoff(request, receive)
+                        nursery.cancel_scope.cancel()
+                    else:
                         completion = await consume_prefill_stream(
-                            receive, tracker=tracker, first_output_scope=scope
+                            receive, tracker=tracker, first=first
                         )
             except* PrefillError as group:
                 leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
@@ -542,6 +559,24 @@ class DisaggRouter:
                 raise PrefillDeadlineExceeded("prefill", self.deadlines.prefill)
             self.prefill.record_success(worker)
             return completion
+
+    async def _consume_late_handoff(
+        self, request: PreprocessedRequest, receive: trio.MemoryReceiveChannel[Item]
+    ) -> None:
+        """The prefill deadline expired: if the worker's answer was already on its way (it
+        finished, and staged KV for a decode), read it within a short grace and consume
+        that KV (B1) instead of leaving it to the worker's lease."""
+        with trio.move_on_after(min(1.0, 0.1 * self.deadlines.prefill)):
+            with contextlib.suppress(trio.EndOfChannel, trio.ClosedResourceError):
+                late = await receive.receive()
+                try:
+                    completion = classify_first_output(late)
+                except PrefillError:
+                    return
+                if isinstance(completion, Handoff) and not completion.bootstrap:
+                    self._start_cleanup(
+                        attrs.evolve(request, prefill_result=completion.result)
+                    )
 
     async def _consume_if_no_decode(
         self, bootstrap_decode: _BootstrapDecode, request: PreprocessedRequest
