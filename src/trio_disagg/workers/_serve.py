@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, Unpack, overload
 from urllib.parse import urlsplit
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
@@ -41,97 +41,41 @@ def _advertised(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host.strip("[]")
 
 
+class MockWorkerOptions(TypedDict, total=False):
+    """The settings of :func:`create_mock_worker`, as keywords; each defaults as in
+    :class:`~trio_disagg.workers.MockWorker`."""
+
+    name: str | None
+    model: str | None
+    latency: LatencyModel | None
+    seed: int
+    block_size: int
+    kv_ttl: float
+    kv_bytes_per_token: int
+    default_max_tokens: int
+    fault_plan: FaultPlan | None
+    bootstrap_port: int | None
+    bootstrap_timeout: float
+
+
 @overload
 def create_mock_worker(
-    role: Role,
-    protocol: Literal["vllm"] = "vllm",
-    *,
-    name: str | None = None,
-    model: str | None = None,
-    latency: LatencyModel | None = None,
-    seed: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    kv_ttl: float = DEFAULT_KV_TTL,
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-    default_max_tokens: int = 16,
-    fault_plan: FaultPlan | None = None,
-    bootstrap_port: int | None = None,
-    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+    role: Role, protocol: Literal["vllm"] = "vllm", **options: Unpack[MockWorkerOptions]
 ) -> MockVllmWorker: ...
-
-
 @overload
 def create_mock_worker(
-    role: Role,
-    protocol: Literal["sglang"],
-    *,
-    name: str | None = None,
-    model: str | None = None,
-    latency: LatencyModel | None = None,
-    seed: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    kv_ttl: float = DEFAULT_KV_TTL,
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-    default_max_tokens: int = 16,
-    fault_plan: FaultPlan | None = None,
-    bootstrap_port: int | None = None,
-    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+    role: Role, protocol: Literal["sglang"], **options: Unpack[MockWorkerOptions]
 ) -> MockSglangWorker: ...
-
-
 @overload
 def create_mock_worker(
-    role: Role,
-    protocol: Literal["trtllm"],
-    *,
-    name: str | None = None,
-    model: str | None = None,
-    latency: LatencyModel | None = None,
-    seed: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    kv_ttl: float = DEFAULT_KV_TTL,
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-    default_max_tokens: int = 16,
-    fault_plan: FaultPlan | None = None,
-    bootstrap_port: int | None = None,
-    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+    role: Role, protocol: Literal["trtllm"], **options: Unpack[MockWorkerOptions]
 ) -> MockTrtllmWorker: ...
-
-
 @overload
 def create_mock_worker(
-    role: Role,
-    protocol: str,
-    *,
-    name: str | None = None,
-    model: str | None = None,
-    latency: LatencyModel | None = None,
-    seed: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    kv_ttl: float = DEFAULT_KV_TTL,
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-    default_max_tokens: int = 16,
-    fault_plan: FaultPlan | None = None,
-    bootstrap_port: int | None = None,
-    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+    role: Role, protocol: str, **options: Unpack[MockWorkerOptions]
 ) -> MockWorker: ...
-
-
 def create_mock_worker(
-    role: Role,
-    protocol: str = "vllm",
-    *,
-    name: str | None = None,
-    model: str | None = None,
-    latency: LatencyModel | None = None,
-    seed: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    kv_ttl: float = DEFAULT_KV_TTL,
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-    default_max_tokens: int = 16,
-    fault_plan: FaultPlan | None = None,
-    bootstrap_port: int | None = None,
-    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+    role: Role, protocol: str = "vllm", **options: Unpack[MockWorkerOptions]
 ) -> MockWorker:
     """Make a mock worker's ASGI app (PROTOCOLS.md section 5).
 
@@ -152,19 +96,17 @@ def create_mock_worker(
     if protocol not in PROTOCOLS:
         raise ValueError(f"no mock worker for protocol {protocol!r}; known: "
                          f"{', '.join(PROTOCOLS)}")
-    if bootstrap_port is not None and (protocol != "sglang" or role != "prefill"):
+    common: dict[str, Any] = dict(options)
+    bootstrap = {key: common.pop(key) for key in ("bootstrap_port", "bootstrap_timeout")
+                 if key in common}
+    if bootstrap.get("bootstrap_port") is not None and (protocol, role) != ("sglang",
+                                                                           "prefill"):
         raise ValueError("bootstrap_port is for SGLang prefill workers only")
-    options: dict[str, Any] = dict(
-        name=name, model=model, latency=latency, seed=seed, block_size=block_size,
-        kv_ttl=kv_ttl, kv_bytes_per_token=kv_bytes_per_token,
-        default_max_tokens=default_max_tokens, fault_plan=fault_plan,
-    )
     if protocol == "sglang":
-        return MockSglangWorker(role, bootstrap_port=bootstrap_port,
-                                bootstrap_timeout=bootstrap_timeout, **options)
+        return MockSglangWorker(role, **bootstrap, **common)
     if protocol == "trtllm":
-        return MockTrtllmWorker(role, **options)
-    return MockVllmWorker(role, **options)
+        return MockTrtllmWorker(role, **common)
+    return MockVllmWorker(role, **common)
 
 
 async def serve_worker(
