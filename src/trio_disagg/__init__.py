@@ -5,9 +5,12 @@ the :class:`TransferKeeper` and the :class:`Gatekeeper` (SEMANTICS.md C, S, T, G
 """
 
 from ._context import RequestContext as RequestContext
+from ._engine import CancelWindow as CancelWindow
 from ._engine import Engine as Engine
 from ._engine import HandoffStyle as HandoffStyle
+from ._engine import cancel_window_of as cancel_window_of
 from ._errors import DeadlineExceeded as DeadlineExceeded
+from ._errors import InvalidPrefillHandoff as InvalidPrefillHandoff
 from ._errors import NoDisaggregatedParams as NoDisaggregatedParams
 from ._errors import NoWorkerAvailable as NoWorkerAvailable
 from ._errors import PrefillDeadlineExceeded as PrefillDeadlineExceeded

@@ -20,6 +20,37 @@ class HandoffStyle(enum.Enum):
     #: SGLang style; the router picks a bootstrap room and dispatches prefill and decode
     #: together.
     BOOTSTRAP = "bootstrap"
+    #: TRT-LLM style: sequential, but a generation leg aborted before it fetched the
+    #: context's KV leaves that KV to the worker's transfer timeout, so the generation leg
+    #: is part of the KV transfer until its first output (like a bootstrap decode leg).
+    CONTEXT_FIRST = "context_first"
+
+
+class CancelWindow(enum.Enum):
+    """When a prefill engine's prefill may be cancelled without stranding KV (SEMANTICS.md
+    B10). A client that leaves inside the window cancels the prefill (and its paired legs,
+    B6) instead of letting the keeper drain it; outside it the keeper drains and the
+    staged KV is consumed (B1).
+    """
+
+    #: Never: the prefill always runs to its end (the default for an engine that
+    #: declares nothing).
+    NEVER = "never"
+    #: Until the KV is committed to a decode: the prefill's handoff has not arrived
+    #: (sequential, context first) or no decode joined its room (bootstrap). TensorRT-LLM:
+    #: a context aborted after it committed its KV waits for its transfer timeout.
+    BEFORE_HANDOFF = "before_handoff"
+    #: Until the prefill finished: aborting it frees its blocks (vLLM). After the handoff
+    #: nothing is left to cancel in the sequential style, so this differs from
+    #: ``BEFORE_HANDOFF`` only for a bootstrap prefill, whose paired decode then ends too.
+    ANYTIME = "anytime"
+
+
+def cancel_window_of(engine: object) -> CancelWindow:
+    """The engine's ``cancel_window`` attribute, or :attr:`CancelWindow.NEVER` if it has
+    none (the attribute is optional in the :class:`Engine` protocol)."""
+    window = getattr(engine, "cancel_window", CancelWindow.NEVER)
+    return window if isinstance(window, CancelWindow) else CancelWindow.NEVER
 
 
 @runtime_checkable
@@ -38,6 +69,8 @@ class Engine(Protocol):
         handoff_style: for prefill engines, how they hand off.
         bootstrap_host, bootstrap_port: for BOOTSTRAP prefill engines, where the decode
             worker meets them (PROTOCOLS.md section 3).
+        cancel_window: optional, for prefill engines: a :class:`CancelWindow` (read with
+            :func:`cancel_window_of`; :attr:`CancelWindow.NEVER` if absent).
     """
 
     name: str

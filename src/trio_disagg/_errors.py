@@ -22,6 +22,20 @@ class NoDisaggregatedParams(PrefillError):
     """A prefill that needs a handoff returned nothing usable to hand off (S8, S9)."""
 
 
+class InvalidPrefillHandoff(NoDisaggregatedParams):
+    """A prefill answer failed validation as a handoff (B7): more than one choice, or a
+    handoff field missing or of the wrong type. No decode request is sent for it.
+
+    Attributes:
+        field: the offending field as a path into the worker's answer, such as
+            ``"choices[0].disaggregated_params.ctx_request_id"``.
+    """
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class DeadlineExceeded(TrioDisaggError, TimeoutError):
     """A bounded wait ran out (SEMANTICS.md B2).
 

@@ -152,6 +152,10 @@ class Annotated(Generic[T]):
     event: str | None = None
     comment: list[str] | None = None
     error: str | None = None
+    #: The typed failure behind an error item, when the producer had one (a
+    #: :class:`~trio_disagg.PrefillError`, a :class:`~trio_disagg.DeadlineExceeded`, ...).
+    #: In process only: never on the wire.
+    exception: BaseException | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def from_data(cls, data: T) -> Annotated[T]:
@@ -160,6 +164,11 @@ class Annotated(Generic[T]):
     @classmethod
     def from_error(cls, message: str) -> Annotated[T]:
         return cls(event="error", error=message)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Annotated[T]:
+        """An error item carrying ``exc``; its message is ``str(exc)``."""
+        return cls(event="error", error=str(exc) or type(exc).__name__, exception=exc)
 
     @property
     def is_error(self) -> bool:
@@ -280,8 +289,10 @@ def _is_attrs(cls: Any) -> bool:
 
 
 def _strict_object_factory(cls: Any, conv: cattrs.Converter) -> Any:
-    base = cattrs.gen.make_dict_structure_fn(cls, conv)
+    return _strict_object(cattrs.gen.make_dict_structure_fn(cls, conv))
 
+
+def _strict_object(base: Any) -> Any:
     def structure(value: Any, type_: Any) -> Any:
         if not isinstance(value, Mapping):
             raise TypeError(f"expected an object, got {describe_value(value)}")
@@ -314,8 +325,23 @@ def wire_problems(exc: cattrs.BaseValidationError) -> list[str]:
     return cattrs.transform_error(exc, path="$", format_exception=_explain)
 
 
+def _is_annotated(cls: Any) -> bool:
+    return cls is Annotated or get_origin(cls) is Annotated
+
+
 def _make_converter() -> cattrs.Converter:
     conv = make_strict_converter()
+    # An item's exception lives in process only.
+    conv.register_unstructure_hook_factory(
+        _is_annotated,
+        lambda cls, c: cattrs.gen.make_dict_unstructure_fn(
+            cls, c, _cattrs_omit_if_default=True, exception=cattrs.gen.override(omit=True)),
+    )
+    conv.register_structure_hook_factory(
+        _is_annotated,
+        lambda cls, c: _strict_object(cattrs.gen.make_dict_structure_fn(
+            cls, c, exception=cattrs.gen.override(omit=True))),
+    )
     conv.register_unstructure_hook(FinishReason, _unstructure_finish)
     conv.register_structure_hook(FinishReason, _structure_finish)
     conv.register_structure_hook(
