@@ -158,8 +158,9 @@ async def test_S5_bootstrap_handoff_dispatches_prefill_and_decode_together(
         start = trio.current_time()
         stream, items = await h.run(request)
         assert stream.style == "bootstrap"
-        assert request.bootstrap_info is not None
-        assert 0 <= request.bootstrap_info.room < 2**63
+        assert request.bootstrap_info is None  # the caller's request is not modified
+        assert stream.bootstrap_info is not None
+        assert 0 <= stream.bootstrap_info.room < 2**63
         assert len(tokens_of(items)) == 4
         assert finish_of(items[-1]) is FinishKind.LENGTH
         # Decode started while the prefill computed: no serial prefill + decode.
@@ -171,11 +172,16 @@ async def test_S5_bootstrap_handoff_dispatches_prefill_and_decode_together(
 async def test_S5_bootstrap_rooms_are_unique_per_request(autojump_clock: trio.abc.Clock) -> None:
     async with TransferKeeper() as keeper:
         h = harness_for(keeper, BOOT)
-        requests = [make_request(f"r{i}") for i in range(50)]
+        rooms: set[int] = set()
+
+        async def run(request: PreprocessedRequest) -> None:
+            stream, _ = await h.run(request)
+            assert stream.bootstrap_info is not None
+            rooms.add(stream.bootstrap_info.room)
+
         async with trio.open_nursery() as nursery:
-            for request in requests:
-                nursery.start_soon(h.run, request)
-        rooms = {r.bootstrap_info.room for r in requests if r.bootstrap_info is not None}
+            for i in range(50):
+                nursery.start_soon(run, make_request(f"r{i}"))
         assert len(rooms) == 50
         await h.settle()
         h.assert_clean()
@@ -283,19 +289,26 @@ async def test_G4_decode_fails_before_first_token(autojump_clock: trio.abc.Clock
 
 
 @pytest.mark.parametrize("style", STYLES)
-async def test_decode_rejection_is_raised_and_kv_consumed(
+async def test_B1_B6_decode_rejection_is_raised_and_nothing_is_left(
     autojump_clock: trio.abc.Clock, style: HandoffStyle
 ) -> None:
-    """A decode worker that refuses the request: the error reaches the caller, and the
-    staged KV is consumed by the keeper's cleanup decode (B1), not left for the TTL. In
-    the bootstrap style that decode may join the room: the refused one never did."""
+    """A decode worker that refuses the request: the error reaches the caller. Sequential:
+    the staged KV is consumed by the keeper's cleanup decode (B1), not left for the TTL.
+    Bootstrap: no decode will join the room, so its prefill is ended at once (B6), and no
+    cleanup decode is sent into it."""
     async with TransferKeeper() as keeper:
         h = harness_for(keeper, style, decode=2)
+        start = trio.current_time()
         with pytest.raises(WorkerError):
             await h.run(make_request(fault="decode_reject:503"))
         await h.settle()
+        assert trio.current_time() - start < 1  # never the bootstrap timeout
         h.assert_clean()
-        assert h.router.counters.staged_kv_cleanups == 1
+        counters = h.router.counters
+        if style is SEQ:
+            assert (counters.staged_kv_cleanups, counters.prefills_released) == (1, 0)
+        else:
+            assert (counters.staged_kv_cleanups, counters.prefills_released) == (0, 1)
 
 
 async def test_decode_reset_mid_stream_is_not_a_success(autojump_clock: trio.abc.Clock) -> None:
@@ -555,7 +568,7 @@ async def test_S11_decode_phase_waits_for_the_drain_to_start(
                 pass
 
 
-async def test_S12_selection_writes_the_chosen_workers_into_the_request(
+async def test_S12_selection_is_returned_and_the_request_left_as_it_was(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     async with TransferKeeper() as keeper:
@@ -569,7 +582,8 @@ async def test_S12_selection_writes_the_chosen_workers_into_the_request(
         for i in range(4):
             request = make_request(f"r{i}", session="user-42")
             stream, _ = await h.run(request)
-            assert request.routing.prefill_worker == stream.prefill_worker
+            assert request.routing.prefill_worker is None  # the decision is the stream's
+            assert stream.prefill_worker is not None and stream.decode_worker is not None
             chosen.add((stream.prefill_worker, stream.decode_worker))
         assert len(chosen) == 1  # the same session always lands on the same workers
         await h.settle()

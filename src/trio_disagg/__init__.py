@@ -13,6 +13,7 @@ from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import InvalidPrefillHandoff as InvalidPrefillHandoff
 from ._errors import NoDisaggregatedParams as NoDisaggregatedParams
 from ._errors import NoWorkerAvailable as NoWorkerAvailable
+from ._errors import PrefillCancelled as PrefillCancelled
 from ._errors import PrefillDeadlineExceeded as PrefillDeadlineExceeded
 from ._errors import PrefillError as PrefillError
 from ._errors import RouterClosed as RouterClosed

@@ -40,9 +40,9 @@ class CancelWindow(enum.Enum):
     #: (sequential, context first) or no decode joined its room (bootstrap). TensorRT-LLM:
     #: a context aborted after it committed its KV waits for its transfer timeout.
     BEFORE_HANDOFF = "before_handoff"
-    #: Until the prefill finished: aborting it frees its blocks (vLLM). After the handoff
-    #: nothing is left to cancel in the sequential style, so this differs from
-    #: ``BEFORE_HANDOFF`` only for a bootstrap prefill, whose paired decode then ends too.
+    #: Until the prefill finished: aborting it frees its blocks (vLLM). The router cancels
+    #: a prefill only while no decode has taken its handoff (a prefill that answered has
+    #: nothing left to cancel), so today it treats this as ``BEFORE_HANDOFF``.
     ANYTIME = "anytime"
 
 

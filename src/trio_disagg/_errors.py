@@ -62,12 +62,35 @@ class WorkerError(TrioDisaggError):
         status: the HTTP-like status to show the client: the worker's own 4xx, or 502
             for a worker's 5xx or a transport failure (PROTOCOLS.md section 1).
         worker: the worker's name or URL, if known.
+        worker_status: the status the worker itself answered, or None if it never
+            answered (a transport failure) or is not an HTTP worker.
     """
 
-    def __init__(self, message: str, *, status: int = 502, worker: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        worker: str | None = None,
+        worker_status: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.worker = worker
+        self.worker_status = worker_status
+
+    @property
+    def may_have_processed(self) -> bool:
+        """Whether the worker may have acted on the request before refusing it: it
+        answered a 5xx other than 503. A 4xx, a 503, or no answer at all mean it did not
+        (HTTP's own rule for when a request is safe to send again)."""
+        return self.worker_status is not None and self.worker_status >= 500 \
+            and self.worker_status != 503
+
+
+class PrefillCancelled(PrefillError):
+    """The router ended the prefill on purpose: its client left inside the engine's cancel
+    window (B10), or no decode will ever take its KV (B6). Nothing was stranded."""
 
 
 class PrefillDeadlineExceeded(DeadlineExceeded, PrefillError):

@@ -50,6 +50,9 @@ class Gatekeeper:
             with a "decode idle" error (B2).
         terminal_hold_timeout: seconds to hold a success terminal for the prefill outcome
             before failing the stream with a "terminal hold" error (B2).
+        on_first_output: called once, synchronously, when the first decode output (or
+            the end of the decode stream) arrives. The router links the client's context
+            to a decode leg that is part of a KV transfer only then (B6, G9).
     """
 
     def __init__(
@@ -59,8 +62,12 @@ class Gatekeeper:
         *,
         idle_timeout: float = math.inf,
         terminal_hold_timeout: float = math.inf,
+        on_first_output: Callable[[], object] | None = None,
     ) -> None:
         self.prefill = prefill
+        self._on_first_output = on_first_output
+        if on_first_output is not None:
+            self._receive = self._receive_first  # type: ignore[method-assign]
         self.client_context = client_context
         self.idle_timeout = idle_timeout
         self.terminal_hold_timeout = terminal_hold_timeout
@@ -192,6 +199,17 @@ class Gatekeeper:
             error = exc
         if error is not None:
             await self._fail(error, send_channel, decode_context)
+
+    async def _receive_first(
+        self, decode_outputs: trio.MemoryReceiveChannel[Item]
+    ) -> Item | None:
+        """:meth:`_receive`, calling ``on_first_output`` after the first one. Used only by a
+        gate that has the hook, so the common path pays nothing for it."""
+        item = await Gatekeeper._receive(self, decode_outputs)
+        if self._on_first_output is not None:
+            first, self._on_first_output = self._on_first_output, None
+            first()
+        return item
 
     async def _receive(self, decode_outputs: trio.MemoryReceiveChannel[Item]) -> Item | None:
         """The next decode output, or None at the end of the stream (B2 decode idle)."""

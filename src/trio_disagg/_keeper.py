@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -11,12 +12,17 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from ._errors import PrefillError
+from ._errors import PrefillCancelled, PrefillError
 from ._tracker import PhasePermit
 
 T = TypeVar("T")
 
 logger = logging.getLogger("trio_disagg.keeper")
+
+#: Kinds of keeper tasks, counted apart (:meth:`TransferKeeper.in_flight_by_kind`).
+PREFILL_DRAIN = "prefill drain"
+DECODE_LEG = "decode leg"
+CLEANUP = "B1 cleanup"
 
 
 class PrefillTask(Generic[T]):
@@ -111,17 +117,24 @@ class TransferKeeper:
         self.drain_window = drain_window
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
-        self._in_flight: dict[object, None] = {}  # drains and legs, by identity
+        self._in_flight: dict[object, str] = {}  # drains and legs, by identity: their kind
         self._idle = trio.Event()
         self._idle.set()
+        #: Tasks started, by kind (:data:`PREFILL_DRAIN`, :data:`DECODE_LEG`, ...).
+        self.started_by_kind: Counter[str] = Counter()
         self.started_total = 0
         self.failed_total = 0
         self.cancelled_total = 0
 
     @property
     def in_flight(self) -> int:
-        """Drains started and not yet ended (SEMANTICS.md B5)."""
+        """Drains and legs started and not yet ended (SEMANTICS.md B5)."""
         return len(self._in_flight)
+
+    def in_flight_by_kind(self) -> Counter[str]:
+        """What is in flight, by kind: prefill drains, decode legs kept for a transfer,
+        B1 cleanups."""
+        return Counter(self._in_flight.values())
 
     async def __aenter__(self) -> TransferKeeper:
         if self._nursery_manager is not None:
@@ -164,6 +177,7 @@ class TransferKeeper:
         name: str,
         guard: AbstractContextManager[Any] | None = None,
         permit: PhasePermit | None = None,
+        kind: str = PREFILL_DRAIN,
     ) -> PrefillTask[T]:
         """Start a prefill drain in the keeper's nursery and return its observer.
 
@@ -175,6 +189,8 @@ class TransferKeeper:
             guard: a teardown guard, entered here and held until the drain ends (S5).
             permit: the request's phase-transition permit, released as the drain
                 starts (S11).
+            kind: what the task is, for metrics and logs (:data:`PREFILL_DRAIN`,
+                :data:`CLEANUP`, ...).
 
         Returns:
             The :class:`PrefillTask` observing the drain.
@@ -188,10 +204,8 @@ class TransferKeeper:
         held = ExitStack()
         if guard is not None:
             held.enter_context(guard)  # S5: held from the handoff on, not from the first run
-        self._in_flight[task] = None
-        self._idle = trio.Event() if len(self._in_flight) == 1 else self._idle
-        self.started_total += 1
-        self._nursery.start_soon(self._run, task, async_fn, held, permit, name=f"drain {name}")
+        self._enter(task, kind)
+        self._nursery.start_soon(self._run, task, async_fn, held, permit, name=f"{kind} {name}")
         return task
 
     async def _run(
@@ -212,6 +226,9 @@ class TransferKeeper:
             task._finish(None, PrefillError(
                 f"Prefill background task did not complete: {task.name} was cancelled"))
             raise
+        except PrefillCancelled as error:  # ended on purpose (B6, B10): not a failure
+            logger.info("prefill drain %s ended: %s", task.name, error)
+            task._finish(None, error)
         except PrefillError as error:
             self.failed_total += 1
             logger.warning("prefill drain %s failed: %s", task.name, error)  # T2
@@ -243,8 +260,10 @@ class TransferKeeper:
         finally:
             self._leave(task)
 
-    def _enter(self, key: object) -> None:
-        self._in_flight[key] = None
+    def _enter(self, key: object, kind: str) -> None:
+        self._in_flight[key] = kind
+        self.started_by_kind[kind] += 1
+        self.started_total += 1
         if len(self._in_flight) == 1:
             self._idle = trio.Event()
 
@@ -254,7 +273,11 @@ class TransferKeeper:
             self._idle.set()
 
     def spawn_leg(
-        self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str
+        self,
+        async_fn: Callable[..., Awaitable[object]],
+        *args: Any,
+        name: str,
+        kind: str = DECODE_LEG,
     ) -> TransferLeg:
         """Start a worker leg that is part of a KV transfer, in the keeper's nursery.
 
@@ -276,8 +299,8 @@ class TransferKeeper:
             raise RuntimeError("the TransferKeeper is not open; no new legs are accepted")
         leg = TransferLeg(name)
         key = object()
-        self._enter(key)
-        self._nursery.start_soon(self._run_leg, leg, key, async_fn, args, name=f"leg {name}")
+        self._enter(key, kind)
+        self._nursery.start_soon(self._run_leg, leg, key, async_fn, args, name=f"{kind} {name}")
         return leg
 
     async def _run_leg(
@@ -296,8 +319,11 @@ class TransferKeeper:
                         leg._settle(exc)  # refused before it started: the waiter's error
                     else:
                         leg._settle(None)
-        except Exception as exc:
-            logger.warning("transfer leg %s failed", leg.name, exc_info=exc)
+        except* Exception as errors:
+            # Nothing raises into the keeper's nursery: errors are logged, even when they
+            # arrive in one group with a cancellation, which goes on alone (the keeper
+            # closing), as do KeyboardInterrupt and friends.
+            logger.warning("transfer leg %s failed", leg.name, exc_info=errors)
         finally:
             if not leg.settled.is_set():  # cancelled before it started
                 leg._settle(RuntimeError(f"transfer leg {leg.name} was cancelled"))

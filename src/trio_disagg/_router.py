@@ -1,11 +1,11 @@
-"""The disaggregated router: one nursery per request, three handoff styles, deadlines."""
+"""The disaggregated router: one nursery per request, one handoff owner per request, deadlines."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import secrets
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -13,16 +13,18 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import HandoffStyle
+from ._engine import Engine
 from ._errors import (
     DeadlineExceeded,
+    PrefillCancelled,
     PrefillDeadlineExceeded,
     PrefillError,
     RouterClosed,
     WorkerError,
 )
 from ._gate import Gatekeeper
-from ._keeper import PrefillTask, TransferKeeper, TransferLeg
+from ._handoff import BootstrapOwner, HandoffOwner, owner_for
+from ._keeper import CLEANUP, PrefillTask, TransferKeeper
 from ._pool import Worker, WorkerPool
 from ._prefill import (
     Handoff,
@@ -46,6 +48,9 @@ Item = Annotated[LLMEngineOutput]
 
 #: Items an engine may run ahead of the gatekeeper, and the gatekeeper of the client.
 CHANNEL_BUFFER = 16
+#: Seconds (at most; 10% of the prefill deadline if less) to read a prefill answer that
+#: was already on its way when the prefill deadline expired, so its KV is consumed (B1).
+LATE_ANSWER_GRACE = 1.0
 
 
 def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -85,11 +90,14 @@ class RequestStream:
         outputs: the client's stream of items; the last one is a terminal, an error,
             or the channel ends (B4 is the server's job).
         tracker: the request's phases and timestamps.
-        style: which handoff style served it (``"sequential"``, ``"bootstrap"``,
-            ``"terminal"``).
+        style: which handoff style served it (``"sequential"``, ``"context_first"``,
+            ``"bootstrap"``, ``"terminal"``).
         prefill: the prefill drain, owned by the keeper.
         gate: the gatekeeper, or None for a terminal prefill.
-        prefill_worker, decode_worker: names of the chosen workers.
+        prefill_worker, decode_worker: names of the chosen workers (the routing decision;
+            no decode worker for a terminal prefill).
+        bootstrap_info: the bootstrap room chosen (bootstrap style).
+        handoff: the request's handoff owner (its ``state`` says what became of the KV).
     """
 
     outputs: trio.MemoryReceiveChannel[Item]
@@ -99,6 +107,8 @@ class RequestStream:
     gate: Gatekeeper | None = None
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    bootstrap_info: BootstrapInfo | None = None
+    handoff: HandoffOwner | None = None
 
     @property
     def prompt_tokens_details(self) -> PromptTokensDetails | None:
@@ -113,55 +123,45 @@ class RequestStream:
         return None
 
 
-class _HandoffSlot:
-    """Decides who consumes the staged KV: the request's decode leg, or the keeper (B1).
-
-    The request marks the slot dispatched once its decode leg was accepted. If the request
-    ends first (client gone, deadline, decode refused), it abandons the slot, and the
-    keeper dispatches a minimal decode so the KV is consumed, never stranded: the prefill
-    leg does, if the handoff arrives after the request ended; the request's own cleanup
-    does (through the keeper), if the handoff had already arrived. Both sides decide
-    without awaiting, so exactly one of them does it.
-    """
-
-    __slots__ = ("abandoned", "completion", "dispatched")
-
-    def __init__(self) -> None:
-        self.completion: PrefillCompletion | None = None  # offered by the prefill leg
-        self.dispatched = False  # the request's decode leg was accepted
-        self.abandoned = False  # the request ended before that
-
-
-class _BootstrapDecode:
-    """A bootstrap request's decode leg, which runs in the keeper (it is part of the KV
-    transfer: G9), and what B1 needs to know of it: whether a decode joined the room."""
-
-    __slots__ = ("decided", "leg")
-
-    def __init__(self) -> None:
-        self.leg: TransferLeg | None = None
-        self.decided = trio.Event()  # the leg was spawned, or the request ended without one
-
-    def bound(self, grace: float) -> None:
-        if self.leg is not None:
-            self.leg.bound(grace)
-
-    async def joined(self) -> bool:
-        """Whether a decode worker accepted the request (and so joined the room)."""
-        await self.decided.wait()
-        if self.leg is None:
-            return False
-        await self.leg.settled.wait()
-        return self.leg.started
-
-
 @attrs.define(kw_only=True)
 class RouterCounters:
-    """Lifetime counters for metrics (SEMANTICS.md B5)."""
+    """Lifetime counters for metrics (SEMANTICS.md B5, B6, B10).
+
+    Attributes:
+        requests_total: requests admitted.
+        staged_kv_cleanups: one-token cleanup decodes started for staged KV (B1).
+        staged_kv_cleanup_failures: those that failed (the worker's lease reclaims it).
+        prefills_cancelled: prefills cancelled because their client left inside the
+            engine's cancel window (B10).
+        prefills_released: prefills ended because no decode would ever take their KV: a
+            bootstrap room no decode will join (B6).
+        prefills_drained: prefills whose request ended first and that the keeper ran to
+            their end (C5, T1), their KV then consumed (B1) or transferred (G9).
+    """
 
     requests_total: int = 0
     staged_kv_cleanups: int = 0
     staged_kv_cleanup_failures: int = 0
+    prefills_cancelled: int = 0
+    prefills_released: int = 0
+    prefills_drained: int = 0
+
+
+class _Accepted:
+    """A decode leg's ``task_status`` that tells the handoff's owner when the decode worker
+    accepted the request."""
+
+    __slots__ = ("accepted", "owner", "task_status")
+
+    def __init__(self, owner: HandoffOwner, task_status: trio.TaskStatus[None]) -> None:
+        self.owner = owner
+        self.task_status = task_status
+        self.accepted = False
+
+    def started(self, value: None = None) -> None:
+        self.accepted = True
+        self.owner.decode_accepted()
+        self.task_status.started(value)
 
 
 class DisaggRouter:
@@ -169,16 +169,22 @@ class DisaggRouter:
 
     Each request runs in a nursery its caller owns (:meth:`stream`); the prefill leg runs
     on a context of its own (C5) inside the :class:`TransferKeeper`, so a client that goes
-    away never aborts a KV transfer (G9). The handoff style follows the prefill worker:
+    away never aborts a KV transfer (G9). One owner per request decides what becomes of
+    its staged KV or bootstrap room however the request ends (B1, B6, B10); the handoff
+    style of the prefill worker picks its strategy:
 
-    - ``SEQUENTIAL`` (vLLM, TRT-LLM): await the classified prefill (S1-S10); a terminal
-      prefill answers the client with no decode (S7); otherwise dispatch decode with the
+    - ``SEQUENTIAL`` (vLLM): await the classified prefill (S1-S10); a terminal prefill
+      answers the client with no decode (S7); otherwise dispatch decode with the
       :class:`PrefillResult`.
+    - ``CONTEXT_FIRST`` (TensorRT-LLM): the same, with the generation leg kept in the
+      keeper until it fetched the KV (its first output).
     - ``BOOTSTRAP`` (SGLang): pick a unique 63-bit bootstrap room, dispatch prefill and
       decode together; the keeper drains the prefill and the gatekeeper watches it (G1-G9).
 
-    If the request ends before its decode leg was accepted, the keeper still dispatches a
-    minimal decode (one token, not streamed) so the staged KV is consumed (B1).
+    If the request ends before a decode accepted the handoff, the keeper still consumes
+    the staged KV with a minimal decode (one token, not streamed, B1), or ends a prefill
+    that no decode will ever read (B6); a client that leaves inside the prefill engine's
+    cancel window cancels its prefill (B10).
 
     Args:
         prefill: the prefill workers.
@@ -187,8 +193,8 @@ class DisaggRouter:
         deadlines: the bounded waits (B2).
         channel_buffer: how many items a decode leg may run ahead of the gatekeeper, and
             the gatekeeper of the client. Smaller costs less memory per slow reader
-            (DESIGN.md P3: about 0.3 KiB an item); larger lets a worker's burst reach the
-            client in one write (P4).
+            (P3: about 0.3 KiB an item); larger lets a worker's burst reach the client in
+            one write (P4).
 
     Raises:
         ValueError: a negative ``channel_buffer``.
@@ -248,12 +254,6 @@ class DisaggRouter:
         if self._in_flight == 0:
             self._idle.set()
 
-    def _new_room(self) -> int:
-        while (room := secrets.randbits(63)) in self._rooms:
-            pass
-        self._rooms.add(room)
-        return room
-
     async def stream(
         self,
         nursery: trio.Nursery,
@@ -269,9 +269,10 @@ class DisaggRouter:
 
         Args:
             nursery: the request's nursery; it must not outlive the keeper.
-            request: the request; ``routing`` and ``bootstrap_info`` are filled in (S12).
+            request: the request; it is not modified (the routing decision is in the
+                returned stream).
             context: the client's context; stopping it stops the decode leg (C4), never
-                the prefill (C5).
+                the prefill (C5), and never a decode leg before it fetched its KV (G9).
 
         Returns:
             A :class:`RequestStream` whose ``outputs`` the caller reads to the end.
@@ -280,320 +281,304 @@ class DisaggRouter:
             RouterClosed: the router is shutting down (B3).
             NoWorkerAvailable: no healthy prefill or decode worker.
             PrefillError: the prefill failed (S1, S2, S8, S9, T3, T4, G1), with its
-                worker's message; a :class:`PrefillDeadlineExceeded` if it ran out of time.
+                worker's message; an :class:`InvalidPrefillHandoff` for a handoff that
+                failed validation (B7); a :class:`PrefillDeadlineExceeded` if it ran out
+                of time.
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
 
-        On cancellation (the client went away) the prefill runs on in the keeper and, if
-        the decode leg was not yet accepted, its KV is consumed there (B1, G9).
+        Each is raised bare, never inside an exception group. On cancellation (the client
+        went away) the prefill runs on in the keeper, or is cancelled inside its engine's
+        cancel window (B10); staged KV no decode took is consumed there (B1, G9).
         """
         self._admit()
-        owned = True  # until the forwarding task takes over the in-flight count
-        room: int | None = None  # bound before anything can raise: the finally reads it
+        owner: HandoffOwner | None = None
+        handed_over = False
         try:
-            prefill_worker = self.prefill.select(request, pinned=request.routing.prefill_worker)
-            request.routing.prefill_worker = prefill_worker.name  # S12
-            decode_worker = self.decode.select(request, pinned=request.routing.decode_worker)
-            request.routing.decode_worker = decode_worker.name
-            tracker = RequestTracker()
-            slot = _HandoffSlot()
-            bootstrap_decode = _BootstrapDecode()
-            engine = prefill_worker.engine
-            bootstrap = engine.handoff_style is HandoffStyle.BOOTSTRAP
-            if bootstrap:
-                if engine.bootstrap_host is None or engine.bootstrap_port is None:
-                    raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")
-                room = self._new_room()
-                request.bootstrap_info = BootstrapInfo(
-                    host=engine.bootstrap_host, port=engine.bootstrap_port, room=room
-                )
-            permit = tracker.enter_prefill()
-            prefill_context = context.detached_copy()  # C5
-
-            async def prefill_leg() -> PrefillCompletion:
-                return await self._prefill_leg(
-                    prefill_worker, request, prefill_context, tracker, slot, room,
-                    bootstrap_decode,
-                )
-
-            task = self.keeper.start(prefill_leg, name=request.request_id, permit=permit)
-            try:
-                if bootstrap:
-                    decode_request = request
-                    style = "bootstrap"
-                else:
-                    completion = await task.result()
-                    if isinstance(completion, Terminal):  # S7
-                        owned = False
-                        return self._terminal(completion, tracker, task, prefill_worker)
-                    assert isinstance(completion, Handoff)
-                    decode_request = attrs.evolve(request, prefill_result=completion.result)
-                    style = "sequential"
-                gate = Gatekeeper(
-                    task,
-                    context,
-                    idle_timeout=self.deadlines.decode_idle,
-                    terminal_hold_timeout=self.deadlines.terminal_hold,
-                )
-                decode_context = RequestContext(request.request_id, context.metadata)
-                context.link_child(decode_context)  # C4
-                decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
-                # A bootstrap decode leg is part of the KV transfer: it runs in the keeper,
-                # so a client that leaves cannot abort the transfer (G9). It ends at its
-                # first send after the client left, once the KV is pulled.
-                leg = bootstrap_decode if bootstrap else None
-                try:
-                    with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
-                        await gate.dispatch(
-                            nursery,
-                            self._decode_leg if leg is None else self._detached_decode_leg,
-                            decode_worker,
-                            decode_request,
-                            decode_context,
-                            decode_send,
-                            *(() if leg is None else (leg,)),
-                        )
-                    if handoff_scope.cancelled_caught:
-                        raise DeadlineExceeded("handoff", self.deadlines.handoff)
-                    slot.dispatched = True
-                    await tracker.enter_decode()  # S11: waits for the drain to have started
-                except BaseException:
-                    # Nobody will read the decode stream: a decode leg that did start gets
-                    # BrokenResourceError on its next send instead of blocking on a full
-                    # channel.
-                    decode_receive.close()
-                    bootstrap_decode.bound(self.deadlines.decode_idle)
-                    raise
-                out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
-                nursery.start_soon(
-                    self._forward, gate, decode_receive, out_send, decode_context, tracker, leg
-                )
-                owned = False
-                return RequestStream(
-                    outputs=out_receive,
-                    tracker=tracker,
-                    style=style,
-                    prefill=task,
-                    gate=gate,
-                    prefill_worker=prefill_worker.name,
-                    decode_worker=decode_worker.name,
-                )
-            finally:
-                bootstrap_decode.decided.set()  # no-op once a decode leg was spawned
-                if not slot.dispatched:
-                    slot.abandoned = True
-                    if isinstance(slot.completion, Handoff) and not bootstrap:
-                        # The KV was staged before the request ended: consume it (B1).
-                        staged = attrs.evolve(request, prefill_result=slot.completion.result)
-                        self._start_cleanup(staged)
-        finally:
-            if owned:
+            owner = self._route(request, context)
+            self._start_prefill(owner)
+            stream = await self._open(nursery, owner)
+            handed_over = True
+            if stream.gate is None:  # a terminal prefill: nothing more runs
                 self._release()
-            if room is not None and owned:
-                self._rooms.discard(room)
+            return stream
+        finally:
+            if not handed_over:
+                if owner is not None:
+                    owner.close_request()
+                self._release()
 
-    def _terminal(
+    def _route(self, request: PreprocessedRequest, context: RequestContext) -> HandoffOwner:
+        """Choose the workers (S12) and make the request's handoff owner."""
+        prefill_worker = self.prefill.select(request, pinned=request.routing.prefill_worker)
+        decode_worker = self.decode.select(request, pinned=request.routing.decode_worker)
+        routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
+                               decode_worker=decode_worker.name)
+        request = attrs.evolve(request, routing=routing)
+        engine = prefill_worker.engine
+        strategy = owner_for(engine.handoff_style)
+        if strategy is BootstrapOwner:
+            if engine.bootstrap_host is None or engine.bootstrap_port is None:
+                raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")
+            while (room := secrets.randbits(63)) in self._rooms:
+                pass
+            info = BootstrapInfo(host=engine.bootstrap_host, port=engine.bootstrap_port,
+                                 room=room)
+            request = attrs.evolve(request, bootstrap_info=info)
+        return strategy(self, request, context, prefill_worker, decode_worker)
+
+    def _start_prefill(self, owner: HandoffOwner) -> None:
+        """Start the prefill leg in the keeper, on a context of its own (C5)."""
+        room = owner.request.bootstrap_info
+        if room is not None:
+            self._rooms.add(room.room)  # released by the prefill leg, however it ends
+        permit = owner.tracker.enter_prefill()
+        try:
+            owner.task = self.keeper.start(
+                partial(self._prefill_leg, owner, owner.context.detached_copy()),
+                name=owner.request.request_id, permit=permit,
+            )
+        except BaseException:
+            if room is not None:
+                self._rooms.discard(room.room)
+            raise
+
+    async def _open(self, nursery: trio.Nursery, owner: HandoffOwner) -> RequestStream:
+        decode_request = await owner.decode_request()
+        if isinstance(decode_request, Terminal):  # S7
+            return self._terminal(owner, decode_request)
+        decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
+        link = partial(owner.context.link_child, decode_context)  # C4
+        gate = Gatekeeper(
+            owner.prefill_task,
+            owner.context,
+            idle_timeout=self.deadlines.decode_idle,
+            terminal_hold_timeout=self.deadlines.terminal_hold,
+            # A leg that is part of the KV transfer hears of the client's stop or kill
+            # only once it fetched its KV (its first output): never abort a transfer (G9).
+            on_first_output=link if owner.holds_transfer else None,
+        )
+        if not owner.holds_transfer:
+            link()
+        decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
+        start = self._kept_decode_leg if owner.holds_transfer else self._decode_leg
+        try:
+            with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
+                await gate.dispatch(nursery, start, owner, decode_request, decode_context,
+                                    decode_send)
+            if handoff_scope.cancelled_caught:
+                raise DeadlineExceeded("handoff", self.deadlines.handoff)
+            await owner.tracker.enter_decode()  # S11: waits for the drain to have started
+        except BaseException:
+            # Nobody will read the decode stream: a decode leg that did start gets
+            # BrokenResourceError on its next send instead of blocking on a full channel.
+            decode_receive.close()
+            raise
+        out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
+        nursery.start_soon(self._forward, owner, gate, decode_receive, out_send, decode_context)
+        return self._request_stream(owner, out_receive, gate)
+
+    def _request_stream(
         self,
-        completion: Terminal,
-        tracker: RequestTracker,
-        task: PrefillTask[PrefillCompletion],
-        prefill_worker: Worker,
+        owner: HandoffOwner,
+        outputs: trio.MemoryReceiveChannel[Item],
+        gate: Gatekeeper | None,
+        style: str | None = None,
     ) -> RequestStream:
+        request = owner.request
+        return RequestStream(
+            outputs=outputs,
+            tracker=owner.tracker,
+            style=style or owner.style,
+            prefill=owner.prefill_task,
+            gate=gate,
+            prefill_worker=owner.prefill_worker.name,
+            decode_worker=None if gate is None else owner.decode_worker.name,
+            bootstrap_info=request.bootstrap_info,
+            handoff=owner,
+        )
+
+    def _terminal(self, owner: HandoffOwner, completion: Terminal) -> RequestStream:
         send, receive = trio.open_memory_channel[Item](1)
         with send:
             send.send_nowait(completion.output)
-        tracker.finish()
-        self._release()
-        return RequestStream(
-            outputs=receive,
-            tracker=tracker,
-            style="terminal",
-            prefill=task,
-            prefill_worker=prefill_worker.name,
-        )
+        owner.tracker.finish()
+        return self._request_stream(owner, receive, None, "terminal")
 
     async def _forward(
         self,
+        owner: HandoffOwner,
         gate: Gatekeeper,
         decode_receive: trio.MemoryReceiveChannel[Item],
         out_send: trio.MemorySendChannel[Item],
         decode_context: RequestContext,
-        tracker: RequestTracker,
-        leg: _BootstrapDecode | None,
     ) -> None:
         try:
             await gate.forward(decode_receive, out_send, decode_context)
         finally:
-            tracker.finish()
+            owner.tracker.finish()
             self._release()
-            if leg is not None:
-                # Nobody reads the detached decode leg any more: it gets one idle period
-                # to finish its KV pull and reach its first send, then it is cancelled.
-                leg.bound(self.deadlines.decode_idle)
+            owner.forward_ended(self.deadlines.decode_idle)
 
-    async def _detached_decode_leg(  # noqa: ASYNC128 (reports started() itself)
+    async def _kept_decode_leg(  # noqa: ASYNC128 (reports started() itself)
         self,
-        worker: Worker,
+        owner: HandoffOwner,
         request: PreprocessedRequest,
         context: RequestContext,
         send_channel: trio.MemorySendChannel[Item],
-        holder: _BootstrapDecode,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Dispatch a bootstrap decode leg in the keeper and wait for its worker to accept.
+        """Dispatch a decode leg that is part of the KV transfer in the keeper, and wait
+        for its worker to accept.
 
-        Cancelling the wait (the client left, or G1) does not cancel the dispatch: a decode
-        half-dispatched might or might not have joined the room, and then nobody could say
-        whether the KV still needs consuming (B1).
+        Cancelling the wait (the client left, or G1) does not cancel the dispatch: a
+        decode half-dispatched might or might not have joined the room or queued for the
+        KV, and then nobody could say whether the KV still needs consuming (B1, B6). The
+        owner hears the leg's outcome from the leg itself.
         """
         leg = self.keeper.spawn_leg(
-            self._decode_leg, worker, request, context, send_channel,
-            name=f"decode {request.request_id}",
+            self._decode_leg, owner, request, context, send_channel,
+            name=request.request_id,
         )
         leg.bound(self.deadlines.handoff)  # accepted within the handoff deadline, waited or not
-        holder.leg = leg
-        holder.decided.set()
+        owner.attach_leg(leg)
         await leg.wait_started()
-        leg.scope.deadline = math.inf  # its stream is bounded by the gatekeeper from here
         task_status.started()
 
     async def _decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         self,
-        worker: Worker,
+        owner: HandoffOwner,
         request: PreprocessedRequest,
         context: RequestContext,
         send_channel: trio.MemorySendChannel[Item],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """One decode leg with the handoff; tells ``owner`` whether its worker accepted."""
+        worker = owner.decode_worker
+        status = _Accepted(owner, task_status)
         with self.decode.lease(worker):
             try:
-                await worker.engine.generate(
-                    request, context, send_channel, task_status=task_status
-                )
-            except WorkerError as exc:
-                self.decode.record_failure(worker, exc)
+                await worker.engine.generate(request, context, send_channel, task_status=status)
+            except BaseException as exc:
+                if not status.accepted:
+                    owner.decode_not_accepted(exc)
+                if isinstance(exc, WorkerError):
+                    self.decode.record_failure(worker, exc)
                 raise
             self.decode.record_success(worker)
 
-    async def _prefill_leg(
-        self,
-        worker: Worker,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        tracker: RequestTracker,
-        slot: _HandoffSlot,
-        room: int | None,
-        bootstrap_decode: _BootstrapDecode,
-    ) -> PrefillCompletion:
-        """The whole prefill leg, run by the keeper: dispatch, classify, drain, and B1."""
+    async def _prefill_leg(self, owner: HandoffOwner, context: RequestContext) -> PrefillCompletion:
+        """The whole prefill leg, run by the keeper: dispatch, classify, drain; the owner
+        hears how it ended."""
         try:
             with trio.move_on_after(self.deadlines.transfer) as transfer_scope:
-                async with trio.open_nursery() as nursery:
-                    if room is not None:
-                        # Decode is dispatched concurrently: B1 may be needed while the
-                        # prefill still waits for the decode worker to join the room.
-                        nursery.start_soon(self._consume_if_no_decode, bootstrap_decode,
-                                           request)
-                    completion = await self._run_prefill(worker, request, context, tracker)
-                    slot.completion = completion
-                    if room is None and isinstance(completion, Handoff) and slot.abandoned:
-                        # The request ended before its handoff arrived (B1).
-                        staged = attrs.evolve(request, prefill_result=completion.result)
-                        await self._consume_staged_kv(staged)
-        except* PrefillError as group:
-            leaf = _single(group)  # one typed error for the PrefillTask, its cause kept
-            raise leaf from leaf.__cause__
+                with owner.prefill_scope:
+                    completion = await self._run_prefill(owner, context)
+        except BaseException:
+            owner.prefill_failed()
+            raise
         finally:
-            if room is not None:
-                self._rooms.discard(room)
+            if owner.request.bootstrap_info is not None:
+                self._rooms.discard(owner.request.bootstrap_info.room)
+        if owner.prefill_scope.cancelled_caught:
+            owner.prefill_failed()
+            raise PrefillCancelled(f"prefill of {owner.request.request_id} ended by the router: "
+                                   "no decode will take its KV")
         if transfer_scope.cancelled_caught:
             context.kill()
+            owner.prefill_failed()
             raise PrefillDeadlineExceeded("transfer", self.deadlines.transfer)
+        owner.prefill_done(completion)
         return completion
 
     async def _run_prefill(
-        self,
-        worker: Worker,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        tracker: RequestTracker,
+        self, owner: HandoffOwner, context: RequestContext
     ) -> PrefillCompletion:
+        """Dispatch the prefill and classify its stream (S1-S10, T4).
+
+        The prefill deadline bounds the wait for the first output (the handoff) only. The
+        engine runs outside it, so an answer already on its way when the deadline expires
+        can still be read, and its staged KV consumed (B1).
+        """
+        worker = owner.prefill_worker
         with self.prefill.lease(worker):
             send, receive = trio.open_memory_channel[Item](self.channel_buffer)
+            refusal: list[WorkerError] = []
+            first: Item | None = None
             try:
                 async with trio.open_nursery() as nursery:
-                    # The prefill deadline bounds the dispatch and the wait for the first
-                    # output (the handoff) only. The engine itself runs outside it, so an
-                    # answer already on its way when the deadline expires can still be
-                    # read, and its staged KV consumed (B1). The rest of the stream (a
-                    # bootstrap prefill answers after the transfer) is bounded by the
-                    # transfer deadline of the whole leg.
-                    first: Item | None = None
-                    with trio.move_on_after(self.deadlines.prefill) as scope:
-                        try:
-                            await nursery.start(
-                                worker.engine.generate, request, context, send
-                            )
-                        except WorkerError as exc:
-                            raise PrefillError(_naming(worker, exc)) from exc
-                        with contextlib.suppress(trio.EndOfChannel):  # S1, reported below
-                            first = await receive.receive()
-                    if scope.cancelled_caught:
-                        await self._consume_late_handoff(request, receive)
+                    nursery.start_soon(_run_engine, worker.engine, owner.request, context,
+                                       send, refusal)
+                    first = await self._first_prefill_output(owner, receive, refusal)
+                    if first is None:
                         nursery.cancel_scope.cancel()
+                        completion = None
                     else:
                         completion = await consume_prefill_stream(
-                            receive, tracker=tracker, first=first
+                            receive, tracker=owner.tracker, first=first
                         )
             except* PrefillError as group:
                 leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
-                self.prefill.record_failure(worker, leaf)
+                self.prefill.record_failure(worker, leaf.__cause__ or leaf)
                 raise leaf from leaf.__cause__
-            except* WorkerError as group:
-                self.prefill.record_failure(worker, _single(group))
-                raise PrefillError(_naming(worker, _single(group))) from _single(group)
-            if scope.cancelled_caught:
+            finally:
+                if owner.prefill_scope.cancel_called:
+                    self._stage_arrived(owner, first, receive)
+            if completion is None:
                 self.prefill.record_failure(worker)
                 raise PrefillDeadlineExceeded("prefill", self.deadlines.prefill)
             self.prefill.record_success(worker)
             return completion
 
-    async def _consume_late_handoff(
-        self, request: PreprocessedRequest, receive: trio.MemoryReceiveChannel[Item]
-    ) -> None:
-        """The prefill deadline expired: if the worker's answer was already on its way (it
-        finished, and staged KV for a decode), read it within a short grace and consume
-        that KV (B1) instead of leaving it to the worker's lease."""
-        with trio.move_on_after(min(1.0, 0.1 * self.deadlines.prefill)):
-            with contextlib.suppress(trio.EndOfChannel, trio.ClosedResourceError):
-                late = await receive.receive()
-                try:
-                    completion = classify_first_output(late)
-                except PrefillError:
-                    return
-                if isinstance(completion, Handoff) and not completion.bootstrap:
-                    self._start_cleanup(
-                        attrs.evolve(request, prefill_result=completion.result)
-                    )
+    async def _first_prefill_output(
+        self,
+        owner: HandoffOwner,
+        receive: trio.MemoryReceiveChannel[Item],
+        refusal: list[WorkerError],
+    ) -> Item | None:
+        """The prefill's first output, or None if the prefill deadline expired first.
 
-    async def _consume_if_no_decode(
-        self, bootstrap_decode: _BootstrapDecode, request: PreprocessedRequest
+        An answer already on its way when the deadline expires is read within a short
+        grace; if it staged KV, the owner has it consumed (B1) instead of leaving it to
+        the worker's lease.
+        """
+        worker = owner.prefill_worker
+        with trio.move_on_after(self.deadlines.prefill):
+            return await _receive_first(worker, receive, refusal)
+        with trio.move_on_after(min(LATE_ANSWER_GRACE, 0.1 * self.deadlines.prefill)):
+            with contextlib.suppress(PrefillError):
+                late = await _receive_first(worker, receive, refusal)
+                completion = await consume_prefill_stream(receive, first=late)
+                if isinstance(completion, Handoff) and not completion.bootstrap:
+                    owner.prefill_staged(completion.result)
+        return None
+
+    def _stage_arrived(
+        self, owner: HandoffOwner, first: Item | None, receive: trio.MemoryReceiveChannel[Item]
     ) -> None:
-        """B1 for the bootstrap style, alongside the prefill: if no decode worker accepted
-        the request (it ended before dispatching one, or the decode refused), a minimal
-        decode joins the room instead. Never when one did: a room is never reused."""
-        if not await bootstrap_decode.joined():
-            await self._consume_staged_kv(request)
+        """The router ended the prefill (B6, B10): a handoff that had already arrived is
+        still consumed (B1). Never raises (it runs in a ``finally``)."""
+        if first is None:
+            try:
+                first = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+        try:
+            completion = classify_first_output(first)
+        except PrefillError:
+            return
+        if isinstance(completion, Handoff) and not completion.bootstrap:
+            owner.prefill_staged(completion.result)
 
     def _start_cleanup(self, request: PreprocessedRequest) -> None:
-        """Start :meth:`_consume_staged_kv` in the keeper; never raises (it runs in a
-        ``finally``)."""
+        """Start :meth:`_consume_staged_kv` in the keeper; never raises (the owner calls it
+        from ``finally`` blocks)."""
         try:
             self.keeper.start(
                 partial(self._consume_staged_kv, request),
-                name=f"B1 cleanup {request.request_id}",
+                name=request.request_id, kind=CLEANUP,
             )
         except RuntimeError:  # the keeper is closing: the worker's lease reclaims the KV
             self.counters.staged_kv_cleanup_failures += 1
@@ -603,25 +588,71 @@ class DisaggRouter:
     async def _consume_staged_kv(self, request: PreprocessedRequest) -> None:
         """B1: a minimal decode (one token, not streamed) that consumes the staged KV."""
         self.counters.staged_kv_cleanups += 1
-        body = dict(request.body)
-        body["max_tokens"] = 1
-        body["stream"] = False
-        body.pop("stream_options", None)
-        body.pop("fault", None)
-        minimal = attrs.evolve(request, body=body, max_tokens=1, stream=False)
+        minimal = attrs.evolve(request, body=_one_token_body(request.body), max_tokens=1,
+                               stream=False)
         try:
             worker = self.decode.select(minimal)
-            context = RequestContext(request.request_id)
             send, receive = trio.open_memory_channel[Item](1)
-            with trio.fail_after(self.deadlines.handoff + self.deadlines.decode_idle):
+            with trio.fail_after(self.deadlines.handoff + self.deadlines.decode_idle), \
+                    self.decode.lease(worker):
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(self._decode_leg, worker, minimal, context, send)
+                    await nursery.start(worker.engine.generate, minimal,
+                                        RequestContext(request.request_id), send)
                     with receive:
                         async for _ in receive:
                             pass
         except Exception as exc:  # logged, never raised into the keeper (T2)
             self.counters.staged_kv_cleanup_failures += 1
             logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+async def _run_engine(
+    engine: Engine,
+    request: PreprocessedRequest,
+    context: RequestContext,
+    send: trio.MemorySendChannel[Item],
+    refusal: list[WorkerError],
+) -> None:
+    """Run a prefill engine outside any deadline; a refusal (raised before it started) is
+    kept for the reader, who sees the channel end."""
+    try:
+        with send:
+            await engine.generate(request, context, send)
+    except WorkerError as exc:
+        refusal.append(exc)
+
+
+async def _receive_first(
+    worker: Worker, receive: trio.MemoryReceiveChannel[Item], refusal: list[WorkerError]
+) -> Item:
+    """The first output of a prefill stream.
+
+    Raises:
+        PrefillError: the stream ended with none: the worker refused the request, or
+            returned nothing (S1).
+    """
+    try:
+        return await receive.receive()
+    except trio.EndOfChannel:
+        if refusal:
+            raise PrefillError(_naming(worker, refusal[0])) from refusal[0]
+        raise PrefillError("Prefill returned no output (stream ended)") from None
+
+
+def _one_token_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's body cut to one token, not streamed, for a B1 cleanup decode: what
+    shapes the prompt stays (its KV must match), what shapes the answer goes."""
+    minimal = {key: value for key, value in body.items() if key not in _ANSWER_FIELDS}
+    minimal["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        minimal["max_completion_tokens"] = 1
+    minimal["stream"] = False
+    return minimal
+
+
+#: Body fields that shape only the answer, dropped from a B1 cleanup decode.
+_ANSWER_FIELDS = frozenset({"stream_options", "fault", "min_tokens", "n", "best_of",
+                            "logprobs", "top_logprobs", "echo", "prompt_logprobs"})
 
 
 def _naming(worker: Worker, exc: BaseException) -> str:

@@ -1,0 +1,309 @@
+"""One owner per request for its handoff: what becomes of the staged KV or the bootstrap room
+however the request ends (SEMANTICS.md B1, B6, B10).
+
+A request's handoff is decided in one place, :class:`HandoffOwner`, by synchronous methods
+that the request side and the prefill leg (in the keeper) call as facts arrive: the prefill
+staged KV, answered by itself, failed; a decode worker accepted, refused, produced its first
+output; the request side gave up. Each decision is made without awaiting, so the two sides
+never race for it, and exactly one of them acts: a B1 cleanup is started once, a prefill is
+cancelled once. What differs between the handoff styles is a strategy:
+
+- :class:`SequentialOwner` (vLLM): the KV is staged when the prefill answers; a decode
+  accepted with it takes it (and a decode aborted before its pull tells the prefill worker
+  to free it); otherwise a one-token cleanup decode consumes it (B1).
+- :class:`ContextFirstOwner` (TensorRT-LLM): the same, but a generation leg aborted before
+  it fetched the context's KV leaves that KV to the worker's transfer timeout, so the leg
+  is part of the transfer until its first output: it runs in the keeper and a client that
+  leaves (or stops its context) lets it fetch the KV first.
+- :class:`BootstrapOwner` (SGLang): prefill and decode meet in a bootstrap room; the decode
+  leg is part of the transfer from its dispatch. A room no decode will ever join (the
+  decode refused, the request ended before dispatching one) has its prefill ended at once,
+  never left to the bootstrap timeout; a failed or terminal prefill ends the decode leg.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+import attrs
+import trio
+
+from ._context import RequestContext
+from ._engine import CancelWindow, HandoffStyle, cancel_window_of
+from ._errors import WorkerError
+from ._keeper import PrefillTask, TransferLeg
+from ._pool import Worker
+from ._prefill import PrefillCompletion, Terminal
+from ._protocols import PrefillResult, PreprocessedRequest
+from ._tracker import RequestTracker
+
+if TYPE_CHECKING:
+    from ._router import DisaggRouter
+
+logger = logging.getLogger("trio_disagg.router")
+
+
+class HandoffState(enum.Enum):
+    """Where a request's handoff stands (:attr:`HandoffOwner.state`)."""
+
+    #: The prefill runs; no KV is staged that a decode could take.
+    PENDING = "pending"
+    #: KV is staged (sequential styles: the prefill answered), and no decode took it yet.
+    STAGED = "staged"
+    #: A decode worker accepted the request with the handoff: the KV is its to take.
+    DISPATCHED = "dispatched"
+    #: A decode took the KV: the request's own, or a one-token cleanup decode (B1); or the
+    #: decode worker took the request and failed it (the KV is then its worker's).
+    CONSUMED = "consumed"
+    #: The prefill was ended before any decode took its KV (B6, B10): nothing staged.
+    RELEASED = "released"
+    #: The prefill answered the request by itself (S7): nothing staged.
+    TERMINAL = "terminal"
+    #: The prefill failed: nothing usable staged.
+    FAILED = "failed"
+
+
+_SETTLED = frozenset({HandoffState.CONSUMED, HandoffState.RELEASED, HandoffState.TERMINAL,
+                      HandoffState.FAILED})
+
+
+@attrs.define(eq=False)
+class HandoffOwner:
+    """Owns one request's handoff from dispatch to its end (a strategy per handoff style).
+
+    Attributes:
+        state: the :class:`HandoffState`.
+        request: the routed request (with ``bootstrap_info`` in the bootstrap style).
+        window: the prefill engine's cancel window (B10).
+        prefill_scope: cancelled to end the prefill leg on purpose (B6, B10).
+        leg: the decode leg kept in the keeper for the transfer, once spawned.
+        task: the prefill leg's task in the keeper, once started.
+    """
+
+    #: The style's name, as :attr:`~trio_disagg.RequestStream.style` reports it.
+    style: ClassVar[str]
+    #: The decode leg is part of the KV transfer until its first output: it runs in the
+    #: keeper, and the client's context reaches it only after that output (G9, B6).
+    holds_transfer: ClassVar[bool] = False
+
+    router: DisaggRouter
+    request: PreprocessedRequest
+    context: RequestContext
+    prefill_worker: Worker
+    decode_worker: Worker
+    tracker: RequestTracker = attrs.Factory(RequestTracker)
+    state: HandoffState = HandoffState.PENDING
+    window: CancelWindow = CancelWindow.NEVER
+    prefill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    leg: TransferLeg | None = None
+    task: PrefillTask[PrefillCompletion] | None = None
+    #: The request side may still dispatch a decode (it has not given up, nor succeeded).
+    request_open: bool = True
+    #: KV staged and not yet taken (sequential styles).
+    staged: PrefillResult | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.window = cancel_window_of(self.prefill_worker.engine)
+
+    @property
+    def prefill_task(self) -> PrefillTask[PrefillCompletion]:
+        """The prefill leg's task (started right after the owner is made)."""
+        assert self.task is not None
+        return self.task
+
+    async def decode_request(self) -> PreprocessedRequest | Terminal:
+        """What to send the decode worker, once that can be known: the request with the
+        prefill's handoff; or the prefill's own answer (S7), and then no decode.
+
+        Raises:
+            PrefillError: the prefill failed.
+        """
+        completion = await self.prefill_task.result()
+        if isinstance(completion, Terminal):
+            return completion
+        return attrs.evolve(self.request, prefill_result=completion.result)
+
+    # --- facts, reported by the prefill leg -------------------------------------------
+
+    def prefill_done(self, completion: PrefillCompletion) -> None:
+        """The prefill leg succeeded with ``completion``."""
+        if isinstance(completion, Terminal):
+            self.prefill_answered()
+        else:
+            self.prefill_staged(completion.result)
+
+    def prefill_staged(self, result: PrefillResult) -> None:
+        """The prefill staged KV for a decode (sequential styles), possibly after the
+        request already ended (a late answer at the prefill deadline, a client gone), or
+        just as the router ended the prefill (its answer was already on its way)."""
+        if self.state not in (HandoffState.PENDING, HandoffState.RELEASED):
+            return
+        self.state = HandoffState.STAGED
+        self.staged = result
+        if not self.request_open:
+            self._consume()
+
+    def prefill_answered(self) -> None:
+        """The prefill answered the request by itself (S7): nothing to hand off."""
+        if self.state is HandoffState.PENDING:
+            self.state = HandoffState.TERMINAL
+        self._end_decode_leg()
+
+    def prefill_failed(self) -> None:
+        """The prefill failed, or was ended on purpose: a paired decode leg waits for KV
+        that will never come, so it ends now (B6)."""
+        if self.state is HandoffState.PENDING:
+            self.state = HandoffState.FAILED
+        self._end_decode_leg()
+
+    # --- facts, reported by the request side ------------------------------------------
+
+    def decode_accepted(self) -> None:
+        """A decode worker accepted the request with the handoff."""
+        if self.state in (HandoffState.PENDING, HandoffState.STAGED):
+            self.state = HandoffState.DISPATCHED  # bootstrap: the decode joined the room
+            self.staged = None
+        if self.leg is not None:
+            # From here the gatekeeper bounds the leg's stream; with nobody left to read
+            # it, the leg gets one idle period to pull its KV and reach its first send.
+            self.leg.scope.deadline = math.inf
+            if not self.request_open:
+                self.leg.bound(self.router.deadlines.decode_idle)
+
+    def attach_leg(self, leg: TransferLeg) -> None:
+        """The decode leg kept in the keeper for this handoff."""
+        self.leg = leg
+        if self.state in (HandoffState.FAILED, HandoffState.TERMINAL, HandoffState.RELEASED):
+            leg.scope.cancel()  # the prefill already ended: no KV will come (B6)
+
+    def decode_not_accepted(self, error: BaseException) -> None:
+        """A decode leg with the handoff ended before its worker accepted the request: the
+        worker refused it (a :class:`~trio_disagg.WorkerError`), or the dispatch was
+        cancelled or crashed."""
+
+    def close_request(self) -> None:
+        """The request side ended without a decode taking the handoff (client gone,
+        deadline, decode refused, prefill failed): decide what becomes of the KV."""
+        if not self.request_open:
+            return
+        self.request_open = False
+        if self.state not in _SETTLED and self.state is not HandoffState.DISPATCHED:
+            self._abandon()
+
+    # --- what a style decides -----------------------------------------------------------
+
+    def _abandon(self) -> None:
+        raise NotImplementedError
+
+    def _consume(self) -> None:
+        """B1: a one-token cleanup decode consumes the staged KV."""
+        result, self.staged = self.staged, None
+        assert result is not None
+        self.state = HandoffState.CONSUMED
+        self.router._start_cleanup(attrs.evolve(self.request, prefill_result=result))
+
+    def _cancel_prefill(self, *, why: str) -> None:
+        """End the prefill leg (and a paired decode leg) now: its KV will never be taken,
+        so nothing is stranded by ending it (B6, B10)."""
+        self.state = HandoffState.RELEASED
+        counters = self.router.counters
+        if why == "window":
+            counters.prefills_cancelled += 1
+        else:
+            counters.prefills_released += 1
+        logger.debug("prefill of %s ended: %s", self.request.request_id, why)
+        self.prefill_scope.cancel()
+        self._end_decode_leg()
+
+    def _end_decode_leg(self) -> None:
+        if self.leg is not None:
+            self.leg.scope.cancel()
+
+    def forward_ended(self, grace: float) -> None:
+        """The request's forwarder ended: nobody reads the decode leg any more. A leg kept
+        for the transfer gets ``grace`` seconds to reach its first send (its KV pulled),
+        then it is cancelled."""
+        if self.leg is not None:
+            self.leg.bound(grace)
+
+
+class SequentialOwner(HandoffOwner):
+    """vLLM: prefill first; its answer's handoff goes into the decode request."""
+
+    style = "sequential"
+
+    def decode_not_accepted(self, error: BaseException) -> None:
+        if self.state is not HandoffState.STAGED:
+            return
+        if isinstance(error, WorkerError) and error.may_have_processed:
+            # The worker took the request and failed it (say, "KV transfer failed"): the
+            # same handoff sent again would fail the same way, and the KV is its worker's.
+            self.state = HandoffState.CONSUMED
+            self.staged = None
+        elif not self.request_open:
+            self._consume()  # B1, for a leg the request had left to the keeper
+
+    def _abandon(self) -> None:
+        if self.state is HandoffState.STAGED:
+            if self.leg is not None and not self.leg.settled.is_set():
+                return  # a kept leg is still dispatching: its outcome decides
+            self._consume()  # B1
+        elif self.window is CancelWindow.NEVER:
+            # The keeper drains the prefill; prefill_staged() consumes its KV (B1).
+            self.router.counters.prefills_drained += 1
+        else:
+            self._cancel_prefill(why="window")  # B10
+
+
+class ContextFirstOwner(SequentialOwner):
+    """TensorRT-LLM: sequential, with the generation leg kept for the transfer."""
+
+    style = "context_first"
+    holds_transfer = True
+
+
+class BootstrapOwner(HandoffOwner):
+    """SGLang: prefill and decode dispatched together into one bootstrap room."""
+
+    style = "bootstrap"
+    holds_transfer = True
+
+    async def decode_request(self) -> PreprocessedRequest | Terminal:
+        """The request with its room: the decode is dispatched with the prefill."""
+        return self.request
+
+    def prefill_done(self, completion: PrefillCompletion) -> None:
+        if isinstance(completion, Terminal):
+            self.prefill_answered()
+        elif self.state in (HandoffState.PENDING, HandoffState.DISPATCHED):
+            # A bootstrap prefill answers once its KV reached the decode.
+            self.state = HandoffState.CONSUMED
+
+    def decode_not_accepted(self, error: BaseException) -> None:
+        # A decode that was not accepted never joined the room, and no other will: end the
+        # prefill waiting in it at once instead of leaving it to the bootstrap timeout (B6).
+        # While the request is open it sees the refusal first, then closes (G1).
+        if self.state is HandoffState.PENDING and not self.request_open:
+            self._cancel_prefill(why="no decode will join its room")
+
+    def _abandon(self) -> None:
+        leg = self.leg
+        if leg is None or (leg.settled.is_set() and not leg.started):
+            self._cancel_prefill(why="no decode will join its room")  # B6
+        elif self.window is not CancelWindow.NEVER and not leg.settled.is_set():
+            # No decode joined yet: ending both legs strands nothing (B10, B6).
+            self._cancel_prefill(why="window")
+        else:
+            self.router.counters.prefills_drained += 1  # the transfer completes (G9)
+
+
+def owner_for(style: HandoffStyle) -> type[HandoffOwner]:
+    """The strategy for a prefill engine's handoff style."""
+    if style is HandoffStyle.BOOTSTRAP:
+        return BootstrapOwner
+    if style is HandoffStyle.CONTEXT_FIRST:
+        return ContextFirstOwner
+    return SequentialOwner
