@@ -547,7 +547,9 @@ WORKER_FAULTS: list[tuple[str, int, str, str | None]] = [
     ("prefill_reset", 502, "prefill_failed", "no output"),
     ("prefill_error_finish", 502, "generation_failed", "prefill_error_finish"),
     ("prefill_cancelled_finish", 502, "cancelled", None),
-    ("decode_reject:503", 503, "worker_error", "refused request"),
+    # A worker's 5xx is a bad gateway to the client, like the HTTP engines make it.
+    ("decode_reject:503", 502, "worker_error", "refused request"),
+    ("decode_reject:429", 429, "worker_error", "refused request"),
     ("decode_fail_before_first_token", 502, "generation_failed", "decode_fail_before"),
     ("decode_error_at:3", 502, "generation_failed", "decode_error_at"),
     ("decode_reset_at:3", 502, "incomplete_stream", None),
@@ -606,7 +608,10 @@ async def test_a_prefill_deadline_is_a_504() -> None:
     async with running(deadlines=Deadlines(prefill=0.2)) as server, server.http() as http:
         response = await http.post(COMPLETIONS, json={**GOOD, "fault": "prefill_stall"})
         assert response.status_code == 504
-        assert response.json()["error"]["code"] == "deadline_exceeded"
+        error = response.json()["error"]
+        assert error["code"] == "prefill_deadline_exceeded"
+        assert error["type"] == "timeout_error"
+        assert "prefill deadline of 0.2 s exceeded" in error["message"]
         await server.settled()
 
 
