@@ -21,6 +21,7 @@ from trio_disagg import (
     FinishReason,
     Gatekeeper,
     LLMEngineOutput,
+    PrefillDeadlineExceeded,
     PrefillError,
     PrefillTask,
     RequestContext,
@@ -49,9 +50,14 @@ def finished(reason: FinishReason, *ids: int) -> Item:
 def decode_failures() -> list[Item]:
     return [
         Annotated[LLMEngineOutput].from_error("decode failed"),
+        Annotated[LLMEngineOutput].from_exception(
+            WorkerError("decode failed", status=502, worker="decode-0")),
         finished(FinishReason.error("decode failed")),
         finished(FinishReason.CANCELLED),
     ]
+
+
+DECODE_FAILURE_IDS = ["envelope", "envelope-with-exception", "finish-error", "finish-cancelled"]
 
 
 class Prefill:
@@ -72,8 +78,9 @@ class Prefill:
     def succeed(self) -> None:
         self._go.set()
 
-    def fail(self, message: str = LOST) -> None:
-        self._error = PrefillError(message)
+    def fail(self, message: str = LOST, *, error: PrefillError | None = None) -> None:
+        """Fail the drain with ``error``, or else with a PrefillError saying ``message``."""
+        self._error = error if error is not None else PrefillError(message)
         self._go.set()
 
     async def succeed_after(self, seconds: float) -> None:
@@ -180,9 +187,10 @@ async def test_G1_failure_interrupts_pending_decode_dispatch(
         gate = Gatekeeper(prefill.task, client)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(prefill.fail_after, 5)
-            with trio.fail_after(10), pytest.raises(PrefillError, match=LOST):
+            with trio.fail_after(10), pytest.raises(PrefillError, match=LOST) as info:
                 await gate.dispatch(nursery, never_accepts)
             assert trio.current_time() == 5.0
+    assert info.value is prefill.task.error  # the prefill's own error, typed
     assert client.is_stopped
     assert dispatch_cancelled == [True]
 
@@ -349,7 +357,9 @@ async def test_G3_each_token_is_forwarded_as_it_arrives(
 
 
 @pytest.mark.parametrize(
-    "failure", decode_failures(), ids=["envelope", "finish-error", "finish-cancelled"]
+    "failure",
+    decode_failures(),
+    ids=DECODE_FAILURE_IDS,
 )
 async def test_G4_decode_failure_does_not_wait_for_prefill(
     autojump_clock: trio.testing.MockClock, failure: Item
@@ -364,7 +374,9 @@ async def test_G4_decode_failure_does_not_wait_for_prefill(
             stream.feed(first, failure, token(2))
             await trio.testing.wait_all_tasks_blocked()
             assert stream.client_recv.receive_nowait() is first
-            assert stream.client_recv.receive_nowait() is failure  # at once, unchanged
+            got = stream.client_recv.receive_nowait()
+            assert got is failure  # at once, unchanged
+            assert got.exception is failure.exception  # with its exception or without
             await stream.assert_ended()
         assert stream.gate.failure is None  # the decode's error, not one of the gate's
         prefill.succeed()
@@ -404,6 +416,7 @@ async def test_G5_held_terminal_replaced_and_both_contexts_stopped(
     assert [i.data.token_ids for i in items[:-1] if i.data] == [[1]]
     assert len(items) == 2
     assert error_text(items[1]) == LOST
+    assert items[1].exception is prefill.task.error
     assert stream.client.is_stopped
     assert stream.decode_ctx.is_stopped
     assert isinstance(stream.gate.failure, PrefillError)
@@ -448,6 +461,50 @@ async def test_G5_stream_end_without_terminal_is_held_too(
                 prefill.succeed()
             await stream.assert_ended()
             assert trio.current_time() == 2.0
+
+
+PREFILL_ERRORS = [
+    PrefillError(LOST),
+    PrefillDeadlineExceeded("prefill", 5),
+]
+
+
+@pytest.mark.parametrize("error", PREFILL_ERRORS, ids=lambda error: type(error).__name__)
+async def test_G5_error_item_carries_the_prefill_error(
+    autojump_clock: trio.testing.MockClock, error: PrefillError
+) -> None:
+    """The item that replaces the held terminal carries the prefill's exception itself,
+    so the server answers from its type (a deadline is a 504, not a 502)."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            stream.feed(token(1), finished(FinishReason.EOS, 2), end=True)
+            await trio.sleep(1)
+            prefill.fail(error=error)
+            items = await stream.rest()
+    assert len(items) == 2
+    assert items[1].exception is error
+    assert error_text(items[1]) == str(error)
+    assert stream.gate.failure is error
+
+
+@pytest.mark.parametrize("error", PREFILL_ERRORS, ids=lambda error: type(error).__name__)
+async def test_G6_error_item_carries_the_prefill_error(
+    autojump_clock: trio.testing.MockClock, error: PrefillError
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        stream = Stream(prefill.task)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)  # the decode leg never sends anything
+            await trio.sleep(3)
+            prefill.fail(error=error)
+            items = await stream.rest()
+    assert len(items) == 1
+    assert items[0].exception is error
+    assert error_text(items[0]) == str(error)
 
 
 # --- G6 ---------------------------------------------------------------------------------
@@ -569,7 +626,7 @@ async def test_G7_after_prefill_succeeds_mid_stream_outputs_pass_unchanged(
 @pytest.mark.parametrize(
     "terminal",
     [finished(FinishReason.EOS), *decode_failures()],
-    ids=["eos", "envelope", "finish-error", "finish-cancelled"],
+    ids=["eos", *DECODE_FAILURE_IDS],
 )
 async def test_G8_nothing_forwarded_after_a_decode_terminal(
     autojump_clock: trio.testing.MockClock, prefill_at: str, terminal: Item
@@ -709,6 +766,7 @@ async def test_B2_decode_idle_deadline_ends_stream_with_one_error(
         assert error_text(items[1]) == "decode idle deadline of 3 s exceeded"
         assert isinstance(stream.gate.failure, DeadlineExceeded)
         assert stream.gate.failure.what == "decode idle"
+        assert items[1].exception is stream.gate.failure  # typed, for the server
         assert stream.client.is_stopped and stream.decode_ctx.is_stopped
         prefill.succeed()
 
@@ -727,6 +785,8 @@ async def test_B2_terminal_hold_deadline_ends_stream_with_one_error(
         assert len(items) == 1
         assert error_text(items[0]) == "terminal hold deadline of 2 s exceeded"
         assert isinstance(stream.gate.failure, DeadlineExceeded)
+        assert stream.gate.failure.what == "terminal hold"
+        assert items[0].exception is stream.gate.failure  # typed, for the server
         assert stream.client.is_stopped and stream.decode_ctx.is_stopped
         assert not prefill.task.done  # the keeper still owns the prefill
         prefill.succeed()

@@ -150,12 +150,19 @@ class Gatekeeper:
         """Move decode outputs to ``send_channel`` until a terminal item (G3-G8).
 
         Non-terminal tokens pass at once, even while the prefill is pending (G3). A decode
-        failure passes at once and ends the stream (G4). A success terminal, or the end of
-        ``decode_outputs``, is held until the prefill outcome is known; if the prefill
-        failed, one error item carrying the prefill error replaces it, both contexts are
-        stopped and the stream ends (G5). A prefill failure while waiting for a decode
-        output does the same (G6). After a successful prefill items pass unchanged (G7).
-        Nothing passes after a terminal item (G8). Both channels are closed on return.
+        failure passes at once, as the engine sent it, and ends the stream (G4). A success
+        terminal, or the end of ``decode_outputs``, is held until the prefill outcome is
+        known; if the prefill failed, one error item carrying the prefill error replaces
+        it, both contexts are stopped and the stream ends (G5). A prefill failure while
+        waiting for a decode output does the same (G6). After a successful prefill items
+        pass unchanged (G7). Nothing passes after a terminal item (G8). Both channels are
+        closed on return.
+
+        Every error item the gatekeeper makes itself carries its typed exception in
+        ``item.exception``, so the server can answer from the type rather than the text:
+        the :class:`PrefillError` (G5, G6; a :class:`PrefillDeadlineExceeded` if the
+        prefill ran out of time), or the :class:`DeadlineExceeded` of the decode-idle or
+        terminal-hold wait (B2).
 
         Cancellation (the client went away) just stops forwarding: the prefill is owned by
         the keeper and is not affected (G9).
@@ -314,7 +321,8 @@ class Gatekeeper:
         self.client_context.stop_generating()
         if decode_context is not None:
             decode_context.stop_generating()
-        await send_channel.send(Annotated.from_error(str(error)))
+        # The item carries the exception itself: the server maps its type to a status.
+        await send_channel.send(Annotated.from_exception(error))
 
 
 __all__ = ["Gatekeeper", "PrefillError", "is_decode_failure"]

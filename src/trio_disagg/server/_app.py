@@ -13,7 +13,13 @@ import orjson
 import trio
 
 from .._context import RequestContext
-from .._protocols import CompletionUsage, FinishReason, PreprocessedRequest, RoutingHints
+from .._protocols import (
+    Annotated,
+    CompletionUsage,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    RoutingHints,
+)
 from .._router import DisaggRouter, RequestStream
 from ._metrics import ServerMetrics
 from ._openai import (
@@ -48,6 +54,8 @@ _DRAIN_LIMIT = 8 * 1024 * 1024
 _MAX_REQUEST_ID = 256
 
 _JSON = b"application/json"
+
+Item = Annotated[LLMEngineOutput]
 
 
 def _outcome(error: ApiError) -> str:
@@ -639,21 +647,6 @@ class OpenAIApp:
             if latency is not None:
                 metrics.kv_transfer.observe(latency)
 
-    def _failure(
-        self,
-        stream: RequestStream,
-        finish: FinishReason | None = None,
-        message: str | None = None,
-    ) -> ApiError:
-        """Why a stream failed: the gate's own error, else the prefill's, else the item's."""
-        gate = stream.gate
-        if gate is not None and gate.failure is not None:
-            return error_for_exception(gate.failure)
-        prefill = stream.prefill
-        if prefill.error is not None:
-            return error_for_exception(prefill.error)
-        return failure_error(finish, message)
-
     def _first_token(self, stream: RequestStream) -> None:
         tracker = stream.tracker
         tracker.record_decode_first_token()
@@ -697,13 +690,13 @@ class OpenAIApp:
                     try:
                         item = await outputs.receive()
                     except trio.EndOfChannel:
-                        failure = self._failure(stream)
+                        failure = _failure(None)
                         break
                 except trio.EndOfChannel:
-                    failure = self._failure(stream)
+                    failure = _failure(None)
                     break
                 if item.event == "error":
-                    failure = self._failure(stream, message=item.error_message())
+                    failure = _failure(item)
                     break
                 data = item.data
                 if data is None:
@@ -727,7 +720,7 @@ class OpenAIApp:
                 if name is None:  # error or cancelled: the request did not complete
                     if data.text:
                         parts.append(encoder.token(data.text))
-                    failure = self._failure(stream, finish)
+                    failure = _failure(item)
                     break
                 parts.append(encoder.final(data.text, name))
                 if include_usage:
@@ -773,10 +766,10 @@ class OpenAIApp:
                 try:
                     item = await outputs.receive()
                 except trio.EndOfChannel:
-                    failure = self._failure(stream)
+                    failure = _failure(None)
                     break
                 if item.event == "error":
-                    failure = self._failure(stream, message=item.error_message())
+                    failure = _failure(item)
                     break
                 data = item.data
                 if data is None:
@@ -794,7 +787,7 @@ class OpenAIApp:
                     continue
                 name = OPENAI_FINISH.get(finish.kind)
                 if name is None:
-                    failure = self._failure(stream, finish)
+                    failure = _failure(item)
                     break
                 body = completion_response(
                     chat=chat, response_id=response_id, model=model, created=created,
@@ -806,6 +799,28 @@ class OpenAIApp:
         await trio.lowlevel.checkpoint_if_cancelled()  # as in _write_stream
         await responder.error(failure)
         return _outcome(failure)
+
+
+def _failure(item: Item | None) -> ApiError:
+    """Why a stream failed, from the item that ended it.
+
+    An item that carries its exception (the gatekeeper's own errors, an engine's typed
+    failure) is answered from the exception's type; one that carries none (a worker's
+    error envelope or error finish, as it sent it) from its message and finish reason.
+
+    Args:
+        item: the error item, or the item with a failed finish reason; None if the stream
+            ended with no terminal at all.
+
+    Returns:
+        The :class:`ApiError` to answer with.
+    """
+    if item is None:
+        return failure_error(None)
+    if item.exception is not None:
+        return error_for_exception(item.exception)
+    finish = item.data.finish_reason if item.data is not None else None
+    return failure_error(finish, item.error_message())
 
 
 def _cached(stream: RequestStream) -> int | None:

@@ -24,7 +24,9 @@ import orjson
 
 from .._errors import (
     DeadlineExceeded,
+    InvalidPrefillHandoff,
     NoWorkerAvailable,
+    PrefillDeadlineExceeded,
     PrefillError,
     RouterClosed,
     WorkerError,
@@ -99,42 +101,112 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+def _worker_rejection(exc: BaseException) -> WorkerError | None:
+    """The worker's 4xx behind ``exc``: ``exc`` itself if it is a WorkerError, else its
+    ``__cause__``; None if neither is a WorkerError with a 4xx status."""
+    worker = exc if isinstance(exc, WorkerError) else exc.__cause__
+    if isinstance(worker, WorkerError) and 400 <= worker.status < 500:
+        return worker
+    return None
+
+
+@attrs.frozen
+class ErrorMapping:
+    """One row of :data:`ERROR_TABLE`: how an exception type reaches the client.
+
+    Attributes:
+        exception: the exception type the row is for (its subclasses too).
+        status: the HTTP status; None for the worker's own 4xx status (the exception's,
+            or its ``__cause__``'s), and then the row applies only when there is one and
+            the message is the worker's.
+        type: OpenAI's ``error.type``.
+        code: OpenAI's ``error.code``.
+        param: the name of the exception's attribute that names the offending field,
+            which becomes ``error.param``; None for no ``param``.
+        fallback_message: the message when the exception has none.
+    """
+
+    exception: type[BaseException]
+    status: int | None
+    type: str
+    code: str
+    param: str | None = None
+    fallback_message: str | None = None
+
+    def error_for(self, exc: BaseException) -> ApiError | None:
+        """The client's error for ``exc`` if this row applies to it, else None."""
+        if not isinstance(exc, self.exception):
+            return None
+        status = self.status
+        message = str(exc)
+        if status is None:
+            worker = _worker_rejection(exc)
+            if worker is None:
+                return None
+            status, message = worker.status, str(worker)
+        param = getattr(exc, self.param, None) if self.param is not None else None
+        return ApiError(status, message or self.fallback_message or type(exc).__name__,
+                        type=self.type, param=param, code=self.code)
+
+
+#: How each exception of the router (or an engine) reaches the client, most specific
+#: first: :func:`error_for_exception` uses the first row that applies. An exception that
+#: no row takes is a bug: 500 ``internal_error``.
+ERROR_TABLE: tuple[ErrorMapping, ...] = (
+    ErrorMapping(RouterClosed, 503, "service_unavailable_error", "router_closed",
+                 fallback_message="the router is shutting down"),
+    ErrorMapping(NoWorkerAvailable, 503, "service_unavailable_error", "no_worker_available",
+                 fallback_message="no worker available"),
+    # Before DeadlineExceeded and PrefillError: it is both (B2).
+    ErrorMapping(PrefillDeadlineExceeded, 504, "timeout_error", "prefill_deadline_exceeded"),
+    # The message says which wait ran out ("handoff deadline of 30 s exceeded").
+    ErrorMapping(DeadlineExceeded, 504, "timeout_error", "deadline_exceeded"),
+    # B7: the client learns which field of the prefill's answer was wrong.
+    ErrorMapping(InvalidPrefillHandoff, 502, "upstream_error", "invalid_prefill_handoff",
+                 param="field"),
+    # A prefill worker's 4xx is the client's fault: passed through as sent.
+    ErrorMapping(PrefillError, None, "invalid_request_error", "prefill_rejected"),
+    ErrorMapping(PrefillError, 502, "upstream_error", "prefill_failed"),
+    ErrorMapping(WorkerError, None, "invalid_request_error", "worker_error"),
+    # A worker's 5xx or transport failure is a bad gateway, never a 500 of ours.
+    ErrorMapping(WorkerError, 502, "upstream_error", "worker_error"),
+)
+
+
 def error_for_exception(exc: BaseException) -> ApiError:
     """Map an exception of the router (or an engine) to the error the client sees.
 
+    The first row of :data:`ERROR_TABLE` that applies decides:
+
     - :class:`~trio_disagg.RouterClosed`: 503, code ``router_closed``.
     - :class:`~trio_disagg.NoWorkerAvailable`: 503, code ``no_worker_available``.
-    - :class:`~trio_disagg.DeadlineExceeded` (also a
-      :class:`~trio_disagg.PrefillDeadlineExceeded`): 504, code ``deadline_exceeded``.
+    - :class:`~trio_disagg.PrefillDeadlineExceeded`: 504, code
+      ``prefill_deadline_exceeded``.
+    - any other :class:`~trio_disagg.DeadlineExceeded`: 504, code ``deadline_exceeded``;
+      the message names the wait that ran out.
+    - :class:`~trio_disagg.InvalidPrefillHandoff`: 502, code ``invalid_prefill_handoff``,
+      ``param`` the offending field of the prefill's answer (B7).
     - :class:`~trio_disagg.PrefillError` whose ``__cause__`` is a
       :class:`~trio_disagg.WorkerError` with a 4xx status: that status and the worker's
       message, code ``prefill_rejected``.
     - any other :class:`~trio_disagg.PrefillError`: 502 with the worker's message, code
       ``prefill_failed``.
-    - :class:`~trio_disagg.WorkerError`: its status (502 if that is not 4xx or 5xx),
-      code ``worker_error``.
+    - :class:`~trio_disagg.WorkerError`: its status if that is a 4xx, else 502; code
+      ``worker_error``.
     - anything else: 500, code ``internal_error`` (a bug; the caller logs it).
 
-    An exception group is mapped by its first leaf.
+    Args:
+        exc: the exception. An exception group is mapped by its first leaf: the router
+            raises bare exceptions, so a group is a defensive path only.
+
+    Returns:
+        The :class:`ApiError` to answer with.
     """
     exc = _leaf(exc)
-    if isinstance(exc, RouterClosed):
-        return ApiError(503, str(exc) or "the router is shutting down",
-                        type="service_unavailable_error", code="router_closed")
-    if isinstance(exc, NoWorkerAvailable):
-        return ApiError(503, str(exc) or "no worker available",
-                        type="service_unavailable_error", code="no_worker_available")
-    if isinstance(exc, DeadlineExceeded):
-        return ApiError(504, str(exc), type="timeout_error", code="deadline_exceeded")
-    if isinstance(exc, PrefillError):
-        cause = exc.__cause__
-        if isinstance(cause, WorkerError) and 400 <= cause.status < 500:
-            return ApiError(cause.status, str(cause), code="prefill_rejected")
-        return ApiError(502, str(exc), type="upstream_error", code="prefill_failed")
-    if isinstance(exc, WorkerError):
-        status = exc.status if 400 <= exc.status < 600 else 502
-        kind = "invalid_request_error" if status < 500 else "upstream_error"
-        return ApiError(status, str(exc), type=kind, code="worker_error")
+    for row in ERROR_TABLE:
+        error = row.error_for(exc)
+        if error is not None:
+            return error
     return ApiError(500, "internal server error", type="internal_error", code="internal_error")
 
 
@@ -395,8 +467,10 @@ OPENAI_FINISH: dict[FinishKind, str] = {
 
 
 def failure_error(finish: FinishReason | None, message: str | None = None) -> ApiError:
-    """The error for a stream that did not complete: an error finish, a cancelled finish, an
-    error item (``message``), or a stream that ended with no finish reason at all.
+    """The error for a stream that did not complete, from what the worker sent: an error
+    finish, a cancelled finish, an error item (``message``), or a stream that ended with
+    no finish reason at all. An error item that carries its exception is mapped by
+    :func:`error_for_exception` instead.
 
     Always 502 ``upstream_error``: the worker failed, or died mid-stream.
     """
