@@ -392,3 +392,40 @@ async def test_B3_keeper_is_entered_once(autojump_clock: trio.testing.MockClock)
 def test_B3_drain_window_must_be_non_negative(window: float) -> None:
     with pytest.raises(ValueError, match="drain_window"):
         TransferKeeper(drain_window=window)
+
+
+async def test_B5_a_leg_failing_as_the_keeper_closes_never_raises_into_its_nursery(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A started leg whose cleanup fails while the keeper cancels it at shutdown raises a
+    group of a cancellation and an error. The error is logged; the keeper exits cleanly."""
+    caplog.set_level(logging.WARNING, logger=KEEPER_LOGGER)
+
+    async def leg(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def fails_on_cancel() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise ValueError("cleanup failed")  # the point of the test
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fails_on_cancel)
+            nursery.start_soon(trio.sleep_forever)
+            task_status.started()
+
+    async with TransferKeeper(drain_window=1) as keeper:
+        started = keeper.spawn_leg(leg, name="leg")
+        await started.wait_started()
+        assert keeper.in_flight_by_kind() == {"decode leg": 1}
+    assert keeper.in_flight == 0
+    messages = [r.getMessage() for r in caplog.records if r.name == KEEPER_LOGGER]
+    assert any("transfer leg leg failed" in m for m in messages)
+
+
+async def test_B5_keeper_counts_tasks_by_kind(autojump_clock: trio.testing.MockClock) -> None:
+    async with TransferKeeper() as keeper:
+        keeper.start(sleeper(1, "a"), name="a")
+        keeper.start(sleeper(1, "b"), name="b", kind="B1 cleanup")
+        assert keeper.in_flight_by_kind() == {"prefill drain": 1, "B1 cleanup": 1}
+        await keeper.wait_idle()
+    assert keeper.started_by_kind == {"prefill drain": 1, "B1 cleanup": 1}
