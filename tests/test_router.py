@@ -348,6 +348,32 @@ class SlowAcceptDecode:
         await self.inner.generate(request, context, send_channel, task_status=task_status)
 
 
+@pytest.mark.parametrize("offset", [-0.01, -1e-6, 0.0, 1e-6, 0.01, 0.2])
+async def test_B1_prefill_answering_at_its_deadline_strands_nothing(
+    autojump_clock: trio.abc.Clock, offset: float
+) -> None:
+    """A prefill that answers just before, at or just after the prefill deadline: the
+    client gets its answer or a PrefillDeadlineExceeded, and the staged KV is consumed by
+    the request's decode or a cleanup decode, never left held (B1, B2)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, kv_ttl=1000.0)
+        stream, _ = await h.run(make_request("probe"))
+        tracker = stream.tracker
+        assert tracker.prefill_complete_at is not None and tracker.created_at is not None
+        answer_after = tracker.prefill_complete_at - tracker.created_at
+        await h.settle()
+        h.router.deadlines = Deadlines(prefill=answer_after + offset, handoff=5,
+                                       decode_idle=5, terminal_hold=5, transfer=30)
+        try:
+            _, items = await h.run(make_request("edge"))
+        except PrefillDeadlineExceeded:
+            assert offset <= 0  # only a deadline at or before the answer can expire
+        else:
+            assert offset >= 0 and finish_of(items[-1]) is FinishKind.LENGTH
+        await h.settle()
+        h.assert_clean()
+
+
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("phase", ["prefill", "handoff", "stream"])
 async def test_B1_disconnect_at_every_phase_leaves_no_held_blocks(
