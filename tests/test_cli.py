@@ -16,8 +16,9 @@ import openai
 import pytest
 import trio
 
+from trio_disagg._cli import StartupError, cancel_windows
 from trio_disagg._demo import Backend, in_process_backend, run_demo
-from trio_disagg._engine import HandoffStyle
+from trio_disagg._engine import CancelWindow, HandoffStyle
 from trio_disagg.engines import KVCounters
 
 COMMAND = [sys.executable, "-m", "trio_disagg._cli"]
@@ -248,3 +249,15 @@ async def test_demo_refuses_a_zero_concurrency_instead_of_hanging() -> None:
                                       capture_stderr=True, check=False)
     assert done.returncode == 2
     assert b"--concurrency: must be >= 1, got 0" in done.stderr
+
+
+def test_B10_cancel_window_flags_per_worker_and_for_all() -> None:
+    workers = ["http://p0:8100", "http://p1:8100"]
+    assert cancel_windows([], workers) == {}
+    assert cancel_windows(["never"], workers) == dict.fromkeys(workers, CancelWindow.NEVER)
+    assert cancel_windows(["anytime", "http://p1:8100/=before_handoff"], workers) == {
+        "http://p0:8100": CancelWindow.ANYTIME, "http://p1:8100": CancelWindow.BEFORE_HANDOFF}
+    with pytest.raises(StartupError, match="must be one of never, before_handoff, anytime"):
+        cancel_windows(["sometimes"], workers)
+    with pytest.raises(StartupError, match="'http://p9:8100' is not a prefill worker"):
+        cancel_windows(["http://p9:8100=never"], workers)

@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from ._demo import ADAPTERS, DEMO_BACKENDS, demo_backends, run_demo
-from ._engine import Engine, HandoffStyle
+from ._engine import CancelWindow, Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--mock-style", default="sequential",
                            choices=["sequential", "bootstrap"],
                            help="handoff style of the embedded mock prefill engines")
+    serve_cmd.add_argument(
+        "--cancel-window", action="append", default=[], metavar="[WORKER=]WINDOW",
+        help="when a prefill may be cancelled after its client left: never, "
+             "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
+             "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
+             "and TensorRT-LLM before_handoff, the embedded mocks never)")
     serve_cmd.add_argument("--drain-window", type=seconds, default=30.0,
                            help="seconds in-flight streams and transfers get on shutdown")
     for name, default in attrs_defaults(Deadlines()).items():
@@ -256,10 +262,11 @@ async def serve_command(args: argparse.Namespace) -> int:
     policy = POLICIES[args.policy]
     client = vllm_client()
     prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
+    windows = cancel_windows(args.cancel_window, [engine.name for engine in prefill])
 
     async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
-            router = DisaggRouter(WorkerPool(prefill, policy=policy()),
+            router = DisaggRouter(WorkerPool(prefill, policy=policy(), cancel_windows=windows),
                                   WorkerPool(decode, policy=policy()), keeper,
                                   deadlines=deadlines)
             try:
@@ -283,6 +290,29 @@ async def serve_command(args: argparse.Namespace) -> int:
                       flush=True)
 
     return await run_until_signalled("serve", body)
+
+
+def cancel_windows(specs: Sequence[str], workers: Sequence[str]) -> dict[str, CancelWindow]:
+    """``--cancel-window`` values as a window per prefill worker name.
+
+    Raises:
+        StartupError: an unknown window, or a worker that is not a prefill worker.
+    """
+    windows: dict[str, CancelWindow] = {}
+    for spec in specs:
+        worker, _, name = spec.rpartition("=")
+        try:
+            window = CancelWindow(name)
+        except ValueError:
+            raise StartupError(f"--cancel-window {spec!r}: the window must be one of "
+                               f"{', '.join(w.value for w in CancelWindow)}") from None
+        targets = [worker.rstrip("/")] if worker else list(workers)
+        for target in targets:
+            if target not in workers:
+                raise StartupError(f"--cancel-window {spec!r}: {target!r} is not a "
+                                   f"prefill worker ({', '.join(workers)})")
+            windows[target] = window
+    return windows
 
 
 def engines_for(

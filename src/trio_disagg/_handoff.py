@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import CancelWindow, HandoffStyle, cancel_window_of
+from ._engine import CancelWindow, HandoffStyle
 from ._errors import WorkerError
 from ._keeper import PrefillTask, TransferLeg
 from ._pool import Worker
@@ -106,7 +106,7 @@ class HandoffOwner:
     staged: PrefillResult | None = None
 
     def __attrs_post_init__(self) -> None:
-        self.window = cancel_window_of(self.prefill_worker.engine)
+        self.window = self.prefill_worker.cancel_window
 
     @property
     def prefill_task(self) -> PrefillTask[PrefillCompletion]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
 import trio
 
-from ._engine import Engine
+from ._engine import CancelWindow, Engine, cancel_window_of
 from ._errors import NoWorkerAvailable, WorkerError
 from ._protocols import PreprocessedRequest
 
@@ -25,9 +25,12 @@ class Worker:
         consecutive_failures: failures since its last success.
         unhealthy_until: ``trio.current_time()`` before which it is skipped.
         served_total, failures_total: lifetime counts.
+        cancel_window: when the router may cancel a prefill on this worker (B10): the
+            engine's own ``cancel_window`` unless the pool overrides it.
     """
 
     __slots__ = (
+        "cancel_window",
         "consecutive_failures",
         "engine",
         "failures_total",
@@ -36,8 +39,10 @@ class Worker:
         "unhealthy_until",
     )
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cancel_window: CancelWindow | None = None) -> None:
         self.engine = engine
+        self.cancel_window = (cancel_window if cancel_window is not None
+                              else cancel_window_of(engine))
         self.outstanding = 0
         self.consecutive_failures = 0
         self.unhealthy_until = -math.inf
@@ -108,9 +113,11 @@ class WorkerPool:
         policy: how to choose among healthy workers (default :class:`LeastOutstanding`).
         failure_threshold: consecutive failures that make a worker unhealthy.
         cooldown: seconds an unhealthy worker is skipped.
+        cancel_windows: per worker name, a cancel window that overrides the engine's own
+            (B10); for the prefill pool.
 
     Raises:
-        ValueError: on duplicate worker names.
+        ValueError: on duplicate worker names, or a cancel window for no such worker.
     """
 
     def __init__(
@@ -120,11 +127,15 @@ class WorkerPool:
         policy: SelectionPolicy | None = None,
         failure_threshold: int = 3,
         cooldown: float = 5.0,
+        cancel_windows: Mapping[str, CancelWindow] | None = None,
     ) -> None:
-        self.workers = [Worker(engine) for engine in engines]
+        windows = dict(cancel_windows or {})
+        self.workers = [Worker(engine, windows.pop(engine.name, None)) for engine in engines]
         names = [worker.name for worker in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique, got {names}")
+        if windows:
+            raise ValueError(f"cancel windows for unknown workers: {sorted(windows)}")
         self._by_name = {worker.name: worker for worker in self.workers}
         self.policy: SelectionPolicy = policy if policy is not None else LeastOutstanding()
         self.failure_threshold = failure_threshold

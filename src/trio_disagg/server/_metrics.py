@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN
 from .._router import DisaggRouter
 
 #: Every request outcome the ``trio_disagg_requests_total`` counter uses.
@@ -100,6 +101,9 @@ class RouterCollector(Collector):
     Families: ``trio_disagg_requests_in_flight``, ``trio_disagg_router_admitted_total``,
     ``trio_disagg_router_closing``, ``trio_disagg_keeper_drains_in_flight``,
     ``trio_disagg_keeper_drains_started_total`` / ``_failed_total`` / ``_cancelled_total``,
+    ``trio_disagg_keeper_tasks_in_flight{kind}``, ``trio_disagg_keeper_tasks_started_total{kind}``
+    (kinds: prefill drain, decode leg, B1 cleanup),
+    ``trio_disagg_prefills_abandoned_total{outcome}`` (drained, cancelled, released),
     ``trio_disagg_staged_kv_cleanups_total``, ``trio_disagg_staged_kv_cleanup_failures_total``,
     and per worker (labels ``role``, ``worker``): ``trio_disagg_worker_outstanding``,
     ``trio_disagg_worker_healthy``, ``trio_disagg_worker_served_total``,
@@ -151,6 +155,32 @@ class RouterCollector(Collector):
             "trio_disagg_keeper_drains_cancelled", "Prefill drains cancelled before completing.",
             value=keeper.cancelled_total,
         )
+        by_kind = keeper.in_flight_by_kind()
+        tasks = GaugeMetricFamily(
+            "trio_disagg_keeper_tasks_in_flight",
+            "Keeper tasks running, by kind: prefill drains, decode legs kept for a KV "
+            "transfer, B1 cleanups.", labels=["kind"],
+        )
+        started = CounterMetricFamily(
+            "trio_disagg_keeper_tasks_started", "Keeper tasks started, by kind.",
+            labels=["kind"],
+        )
+        for kind in (PREFILL_DRAIN, DECODE_LEG, CLEANUP):
+            tasks.add_metric([kind], by_kind[kind])
+            started.add_metric([kind], keeper.started_by_kind[kind])
+        yield tasks
+        yield started
+        prefills = CounterMetricFamily(
+            "trio_disagg_prefills_abandoned",
+            "Prefills whose request ended before a decode took their handoff, by what the "
+            "router did: drained (run to their end, KV consumed), cancelled (inside the "
+            "engine's cancel window, B10), released (no decode would join its room, B6).",
+            labels=["outcome"],
+        )
+        prefills.add_metric(["drained"], counters.prefills_drained)
+        prefills.add_metric(["cancelled"], counters.prefills_cancelled)
+        prefills.add_metric(["released"], counters.prefills_released)
+        yield prefills
         yield CounterMetricFamily(
             "trio_disagg_staged_kv_cleanups",
             "Minimal decodes dispatched to consume KV staged for a request that ended (B1).",
