@@ -113,8 +113,10 @@ class MockTrtllmWorker(MockWorker):
       ``ctx_request_id: null`` and stages nothing: the final answer (S7).
     - ``"generation_only"`` (``role="decode"``): pull the KV by ``ctx_request_id`` from
       the context server named in ``encoded_opaque_state`` (``GET /kv/{ctx_request_id}``,
-      checking every byte), then generate (a failed pull is a decode error); aborted
-      before the pull, it releases the KV.
+      checking every byte), then generate (a failed pull is a decode error). Aborted
+      before the pull, it does not free the KV, as TRT-LLM's generation server: the
+      context's KV waits for its lease (B6: a router keeps a generation leg
+      until it fetched its KV).
     - none: compute the prefill locally, then generate.
 
     Aborting on connection close: a context request aborted before it answered stages
@@ -138,6 +140,7 @@ class MockTrtllmWorker(MockWorker):
     protocol: ClassVar[str] = "trtllm"
     owned_by: ClassVar[str] = "tensorrt_llm"
     flat_errors: ClassVar[bool] = True
+    releases_unpulled_kv: ClassVar[bool] = False
 
     _last_ctx_id = 0
 
