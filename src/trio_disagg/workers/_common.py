@@ -51,6 +51,7 @@ from ._asgi import (
     read_body,
     run_until_disconnect,
 )
+from ._faults import MockFault, MockFaultKind, split_mock_faults
 
 logger = logging.getLogger("trio_disagg.workers")
 
@@ -98,6 +99,9 @@ class WorkerStats:
     Attributes:
         requests: generation requests received (``/v1/completions``,
             ``/v1/chat/completions``, SGLang's ``/generate``), valid or not.
+        open: generation requests whose exchange is not over: received (even if their
+            body is still being read) and not yet answered in full, failed or aborted.
+            Zero once nothing is left open on the worker.
         running: generation requests being served now.
         completed: answered in full (a whole JSON answer, or a stream to ``[DONE]``).
         failed: answered with an error status or error event, or reset on purpose.
@@ -109,9 +113,14 @@ class WorkerStats:
         kv_pull_failures: KV pulls that failed (gone, refused, corrupt, unreachable,
             timed out).
         kv_releases: releases sent to a prefill worker for KV never pulled.
+        prefills_completed: prefill (context) requests whose prefill computation ran to
+            its end (whatever the answer then was).
+        prefills_aborted: prefill (context) requests aborted (their connection closed)
+            before their prefill computation ended: compute saved (B10).
     """
 
     requests: int = 0
+    open: int = 0
     running: int = 0
     completed: int = 0
     failed: int = 0
@@ -120,6 +129,8 @@ class WorkerStats:
     kv_pulls: int = 0
     kv_pull_failures: int = 0
     kv_releases: int = 0
+    prefills_completed: int = 0
+    prefills_aborted: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -293,6 +304,7 @@ class _Collector:
         yield from kv_metric_families(worker.kv.counters(), role)
         for name, doc, value in [
             ("requests_running", "Generation requests being served.", stats.running),
+            ("requests_open", "Generation requests not over yet.", stats.open),
             *worker.extra_gauges(),
         ]:
             yield _family(GaugeMetricFamily, name, doc, role, value)
@@ -306,6 +318,10 @@ class _Collector:
             ("kv_pulls", "KV transfers received from prefill workers.", stats.kv_pulls),
             ("kv_pull_failures", "KV pulls that failed.", stats.kv_pull_failures),
             ("kv_releases", "Releases sent for KV never pulled.", stats.kv_releases),
+            ("prefills_completed", "Prefill computations run to their end.",
+             stats.prefills_completed),
+            ("prefills_aborted", "Prefill requests aborted before their computation ended.",
+             stats.prefills_aborted),
         ]:
             yield _family(CounterMetricFamily, name, doc, role, value)
 
@@ -460,6 +476,10 @@ class MockWorker:
     #: Errors as ``{"object": "error", ...}`` (SGLang, TRT-LLM) rather than
     #: ``{"error": {...}}`` (vLLM).
     flat_errors: ClassVar[bool] = False
+    #: Whether a decode request aborted before its KV pull tells the prefill side to free
+    #: the KV (vLLM, SGLang); TRT-LLM's generation server does not: the context's KV
+    #: waits for its transfer timeout.
+    releases_unpulled_kv: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -593,6 +613,7 @@ class MockWorker:
     def _stats_json(self) -> bytes:
         return orjson.dumps({
             "stats": attrs.asdict(self.stats),
+            "kv": attrs.asdict(self.kv.counters()),
             "aborts": [{"request_id": rid, "at": at} for rid, at in self.aborts],
         })
 
@@ -610,8 +631,15 @@ class MockWorker:
     # --- generation ------------------------------------------------------------------------
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.stats.requests += 1
+        self.stats.open += 1
+        try:
+            await self._generate_open(scope, receive, send)
+        finally:
+            self.stats.open -= 1
+
+    async def _generate_open(self, scope: Scope, receive: Receive, send: Send) -> None:
         stats = self.stats
-        stats.requests += 1
         path = scope["path"]
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
         exchange = self.exchange(send, request_id)
@@ -631,11 +659,15 @@ class MockWorker:
             return
         self.seen.append(SeenRequest(path=path, request_id=request_id, body=body))
         try:
-            fault = fault_for(body, self.role, request_id, self.fault_plan)
+            mock, fault_body = split_mock_faults(body, self.role)
+            fault = fault_for(fault_body, self.role, request_id, self.fault_plan)
+            if mock is not None and fault is not None and fault.role == mock.role:
+                raise ValueError(f"at most one {mock.role} fault per request; got "
+                                 f"{fault} and {mock.kind.value}")
             if fault is not None and fault.kind in REJECTS:
                 raise Refusal(fault.status or 503, f"{self.name} refused request "
                               f"{request_id!r} (injected fault {fault})")
-            work = self._work(exchange, body, path, fault)
+            work = self._work(exchange, body, path, fault, mock)
         except ValueError as exc:
             stats.failed += 1
             await exchange.error(str(exc), 400)
@@ -657,8 +689,9 @@ class MockWorker:
                 stats.completed += 1
 
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
-              fault: Fault | None) -> Work:
-        """How to serve one generation request (run until done or the client goes away).
+              fault: Fault | None, mock: MockFault | None = None) -> Work:
+        """How to serve one generation request (run until done or the client goes away);
+        ``mock``: its mock-only fault (:mod:`._faults`), for this worker's role.
 
         Raises:
             Refusal: answer with that status instead.
@@ -703,7 +736,8 @@ class MockWorker:
 
     async def _decode(self, exchange: Exchange, body: Mapping[str, Any], fmt: AnswerFormat,
                       fault: Fault | None, source: KVSource | str | None, *,
-                      include_usage: bool, eos_with_handoff: bool = False) -> None:
+                      include_usage: bool, eos_with_handoff: bool = False,
+                      mock: MockFault | None = None) -> None:
         """A decode request: pull the KV from ``source`` first (a string: why the handoff
         cannot be used, a decode error), or with no source compute the prefill here; then
         generate.
@@ -712,7 +746,11 @@ class MockWorker:
         pull is a decode error: an error event and ``[DONE]`` in a stream, a 500 answer
         otherwise. KV not pulled (aborted, failed before the first token) is released.
         ``eos_with_handoff``: honour ``eos_first_token`` after a handoff too (SGLang's
-        decode receives the prefill's first token with the KV).
+        decode receives the prefill's first token with the KV). ``mock``:
+        ``decode_kv_lost`` lets go of the KV and answers 500 before any byte;
+        ``decode_queue:SECONDS`` waits that long, accepted, before the pull. A worker
+        that does not :attr:`releases_unpulled_kv` leaves KV it never pulled to the
+        prefill side's lease.
         """
         kind = fault.kind if fault is not None else None
         fault_at = fault.at if fault is not None and fault.at is not None else -1
@@ -721,7 +759,17 @@ class MockWorker:
         prompt_tokens = count_prompt_tokens(body)
         max_tokens = self._max_tokens(body)
         pending = isinstance(source, KVSource)  # KV we may still have to release
+        mock_kind = mock.kind if mock is not None else None
         try:
+            if mock_kind is MockFaultKind.DECODE_KV_LOST and isinstance(source, KVSource):
+                pending = False  # the failed transfer lets go of the KV: nothing to pull
+                self.stats.kv_pull_failures += 1
+                with trio.move_on_after(RELEASE_TIMEOUT, shield=True):
+                    await source.release(self, request_id)
+                await self._fail(exchange, f"KV transfer failed: {self.name} lost the KV "
+                                           f"of request {request_id!r} from {source.where} "
+                                           f"(injected fault {mock_kind.value})")
+                return
             if stream:
                 await exchange.start_stream()  # accepted: headers now, as the workers do
             if isinstance(source, str):
@@ -729,6 +777,8 @@ class MockWorker:
                 return
             if kind is FaultKind.DECODE_STALL:
                 await trio.sleep_forever()  # queued: the KV waits, unpulled
+            if mock is not None and mock_kind is MockFaultKind.DECODE_QUEUE:
+                await trio.sleep(mock.seconds)  # queued, then the pull
             if kind is FaultKind.DECODE_FAIL_BEFORE_FIRST_TOKEN:
                 if source is not None:
                     pending = False
@@ -761,7 +811,7 @@ class MockWorker:
                                fault_at=fault_at,
                                usage=lambda n: usage_dict(prompt_tokens, n, cached))
         finally:
-            if pending:  # aborted before the pull: tell the prefill to free the KV
+            if pending and self.releases_unpulled_kv:  # aborted before the pull
                 assert isinstance(source, KVSource)
                 with trio.move_on_after(RELEASE_TIMEOUT, shield=True):
                     await source.release(self, request_id)

@@ -63,6 +63,7 @@ from ._common import (
     url_host,
     usage_dict,
 )
+from ._faults import MockFault
 
 __all__ = ["BOOTSTRAP_KEYS", "MAX_ROOM", "BootstrapJoin", "MockSglangWorker", "NativeFormat"]
 
@@ -382,7 +383,7 @@ class MockSglangWorker(MockWorker):
         return self.openai_format(exchange, body, path), include_usage
 
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
-              fault: Fault | None) -> Work:
+              fault: Fault | None, mock: MockFault | None = None) -> Work:
         triple = bootstrap_triple(body)
         if isinstance(triple, str):
             raise Refusal(400, f"{self.name}: {triple}")
@@ -404,7 +405,7 @@ class MockSglangWorker(MockWorker):
             source = BootstrapJoin(host=triple[0], port=triple[1], room=triple[2],
                                    timeout=self.bootstrap_timeout)
         return partial(self._decode, exchange, body, fmt, fault, source,
-                       include_usage=include_usage, eos_with_handoff=True)
+                       include_usage=include_usage, eos_with_handoff=True, mock=mock)
 
     # --- the prefill -----------------------------------------------------------------------
 
@@ -431,6 +432,7 @@ class MockSglangWorker(MockWorker):
         self._prefill_rooms.add(room_id)
         entry: StagedKV | None = None
         answered = False
+        computed = False
         try:
             if self._take_gone(room_id):
                 answered = True
@@ -443,6 +445,8 @@ class MockSglangWorker(MockWorker):
                 await trio.sleep_forever()
             if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
                 await trio.sleep(delay)
+            computed = True
+            self.stats.prefills_completed += 1
             if kind is FaultKind.PREFILL_RESET:
                 answered = True
                 await self._reset(exchange, stream)
@@ -497,6 +501,8 @@ class MockSglangWorker(MockWorker):
             if not answered and (entry is None or entry.state is not KVState.HELD
                                  or not kv.release(entry)):
                 kv.note_aborted()  # aborted: one abort, whatever was staged is freed
+            if not computed and not answered:
+                self.stats.prefills_aborted += 1
             room.leave("prefill")
 
     async def _answer(self, exchange: Exchange, fmt: AnswerFormat, *, stream: bool,

@@ -31,6 +31,7 @@ from ..engines._text import (
 )
 from ._asgi import Exchange
 from ._common import MockWorker, Refusal, RemoteKV, Work, usage_dict
+from ._faults import REMOVED, MockFault, MockFaultKind
 
 __all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
            "encode_opaque_state"]
@@ -112,8 +113,10 @@ class MockTrtllmWorker(MockWorker):
       ``ctx_request_id: null`` and stages nothing: the final answer (S7).
     - ``"generation_only"`` (``role="decode"``): pull the KV by ``ctx_request_id`` from
       the context server named in ``encoded_opaque_state`` (``GET /kv/{ctx_request_id}``,
-      checking every byte), then generate (a failed pull is a decode error); aborted
-      before the pull, it releases the KV.
+      checking every byte), then generate (a failed pull is a decode error). Aborted
+      before the pull, it does not free the KV, as TRT-LLM's generation server: the
+      context's KV waits for its lease (B6: a router keeps a generation leg
+      until it fetched its KV).
     - none: compute the prefill locally, then generate.
 
     Aborting on connection close: a context request aborted before it answered stages
@@ -122,7 +125,10 @@ class MockTrtllmWorker(MockWorker):
     (TRT-LLM's ``kv_transfer_timeout_ms``) expiring, which strands it; a router must never
     abort a context leg after its handoff.
 
-    Faults: as :class:`~trio_disagg.workers.MockVllmWorker`. The body field
+    Faults: as :class:`~trio_disagg.workers.MockVllmWorker` (mock-only ones included:
+    ``decode_kv_lost``, ``decode_queue:SECONDS``, ``prefill_bad_handoff:FIELD[=VALUE]``
+    with the fields of ``choices[0].disaggregated_params``, or ``choices`` for two
+    choices). The body field
     ``"mock_ctx_request_id"`` (:data:`CTX_REQUEST_ID_HOOK`, ``"null"`` or ``"missing"``)
     makes a non-terminal context answer without a usable ``ctx_request_id``, staging
     nothing (the refusals of S9).
@@ -134,6 +140,7 @@ class MockTrtllmWorker(MockWorker):
     protocol: ClassVar[str] = "trtllm"
     owned_by: ClassVar[str] = "tensorrt_llm"
     flat_errors: ClassVar[bool] = True
+    releases_unpulled_kv: ClassVar[bool] = False
 
     _last_ctx_id = 0
 
@@ -143,7 +150,7 @@ class MockTrtllmWorker(MockWorker):
         return self._last_ctx_id
 
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
-              fault: Fault | None) -> Work:
+              fault: Fault | None, mock: MockFault | None = None) -> Work:
         params = body.get("disaggregated_params")
         if params is not None and not isinstance(params, Mapping):
             raise Refusal(400, f"disaggregated_params must be an object, got {params!r:.60}")
@@ -161,7 +168,7 @@ class MockTrtllmWorker(MockWorker):
             if disagg_id is not None and type(disagg_id) is not int:
                 raise Refusal(400, f"disagg_request_id must be an integer, got "
                                    f"{disagg_id!r:.60}")
-            return partial(self._context, exchange, body, path, fault, disagg_id)
+            return partial(self._context, exchange, body, path, fault, disagg_id, mock)
         if request_type == "generation_only":
             assert params is not None
             if self.role != "decode":
@@ -170,26 +177,31 @@ class MockTrtllmWorker(MockWorker):
             source = decode_opaque_state(params.get("ctx_request_id"),
                                          params.get("encoded_opaque_state"))
             return partial(self._decode, exchange, body, fmt, fault, source,
-                           include_usage=include_usage)
+                           include_usage=include_usage, mock=mock)
         if request_type is not None:
             raise Refusal(400, f"unknown request_type {request_type!r:.60}")
         return partial(self._decode, exchange, body, fmt, fault, None,
-                       include_usage=include_usage)
+                       include_usage=include_usage, mock=mock)
 
     async def _context(self, exchange: Exchange, body: Mapping[str, Any], path: str,
-                       fault: Fault | None, disagg_id: int | None) -> None:
-        """A context request: stage the KV under a fresh ``ctx_request_id``, answer."""
+                       fault: Fault | None, disagg_id: int | None,
+                       mock: MockFault | None = None) -> None:
+        """A context request: stage the KV under a fresh ``ctx_request_id``, answer
+        (``prefill_bad_handoff``: a broken handoff, staging nothing)."""
         kind = fault.kind if fault is not None else None
         request_id = exchange.request_id or ""
         prompt_tokens = count_prompt_tokens(body)
         fmt = self.openai_format(exchange, body, path)
         kv = self.kv
         answered = False
+        computed = False
         try:
             if kind is FaultKind.PREFILL_STALL:
                 await trio.sleep_forever()
             if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
                 await trio.sleep(delay)
+            computed = True
+            self.stats.prefills_completed += 1
             if kind is FaultKind.PREFILL_RESET:
                 answered = True
                 await self._reset(exchange, stream=False)  # then the connection closes
@@ -227,6 +239,24 @@ class MockTrtllmWorker(MockWorker):
                     usage=usage_dict(prompt_tokens, 1, cached), top=top,
                     choice={"disaggregated_params": params}))
                 return
+            if mock is not None and mock.kind is MockFaultKind.PREFILL_BAD_HANDOFF:
+                answered = True  # nothing staged for a handoff nobody can use
+                params["ctx_request_id"] = self._next_ctx_id()
+                params["encoded_opaque_state"] = encode_opaque_state(
+                    self.host, self.port, self.name, [])
+                answer = orjson.loads(fmt.answer(
+                    text=WORDS[token], token_ids=[token], finish="length",
+                    usage=usage_dict(prompt_tokens, 1, cached), top=top,
+                    choice={"disaggregated_params": params}))
+                if mock.field == "choices":
+                    answer["choices"].append({**answer["choices"][0], "index": 1})
+                elif mock.value is REMOVED:
+                    params.pop(mock.field, None)
+                else:
+                    params[mock.field] = mock.value
+                answer["choices"][0]["disaggregated_params"] = params
+                await exchange.respond(200, orjson.dumps(answer))
+                return
             ctx_id = self._next_ctx_id()
             entry = kv.stage(str(ctx_id), prompt_tokens)
             if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
@@ -246,3 +276,5 @@ class MockTrtllmWorker(MockWorker):
         finally:
             if not answered:
                 kv.note_aborted()  # aborted before it staged anything
+            if not computed:
+                self.stats.prefills_aborted += 1

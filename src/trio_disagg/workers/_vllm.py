@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
+import orjson
 import trio
 
 from ..engines._faults import Fault, FaultKind
@@ -24,6 +25,7 @@ from ._common import (
     PULL_TIMEOUT,
     RELEASE_TIMEOUT,
     MockWorker,
+    OpenAIFormat,
     RemoteKV,
     Role,
     SeenRequest,
@@ -32,6 +34,7 @@ from ._common import (
     kv_block_bytes,
     usage_dict,
 )
+from ._faults import REMOVED, MockFault, MockFaultKind
 
 __all__ = [
     "DEFAULT_KV_BYTES_PER_TOKEN", "PULL_TIMEOUT", "RELEASE_TIMEOUT", "MockVllmWorker",
@@ -116,7 +119,12 @@ class MockVllmWorker(MockWorker):
     ``kv_transfer_params: null``; ``prefill_reset`` and ``decode_reset_at:K`` end the
     response half-way (the connection closes without a complete answer); ``*_stall``
     waits until the client disconnects; ``decode_fail_before_first_token`` releases the
-    KV and fails; ``decode_error_at:K`` fails after K tokens.
+    KV and fails; ``decode_error_at:K`` fails after K tokens. Mock-only faults
+    (:mod:`trio_disagg.workers._faults`): ``decode_kv_lost`` releases the KV and answers
+    500 ``"KV transfer failed: ..."`` before any byte, streamed or not;
+    ``decode_queue:SECONDS`` waits, accepted, before the pull;
+    ``prefill_bad_handoff:FIELD[=VALUE]`` answers ``kv_transfer_params`` without
+    ``FIELD`` (or with that JSON value), or two choices (``choices``), staging nothing.
 
     Args:
         role: ``"prefill"`` or ``"decode"``: which faults it acts on, and its name.
@@ -146,11 +154,11 @@ class MockVllmWorker(MockWorker):
     owned_by: ClassVar[str] = "vllm"
 
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
-              fault: Fault | None) -> Work:
+              fault: Fault | None, mock: MockFault | None = None) -> Work:
         params = body.get("kv_transfer_params")
         params = params if isinstance(params, Mapping) else {}
         if params.get("do_remote_decode") is True:
-            return partial(self._prefill, exchange, body, path, fault)
+            return partial(self._prefill, exchange, body, path, fault, mock)
         # Every vLLM answer has kv_transfer_params, null unless it is a handoff.
         fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None})
         source = parse_remote_kv(params) if params.get("do_remote_prefill") is True else None
@@ -158,11 +166,12 @@ class MockVllmWorker(MockWorker):
         include_usage = body.get("stream") is True and isinstance(options, Mapping) and (
             options.get("include_usage") is True)
         return partial(self._decode, exchange, body, fmt, fault, source,
-                       include_usage=include_usage)
+                       include_usage=include_usage, mock=mock)
 
     async def _prefill(self, exchange: Exchange, body: Mapping[str, Any], path: str,
-                       fault: Fault | None) -> None:
-        """A prefill request (``do_remote_decode``): stage the KV and answer the handoff."""
+                       fault: Fault | None, mock: MockFault | None = None) -> None:
+        """A prefill request (``do_remote_decode``): stage the KV and answer the handoff
+        (``prefill_bad_handoff``: a broken one, staging nothing)."""
         kind = fault.kind if fault is not None else None
         request_id = exchange.request_id or ""
         prompt_tokens = count_prompt_tokens(body)
@@ -170,11 +179,14 @@ class MockVllmWorker(MockWorker):
         kv = self.kv
         entry = None
         answered = False
+        computed = False
         try:
             if kind is FaultKind.PREFILL_STALL:
                 await trio.sleep_forever()
             if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
                 await trio.sleep(delay)
+            computed = True
+            self.stats.prefills_completed += 1
             if kind is FaultKind.PREFILL_RESET:
                 answered = True
                 await self._reset(exchange, stream=False)  # then the connection closes
@@ -194,6 +206,11 @@ class MockVllmWorker(MockWorker):
                     text=WORDS[token] if eos else "", token_ids=[token] if eos else [],
                     finish=_PREFILL_FIRST_FINISH[kind],
                     usage=usage_dict(prompt_tokens, 1 if eos else 0, cached)))
+                return
+            if mock is not None and mock.kind is MockFaultKind.PREFILL_BAD_HANDOFF:
+                answered = True  # nothing staged for a handoff nobody can use
+                await exchange.respond(200, self._bad_handoff(
+                    fmt, mock, token, usage_dict(prompt_tokens, 1, cached), request_id))
                 return
             entry = kv.stage(request_id, prompt_tokens)
             if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
@@ -222,3 +239,25 @@ class MockVllmWorker(MockWorker):
             # releasing what was staged.
             if not answered and (entry is None or not kv.release(entry)):
                 kv.note_aborted()
+            if not computed:
+                self.stats.prefills_aborted += 1
+
+    def _bad_handoff(self, fmt: OpenAIFormat, mock: MockFault, token: int,
+                     usage: dict[str, Any], request_id: str) -> bytes:
+        """A prefill answer whose handoff is broken as ``mock`` says (nothing staged)."""
+        params: dict[str, Any] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [],
+            "remote_engine_id": self.name, "remote_request_id": request_id,
+            "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
+        }
+        if mock.field != "choices":
+            if mock.value is REMOVED:
+                params.pop(mock.field, None)
+            else:
+                params[mock.field] = mock.value
+        answer = orjson.loads(fmt.answer(text=WORDS[token], token_ids=[token],
+                                         finish="length", usage=usage,
+                                         top={"kv_transfer_params": params}))
+        if mock.field == "choices":
+            answer["choices"].append({**answer["choices"][0], "index": 1})
+        return orjson.dumps(answer)

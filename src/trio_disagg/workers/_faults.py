@@ -1,0 +1,151 @@
+"""Faults only the mock HTTP workers inject: wire-level misbehaviour the in-process engines
+have no counterpart for (a decode answering an error status before its stream, a decode
+queued for a while before its KV pull, a prefill answer that is not a usable handoff).
+
+They ride in the same body field as the engines' faults (``"fault"``: one string, a
+comma-separated string, or a list of strings) and are taken out before the rest is parsed
+by :func:`~trio_disagg.engines.fault_for`, so the two kinds mix in one body; at most one
+fault per role in all.
+
+Wire strings:
+
+- ``decode_kv_lost``: the decode's KV pull fails. The decode lets go of the KV (it tells
+  the prefill side to free it, as a failed transfer does) and answers ``500`` with
+  ``"KV transfer failed: ..."`` before any byte of its answer, streamed or not.
+- ``decode_queue:SECONDS``: the decode request is accepted (a streamed answer's headers go
+  out) and then waits ``SECONDS`` in the worker's queue before it pulls the KV. Aborted
+  while queued, it pulls nothing.
+- ``prefill_bad_handoff:FIELD``, ``prefill_bad_handoff:FIELD=VALUE``: the prefill answers
+  a handoff that is not usable, and stages no KV for it: ``FIELD`` removed from the
+  handoff, or set to ``VALUE`` (JSON, else the raw text: ``ctx_request_id=1.5``,
+  ``ctx_request_id=""``, ``ctx_request_id=abc``). ``prefill_bad_handoff:choices``
+  answers two choices instead of one.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import orjson
+
+__all__ = ["REMOVED", "MockFault", "MockFaultKind", "parse_mock_fault", "split_mock_faults"]
+
+
+class _Removed(enum.Enum):
+    REMOVED = "removed"
+
+
+#: The :attr:`MockFault.value` of a ``prefill_bad_handoff`` that removes its field.
+REMOVED = _Removed.REMOVED
+
+
+class MockFaultKind(enum.Enum):
+    """A fault only the mock HTTP workers inject; the value is the wire string."""
+
+    DECODE_KV_LOST = "decode_kv_lost"
+    DECODE_QUEUE = "decode_queue"
+    PREFILL_BAD_HANDOFF = "prefill_bad_handoff"
+
+    @property
+    def role(self) -> str:
+        return "decode" if self.value.startswith("decode_") else "prefill"
+
+
+_BY_NAME = {kind.value: kind for kind in MockFaultKind}
+
+
+@attrs.frozen(kw_only=True)
+class MockFault:
+    """One mock-only fault.
+
+    Attributes:
+        kind: what to break.
+        seconds: ``decode_queue``'s wait.
+        field: ``prefill_bad_handoff``'s field (``"choices"``: two choices).
+        value: ``prefill_bad_handoff``'s value for the field, or :data:`REMOVED`.
+    """
+
+    kind: MockFaultKind
+    seconds: float = 0.0
+    field: str = ""
+    value: Any = REMOVED
+
+    @property
+    def role(self) -> str:
+        return self.kind.role
+
+
+def parse_mock_fault(text: str) -> MockFault:
+    """Parse one mock-only fault string (see the module docstring).
+
+    Raises:
+        ValueError: not a mock-only fault, or a malformed argument.
+    """
+    name, sep, arg = text.strip().partition(":")
+    kind = _BY_NAME.get(name)
+    if kind is None:
+        raise ValueError(f"unknown mock fault {text!r}")
+    if kind is MockFaultKind.DECODE_KV_LOST:
+        if sep:
+            raise ValueError(f"fault {name!r} takes no argument; got {text!r}")
+        return MockFault(kind=kind)
+    if kind is MockFaultKind.DECODE_QUEUE:
+        try:
+            seconds = float(arg)
+        except ValueError:
+            seconds = math.nan
+        if not sep or not 0 <= seconds < math.inf:
+            raise ValueError(f"fault {name!r} needs a number of seconds, as in "
+                             f"'{name}:1.5'; got {text!r}")
+        return MockFault(kind=kind, seconds=seconds)
+    field, eq, raw = arg.partition("=")
+    if not sep or not field:
+        raise ValueError(f"fault {name!r} needs a field, as in '{name}:remote_block_ids' "
+                         f"or '{name}:ctx_request_id=1.5'; got {text!r}")
+    value: Any = REMOVED
+    if eq:
+        try:
+            value = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            value = raw
+    return MockFault(kind=kind, field=field, value=value)
+
+
+def split_mock_faults(body: Mapping[str, Any], role: str
+                      ) -> tuple[MockFault | None, Mapping[str, Any]]:
+    """Take the mock-only faults out of ``body["fault"]``.
+
+    Returns:
+        The mock-only fault for ``role`` (or None), and the body the engines' faults are
+        read from (``body`` itself when it names no mock-only fault).
+
+    Raises:
+        ValueError: a malformed mock-only fault, or two mock-only faults for one role.
+    """
+    value = body.get("fault")
+    if isinstance(value, str):
+        texts: list[Any] = [t for t in value.split(",") if t.strip()]
+    elif isinstance(value, list):
+        texts = value
+    else:
+        return None, body  # none, or malformed: the engines' parser reports it
+    mine: list[MockFault] = []
+    rest: list[Any] = []
+    for text in texts:
+        if isinstance(text, str) and text.strip().partition(":")[0] in _BY_NAME:
+            mine.append(parse_mock_fault(text))
+        else:
+            rest.append(text)
+    if not mine:
+        return None, body
+    roles: dict[str, MockFault] = {}
+    for fault in mine:
+        if fault.role in roles:
+            raise ValueError(f"at most one {fault.role} fault per request; got "
+                             f"{roles[fault.role].kind.value} and {fault.kind.value}")
+        roles[fault.role] = fault
+    return roles.get(role), {**body, "fault": rest}
