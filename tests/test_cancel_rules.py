@@ -1,4 +1,5 @@
-"""The client's context and the prefill leg: C5 and G9 while the prefill still runs.
+"""The client's context and the prefill leg: C5 and G9 while the prefill still runs, and
+the G1 tie between a prefill failure and a decode refusal.
 
 The prefill engine is wrapped in a recording engine that keeps the context it was given
 and every stop or kill that context saw.
@@ -6,6 +7,8 @@ and every stop or kill that context saw.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from typing import Any
 
 import attrs
@@ -18,6 +21,7 @@ from trio_disagg import (
     DeadlineExceeded,
     Deadlines,
     DisaggRouter,
+    Gatekeeper,
     HandoffStyle,
     LLMEngineOutput,
     PrefillError,
@@ -45,6 +49,7 @@ PREFILL_TIME = WORDS * 0.01
 TRANSFER_TIME = WORDS * 0.01
 KV_TTL = 100.0
 DEADLINES = Deadlines(prefill=20, handoff=20, decode_idle=20, terminal_hold=20, transfer=60)
+LOST = "prefill connection lost"
 
 
 class RecordingPrefill:
@@ -202,3 +207,91 @@ async def test_G9_bootstrap_client_stop_or_kill_before_the_transfer_completed(
         assert counters.held_blocks == 0, counters
         assert counters.stranded_blocks == 0, counters
         assert s.cluster.prefill[0].kv.open_rooms == 0
+
+
+# --- G1 -----------------------------------------------------------------------------------
+
+
+async def test_G1_tie_decode_refusal_prefill_looked_at_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The decode worker refuses (WorkerError before started) in the very instant the
+    prefill drain fails: the caller gets the prefill's error, not the refusal, and the
+    client context is stopped. Repeated, so both scheduling orders of the tie occur.
+    (The tie with an accepting decode is in test_gate.py.)"""
+
+    async def prefill_fails_in(seconds: float) -> None:
+        await trio.sleep(seconds)
+        raise PrefillError(LOST)
+
+    async def refuses_in(  # noqa: ASYNC114, ASYNC128 (a worker that refuses)
+        seconds: float, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        await trio.sleep(seconds)
+        raise WorkerError("decode worker refused", status=503, worker="decode-0")
+
+    async with TransferKeeper() as keeper:
+        for _ in range(20):
+            task = keeper.start(functools.partial(prefill_fails_in, 1), name="r-1")
+            client = RequestContext("r-1")
+            gate = Gatekeeper(task, client)
+            async with trio.open_nursery() as nursery:
+                with trio.fail_after(10), pytest.raises(PrefillError, match=LOST):
+                    await gate.dispatch(nursery, refuses_in, 1)
+            assert client.is_stopped
+
+
+class RefusingDecode:
+    """A decode worker that refuses each request ``delay`` seconds after it was sent."""
+
+    def __init__(self, name: str, delay: float) -> None:
+        self.name = name
+        self.delay = delay
+        self.handoff_style = BOOT
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+
+    async def generate(  # noqa: ASYNC114, ASYNC128 (a worker that refuses)
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            await trio.sleep(self.delay)
+            raise WorkerError(f"{self.name} refused request {request.request_id!r}",
+                              status=503, worker=self.name)
+
+
+async def test_G1_tie_decode_refusal_at_the_router_prefill_error_wins(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Bootstrap style, through the router: the decode worker refuses in the same
+    instant (of the clock) as the prefill fails: ``router.stream`` raises the prefill's
+    error, not the WorkerError. Repeated, so both scheduling orders occur."""
+    outcomes: list[str] = []
+    async with TransferKeeper() as keeper:
+        cluster = mock_cluster(style=BOOT, latency=LATENCY, kv_ttl=KV_TTL)
+        decode = RefusingDecode("decode-0", PREFILL_TIME)
+        router = DisaggRouter(WorkerPool(cluster.prefill),
+                              WorkerPool([decode], failure_threshold=1000), keeper,
+                              deadlines=DEADLINES)
+        for i in range(10):
+            request = make_request(f"req-{i}", fault="prefill_fail_before_handoff")
+            context = RequestContext(request.request_id)
+            try:
+                with trio.fail_after(30):
+                    async with trio.open_nursery() as nursery:
+                        await router.stream(nursery, request, context)
+                outcomes.append("no error")
+            except* Exception as group:
+                error = leaf(group)
+                stopped = "" if context.is_stopped else " (client context not stopped)"
+                outcomes.append(f"{type(error).__name__}{stopped}")
+        with trio.fail_after(120):
+            await router.wait_idle()
+            await keeper.wait_idle()
+        assert cluster.counters().held_blocks == 0
+    assert dict(Counter(outcomes)) == {"PrefillError": len(outcomes)}
