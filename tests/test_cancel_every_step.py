@@ -1,4 +1,5 @@
-"""B5, B6 (with B1, G4, G5, G8, G9): a client disconnect at every task step of one request.
+"""B5, B6 (with B1, C5, G4, G5, G8, G9): a client disconnect, or a stop or kill of its
+context, at every task step of one request.
 
 For each handoff style of the in-process mocks, and for a request that succeeds, fails in
 its prefill (before or after the handoff) or fails in its decode (before or after its first
@@ -8,7 +9,9 @@ client disconnect does) just before the k-th step. Each time, the client's outco
 one the rules allow, and once the router and the keeper are idle nothing is left: no
 request or drain in flight, no worker lease, no bootstrap room, no KV block held or (after
 the lease) stranded; and what was left when the client went ended promptly (B6), not at a
-deadline or a timeout.
+deadline or a timeout. The same again with the client's context stopped or killed at
+step k instead (C5, G9): the client reads on, and the prefill, on its own context, must
+not fail because of it.
 
 The scheduler's random tie-breaking is seeded before each run, so a run cancelled at step
 k mostly follows the undisturbed run up to that step (timers that expire in the same
@@ -111,21 +114,27 @@ def seeded_scheduler(seed: int) -> Iterator[None]:
 
 
 class Steps(trio.abc.Instrument):
-    """Counts task steps and names them; cancels ``target`` just before step
-    ``cancel_at`` (cancelling a scope is synchronous, so it is fine in here)."""
+    """Counts task steps and names them; just before step ``cancel_at`` cancels
+    ``target`` (``how="disconnect"``), or calls ``context.stop_generating()`` or
+    ``context.kill()`` (``how`` names it). All are synchronous, so fine in here."""
 
-    def __init__(self, cancel_at: int | None = None) -> None:
+    def __init__(self, cancel_at: int | None = None, how: str = "disconnect") -> None:
         self.cancel_at = cancel_at
+        self.how = how
         self.target: trio.CancelScope | None = None
+        self.context: RequestContext | None = None
         self.names: list[str] = []
         self.client_steps: int | None = None  # steps until the client was done
         self.fired = False
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        if (len(self.names) == self.cancel_at and self.target is not None
-                and not self.fired):
-            self.target.cancel()
-            self.fired = True
+        if len(self.names) == self.cancel_at and not self.fired:
+            if self.how in ("stop_generating", "kill") and self.context is not None:
+                getattr(self.context, self.how)()
+                self.fired = True
+            elif self.how == "disconnect" and self.target is not None:
+                self.target.cancel()
+                self.fired = True
         self.names.append(task.name)
 
 
@@ -134,6 +143,7 @@ class Outcome:
     items: list[Item]
     raised: BaseException | None
     cancelled: bool  # the client was cancelled while its request ran
+    stopped: bool = False  # the client's context was stopped
 
     def describe(self) -> str:
         parts = [_describe(item) for item in self.items]
@@ -141,6 +151,8 @@ class Outcome:
             parts.append(f"raised {type(self.raised).__name__}")
         if self.cancelled:
             parts.append("cancelled")
+        if self.stopped:
+            parts.append("(context stopped or killed)")
         return " ".join(parts) or "nothing"
 
 
@@ -179,6 +191,13 @@ def check_outcome(outcome: Outcome, fault: str | None) -> str | None:
     success = bool(terminals) and _is_success(items[-1])
     failure = outcome.raised is not None or (bool(terminals) and not success)
     tokens = sum(len(item.data.token_ids) for item in items if item.data is not None)
+    if outcome.stopped:
+        # C3: the producers were asked to stop; whatever they sent stays valid, and a
+        # stream cut short by the stop ends with a cancelled finish or nothing more.
+        if success and fault is not None and fault.startswith("prefill"):
+            return f"a success although the {fault} fault failed the request: " \
+                   f"{outcome.describe()}"
+        return None
     if fault is None:
         if failure:
             return f"a request with no fault failed: {outcome.describe()}"
@@ -218,18 +237,19 @@ async def client(router: DisaggRouter, request: PreprocessedRequest, steps: Step
     items: list[Item] = []
     raised: BaseException | None = None
     cancelled = False
+    context = steps.context = RequestContext(request.request_id)
     try:
         async with trio.open_nursery() as nursery:
             steps.target = nursery.cancel_scope
-            stream = await router.stream(nursery, request, RequestContext(request.request_id))
+            stream = await router.stream(nursery, request, context)
             with stream.outputs:
                 async for item in stream.outputs:
                     items.append(item)
         cancelled = nursery.cancel_scope.cancelled_caught
     except* Exception as group:  # judged by check_outcome
         raised = _leaf(group)
-        cancelled = steps.fired
-    return Outcome(items, raised, cancelled)
+        cancelled = steps.fired and steps.how == "disconnect"
+    return Outcome(items, raised, cancelled, stopped=steps.fired and steps.how != "disconnect")
 
 
 @attrs.define
@@ -241,11 +261,11 @@ class Run:
 
 
 async def run_once(style: HandoffStyle, fault: str | None, cancel_at: int | None,
-                   seed: int) -> Run:
+                   seed: int, how: str = "disconnect") -> Run:
     cluster = mock_cluster(style=style, latency=LATENCY, kv_ttl=KV_TTL,
                            bootstrap_timeout=BOOTSTRAP_TIMEOUT)
     problems: list[str] = []
-    steps = Steps(cancel_at)
+    steps = Steps(cancel_at, how)
     async with TransferKeeper() as keeper:
         router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper,
                               deadlines=DEADLINES)
@@ -276,6 +296,11 @@ async def run_once(style: HandoffStyle, fault: str | None, cancel_at: int | None
             problems.append(f"router.in_flight == {router.in_flight}")
         if keeper.in_flight:
             problems.append(f"keeper.in_flight == {keeper.in_flight}")
+        if keeper.cancelled_total:
+            problems.append("the prefill drain was cancelled (T1, G9: the mocks declare no "
+                            "cancel window, so the prefill runs to its end)")
+        if fault is None and keeper.failed_total:
+            problems.append("the prefill failed although nothing was injected (G9)")
         if router.prefill.outstanding or router.decode.outstanding:
             problems.append(f"worker leases outstanding: prefill "
                             f"{router.prefill.outstanding}, decode {router.decode.outstanding}")
@@ -297,24 +322,51 @@ FAULTS = [None, "prefill_fail_before_handoff", PREFILL_FAULT,
           "decode_fail_before_first_token", DECODE_FAULT]
 
 
-@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: (f or "no_fault").replace(":", "_"))
-@pytest.mark.parametrize("style", [SEQ, BOOT], ids=lambda s: s.value)
+STYLE_IDS = {SEQ: "sequential", BOOT: "bootstrap"}
+
+
+def _fault_id(fault: str | None) -> str:
+    return (fault or "no_fault").replace(":", "_")
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=_fault_id)
+@pytest.mark.parametrize("style", [SEQ, BOOT], ids=STYLE_IDS.get)
 async def test_B5_B6_client_cancelled_at_every_step(
     autojump_clock: trio.abc.Clock, request: pytest.FixtureRequest,
     caplog: pytest.LogCaptureFixture, style: HandoffStyle, fault: str | None,
 ) -> None:
-    """Cancel the client just before each task step k of the request, k = 0..N: its
-    outcome is one the rules allow (a complete success where no fault, an error item or
-    a refusal where a fault, or cancelled and nothing wrong seen), and nothing is left
-    in flight, leased, held or stranded (B5, B6, B1, G9)."""
+    """Cancel the client (its request's nursery) just before each task step k of the
+    request, k = 0..N: its outcome is one the rules allow (a complete success where no
+    fault, an error item or a refusal where a fault, or cancelled and nothing wrong
+    seen), nothing is left in flight, leased, held or stranded, and what was left ended
+    promptly (B5, B6, B1, T1, G9)."""
     caplog.set_level(logging.ERROR, logger="trio_disagg")  # one warning per failed drain
+    await every_step(request.node.name, style, fault, "disconnect")
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=_fault_id)
+@pytest.mark.parametrize("style", [SEQ, BOOT], ids=STYLE_IDS.get)
+@pytest.mark.parametrize("action", ["stop_generating", "kill"])
+async def test_C5_G9_client_context_stopped_at_every_step(
+    autojump_clock: trio.abc.Clock, request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture, action: str, style: HandoffStyle, fault: str | None,
+) -> None:
+    """Stop or kill the client's context just before each task step k: the client reads
+    on to the end of its stream, the prefill is never stopped (C5) and, with no fault
+    injected, never fails (G9: its transfer completes), and the end state is as clean as
+    after a disconnect (B5, B6)."""
+    caplog.set_level(logging.ERROR, logger="trio_disagg")
+    await every_step(request.node.name, style, fault, action)
+
+
+async def every_step(name: str, style: HandoffStyle, fault: str | None, how: str) -> None:
     interleavings: set[tuple[str, ...]] = set()
     ends: set[str] = set()
     failures: dict[str, list[tuple[int, int, str]]] = {}  # problems -> (seed, k, where)
     runs = 0
     sizes: list[int] = []
     for seed in SCHEDULER_SEEDS:
-        reference = await run_once(style, fault, None, seed)
+        reference = await run_once(style, fault, None, seed, how)
         runs += 1
         assert not reference.problems, f"undisturbed run (seed {seed}): {reference.problems}"
         assert reference.steps.client_steps is not None
@@ -323,7 +375,7 @@ async def test_B5_B6_client_cancelled_at_every_step(
         interleavings.add(tuple(reference.steps.names))
         ends.add(reference.end)
         for k in range(n + 1):
-            run = await run_once(style, fault, k, seed)
+            run = await run_once(style, fault, k, seed, how)
             runs += 1
             interleavings.add(tuple(run.steps.names))
             ends.add(run.end)
@@ -332,9 +384,10 @@ async def test_B5_B6_client_cancelled_at_every_step(
                 at = _short(names[k]) if k < len(names) else "(the end)"
                 before = ", ".join(_short(name) for name in names[max(0, k - 2):k])
                 key = f"{run.outcome.describe()}: {'; '.join(run.problems)}"
+                verb = "cancelled" if how == "disconnect" else f"context.{how}()"
                 failures.setdefault(key, []).append(
-                    (seed, k, f"cancelled before {at}, after [{before}]"))
-    SUMMARY.append((request.node.name, len(interleavings), runs,
+                    (seed, k, f"{verb} before {at}, after [{before}]"))
+    SUMMARY.append((name, len(interleavings), runs,
                     "/".join(str(n) for n in sizes), len(ends)))
     if failures:
         count = sum(len(cases) for cases in failures.values())
