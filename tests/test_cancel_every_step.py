@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,7 +105,10 @@ def interleavings_summary(request: pytest.FixtureRequest) -> Iterator[None]:
 def seeded_scheduler(seed: int) -> Iterator[None]:
     """Fix trio's random choice of which runnable task goes first (it keeps no public
     knob: this is the module-level generator its run loop reads), then restore it."""
-    rng = trio._core._run._r
+    rng = getattr(trio._core._run, "_r", None)
+    if not isinstance(rng, random.Random):  # another trio: unseeded, still valid
+        yield
+        return
     state = rng.getstate()
     rng.seed(seed)
     try:
