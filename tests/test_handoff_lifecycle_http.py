@@ -242,7 +242,7 @@ async def test_B1_answer_at_the_prefill_deadline_strands_nothing(offset: float) 
             assert decode.body["max_tokens"] == 3
             assert counters.served == 1
         else:
-            assert error_of(response)["code"] == "deadline_exceeded"
+            assert error_of(response)["code"] == "prefill_deadline_exceeded"
             assert len(decodes) <= 1
             for decode in decodes:  # B1: one token, not streamed
                 assert (decode.body["max_tokens"], decode.body["stream"]) == (1, False)
