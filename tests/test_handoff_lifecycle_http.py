@@ -244,8 +244,8 @@ async def test_B1_answer_at_the_prefill_deadline_strands_nothing(offset: float) 
         else:
             assert error_of(response)["code"] == "prefill_deadline_exceeded"
             assert len(decodes) <= 1
-            for decode in decodes:  # B1: one token, not streamed
-                assert (decode.body["max_tokens"], decode.body["stream"]) == (1, False)
+            for decode in decodes:  # B1: one token (the vLLM adapter streams every decode)
+                assert decode.body["max_tokens"] == 1
             if counters.staged_blocks:  # pulled by the cleanup decode, or freed by an abort
                 assert (counters.served, len(decodes)) in ((1, 1), (0, 0)), counters
                 assert counters.served + counters.aborted == 1, counters
