@@ -13,6 +13,7 @@ import trio.testing
 
 from trio_disagg import (
     Annotated,
+    CancelWindow,
     DeadlineExceeded,
     Deadlines,
     DisaggRouter,
@@ -427,6 +428,62 @@ async def test_B1_cleanup_decode_is_minimal(autojump_clock: trio.abc.Clock) -> N
     assert cleanup.body["max_tokens"] == 1
     assert cleanup.prefill_result is not None
     assert h.router.counters.staged_kv_cleanups == 1
+
+
+# --- B10: cancel windows ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("window", list(CancelWindow))
+async def test_B10_client_leaving_during_the_prefill(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, window: CancelWindow
+) -> None:
+    """The client leaves while the prefill computes (and, bootstrap, before the slow decode
+    accepted). Inside a cancel window the prefill is cancelled, its compute saved, and
+    nothing is staged; with ``NEVER`` the keeper drains it and its KV is consumed (B1, G9).
+    Either way nothing is held or stranded."""
+    cluster = mock_cluster(style=style, latency=LATENCY, kv_ttl=1000.0)
+    cluster.decode[0] = SlowAcceptDecode(cluster.decode[0], 1.0)  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(
+            WorkerPool(cluster.prefill, cancel_windows={"prefill-0": window}),
+            WorkerPool(cluster.decode), keeper,
+        )
+        h = Harness(cluster, keeper, router)
+        start = trio.current_time()
+        with trio.move_on_after(0.05):  # the prefill takes 10 x 0.01 s
+            await h.run(make_request(words=10))
+        await h.settle()
+        h.assert_clean()
+        counters, kv = router.counters, cluster.counters()
+        if window is CancelWindow.NEVER:
+            assert (counters.prefills_drained, counters.prefills_cancelled) == (1, 0)
+            assert kv.served == 1  # pulled: by a B1 cleanup, or the decode that joined
+        else:
+            assert (counters.prefills_drained, counters.prefills_cancelled) == (0, 1)
+            assert (kv.staged_blocks, kv.served) == (0, 0)  # never computed to the end
+            assert trio.current_time() - start < 0.1  # no prefill ran on
+
+
+async def test_B10_client_leaving_after_the_handoff_is_never_cancelled(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Once the handoff arrived, a window allows nothing more: the KV is consumed (B1)."""
+    cluster = mock_cluster(style=SEQ, latency=LATENCY, kv_ttl=1000.0)
+    cluster.decode[0] = SlowAcceptDecode(cluster.decode[0], 1.0)  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(
+            WorkerPool(cluster.prefill, cancel_windows={"prefill-0": CancelWindow.ANYTIME}),
+            WorkerPool(cluster.decode), keeper,
+        )
+        h = Harness(cluster, keeper, router)
+        with trio.move_on_after(0.5):  # the handoff came at 0.1 s; the decode accepts at 1.1
+            await h.run(make_request(words=10))
+        await h.settle()
+        h.assert_clean()
+        assert router.counters.prefills_cancelled == 0
+        assert router.counters.staged_kv_cleanups == 1
+        assert cluster.counters().served == 1
 
 
 # --- B2: every wait has a deadline -----------------------------------------------------------
