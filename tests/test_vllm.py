@@ -22,6 +22,7 @@ from typing import Any
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import pytest
 import trio
+import trio.testing
 from e2e_support import (
     FAST,
     MODEL,
@@ -273,6 +274,48 @@ async def test_prefill_deadline_closes_the_prefill_connection() -> None:
         await wait_until(lambda: cluster.prefill.stats.aborted == 1)
         await cluster.settled()
         assert cluster.prefill.kv.counters().aborted == 1
+
+
+@pytest.mark.parametrize(("status", "expected"), [(400, 400), (503, 502)])
+async def test_a_workers_error_survives_a_deadline_expiring_while_its_answer_closes(
+        autojump_clock: trio.testing.MockClock, status: int, expected: int) -> None:
+    """The worker answers an error status; the caller's deadline expires while the
+    adapter closes that answer (closing is a checkpoint). The caller still gets the
+    worker's error, not a Cancelled that its deadline scope swallows (which the client
+    would see as a 504). The clock is virtual: the close takes 1 s, the deadline is 0.5 s
+    after the request, so it expires during the close, every run."""
+    closes: list[float] = []
+
+    class SlowClose(httpx.AsyncByteStream):
+        def __init__(self) -> None:
+            self.parts = [b'{"object": "error", "message": "bad prompt", "code": 400}']
+
+        def __aiter__(self) -> SlowClose:
+            return self
+
+        async def __anext__(self) -> bytes:
+            await trio.lowlevel.checkpoint()
+            if not self.parts:
+                raise StopAsyncIteration
+            return self.parts.pop()
+
+        async def aclose(self) -> None:
+            closes.append(trio.current_time())
+            await trio.sleep(1)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, headers={"content-type": "application/json"},
+                              stream=SlowClose())
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        engine = VllmEngine("http://prefill:8000", "prefill", client=client)
+        send, receive = trio.open_memory_channel[Item](1)
+        with receive, pytest.raises(WorkerError) as caught:
+            with trio.move_on_after(0.5):
+                await engine.generate(completion("late"), RequestContext("late"), send)
+    assert caught.value.status == expected and "bad prompt" in str(caught.value)
+    assert closes == [0.0]  # the deadline had not expired when the close began
+    assert trio.current_time() <= 2.0  # the close is bounded; the clock jumped past 0.5
 
 
 async def test_decode_reject_then_b1_consumes_the_kv() -> None:

@@ -52,6 +52,9 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of a worker's error answer read for its message
 JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
+#: Seconds a worker's error answer may take to be read and closed after the caller was
+#: cancelled (its deadline expired in the meantime): the worker's error still wins.
+ERROR_CLOSE_GRACE = 0.5
 
 #: Worker finish reasons (OpenAI and engine spellings) and what they mean to the router.
 FINISH: Mapping[str, FinishReason] = {
@@ -193,7 +196,9 @@ class HttpEngine:
 
     Errors: before ``started()`` a worker's 4xx raises :class:`~trio_disagg.WorkerError`
     with that status and the worker's own message; a 5xx, another status, or a transport
-    failure raises it with status 502 and a message naming the worker. After
+    failure raises it with status 502 and a message naming the worker. Once the worker
+    answered an error status, that error is what is raised, even if the caller's deadline
+    expires while the answer is read and closed (within :data:`ERROR_CLOSE_GRACE`). After
     ``started()`` failures are sent as ONE error item and the stream ends: an error answer
     or event, a transport failure, a malformed answer, or a stream that ends without a
     finish reason (the worker died). Nothing is raised then.
@@ -292,17 +297,22 @@ class HttpEngine:
                 headers[b"accept"] = b"text/event-stream"
             stopper = Stopper(context)
             started = False
+            refusal: WorkerError | None = None
             try:
                 with stopper.scope:
                     async with self.client.stream(
                         "POST", self.url + path, content=orjson.dumps(body), headers=headers
                     ) as response:
                         if not 200 <= response.status_code < 300:
-                            raise await self._status_error(response)
-                        task_status.started()
-                        started = True
-                        await self._relay(response, request, path, body, stopper,
-                                          send_channel)
+                            # Raised below, not here: leaving this block with it would
+                            # close the response at a checkpoint, where a deadline expiring
+                            # now would replace the worker's error with Cancelled.
+                            refusal = await self._status_error(response)
+                        else:
+                            task_status.started()
+                            started = True
+                            await self._relay(response, request, path, body, stopper,
+                                              send_channel)
             except httpx.HTTPError as exc:
                 if not started:
                     raise WorkerError(
@@ -317,6 +327,8 @@ class HttpEngine:
                 # send() raised before its checkpoint completed.
                 await trio.lowlevel.checkpoint()
                 return
+            if refusal is not None:
+                raise refusal
             if stopper.scope.cancelled_caught:
                 if not started:
                     task_status.started()  # accepted and at once stopped
@@ -326,9 +338,24 @@ class HttpEngine:
                     await trio.lowlevel.checkpoint()
 
     async def _status_error(self, response: httpx.Response) -> WorkerError:
+        """The error for a worker's non-2xx answer; the answer is read and closed.
+
+        The worker's answer is final, so reading and closing it is shielded from the
+        caller's cancellation for at most :data:`ERROR_CLOSE_GRACE` seconds: a deadline
+        expiring meanwhile must not turn the worker's error into a Cancelled (the client
+        would see a timeout instead of the worker's 4xx or 5xx).
+        """
         status = response.status_code
-        data = await read_limited(response, ERROR_BODY_LIMIT)
-        message = error_message(data, status)
+        # Collected part by part: httpx closes the answer once its end is read, so the
+        # grace may run out after the last part arrived.
+        data = bytearray()
+        with trio.move_on_after(ERROR_CLOSE_GRACE, shield=True):
+            async for part in response.aiter_bytes():
+                data += part
+                if len(data) >= ERROR_BODY_LIMIT:
+                    break
+            await response.aclose()
+        message = error_message(bytes(data), status)
         if 400 <= status < 500:
             return WorkerError(message, status=status, worker=self.name)
         return WorkerError(
