@@ -332,6 +332,15 @@ async def test_decode_reject_then_b1_consumes_the_kv() -> None:
 # --- decode failures after acceptance -----------------------------------------------------
 
 
+def assert_worker_error(item: Item, url: str) -> None:
+    """A failure after the worker accepted is an error item carrying a typed 502
+    :class:`WorkerError` naming the worker, for the server to map; its message is the
+    item's."""
+    error = item.exception
+    assert isinstance(error, WorkerError)
+    assert (error.status, error.worker, str(error)) == (502, url, item.error_message())
+
+
 async def test_decode_failure_before_the_first_token() -> None:
     async with vllm_cluster() as cluster:
         _, items = await run(cluster, completion("dfb", fault="decode_fail_before_first_token"))
@@ -340,6 +349,7 @@ async def test_decode_failure_before_the_first_token() -> None:
         message = item.error_message() or ""
         assert message.startswith(f"decode worker {cluster.decode_url} reported an error")
         assert "decode_fail_before_first_token" in message
+        assert_worker_error(item, cluster.decode_url)
         await cluster.settled()
         counters = cluster.prefill.kv.counters()  # the decode told the prefill to free it
         assert (counters.aborted, counters.freed_blocks, counters.served) == (1, 3, 0)
@@ -351,6 +361,7 @@ async def test_decode_error_after_the_first_token() -> None:
         assert len(items) == 3
         assert [item.is_error for item in items] == [False, False, True]
         assert "decode_error_at" in (items[-1].error_message() or "")
+        assert_worker_error(items[-1], cluster.decode_url)
         await cluster.settled()
 
 
@@ -361,6 +372,7 @@ async def test_decode_reset_mid_stream_is_an_error_item() -> None:
         message = items[-1].error_message() or ""
         assert message.startswith(f"decode worker {cluster.decode_url}")
         assert "mid-stream" in message
+        assert_worker_error(items[-1], cluster.decode_url)
         await cluster.settled()
 
 

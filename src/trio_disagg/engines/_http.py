@@ -201,7 +201,8 @@ class HttpEngine:
     expires while the answer is read and closed (within :data:`ERROR_CLOSE_GRACE`). After
     ``started()`` failures are sent as ONE error item and the stream ends: an error answer
     or event, a transport failure, a malformed answer, or a stream that ends without a
-    finish reason (the worker died). Nothing is raised then.
+    finish reason (the worker died). The item carries a :class:`~trio_disagg.WorkerError`
+    (status 502, naming the worker) for the server to map by type. Nothing is raised then.
 
     Cancellation: ``context.stop_generating()`` closes the worker response (the worker
     aborts the request) and ends the stream with one ``cancelled`` item;
@@ -319,8 +320,8 @@ class HttpEngine:
                         f"{self.role} worker {self.url} failed: {describe(exc)}",
                         status=502, worker=self.name,
                     ) from exc
-                await send_quietly(send_channel, Annotated.from_error(
-                    f"{self.role} worker {self.url} failed mid-stream: {describe(exc)}"))
+                await send_quietly(send_channel, self._error(
+                    f"failed mid-stream: {describe(exc)}"))
                 return
             except trio.BrokenResourceError:
                 # The receiver is gone: the response is closed (an abort on the worker).
@@ -364,8 +365,13 @@ class HttpEngine:
         )
 
     def _error(self, what: str) -> Item:
-        """An error item naming this worker: ``"decode worker URL <what>"``."""
-        return Annotated.from_error(f"{self.role} worker {self.url} {what}")
+        """An error item naming this worker: ``"decode worker URL <what>"``.
+
+        It carries a :class:`~trio_disagg.WorkerError` (status 502, this worker) so that
+        the server can map the failure by its type; on the wire only the message goes.
+        """
+        return Annotated.from_exception(WorkerError(
+            f"{self.role} worker {self.url} {what}", status=502, worker=self.name))
 
     async def _read_answer(self, response: httpx.Response) -> tuple[dict[str, Any] | Item, bytes]:
         """A whole JSON answer (or the error item saying what is wrong with it), and its

@@ -137,7 +137,8 @@ class VllmEngine(HttpEngine):
     - After ``started()`` failures are sent as ONE error item, then the stream ends: a
       worker's error event (``data: {"error": ...}``), a transport failure or connection
       reset, a malformed answer, or a stream that ends without a finish reason (the
-      worker died). Nothing is raised.
+      worker died). The item carries a :class:`~trio_disagg.WorkerError` (502). Nothing
+      is raised.
 
     Cancellation: ``context.stop_generating()`` closes the worker response (vLLM aborts
     the request) and ends the stream with one ``cancelled`` item; ``context.kill()``
