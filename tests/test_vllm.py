@@ -46,6 +46,7 @@ from protocol_support import (
 )
 
 from trio_disagg import (
+    CancelWindow,
     Deadlines,
     Engine,
     FinishKind,
@@ -55,6 +56,7 @@ from trio_disagg import (
     PreprocessedRequest,
     RequestContext,
     WorkerError,
+    cancel_window_of,
 )
 from trio_disagg.engines import (
     PREFILL_KV_TRANSFER_PARAMS,
@@ -116,6 +118,22 @@ def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
     bare = PreprocessedRequest(request_id="r", model=MODEL,
                                body={"model": MODEL, "prompt": "x"}, max_tokens=16)
     assert decode_body(bare)["max_tokens"] == 16  # the router's budget, never the worker's
+
+
+def test_B10_a_vllm_prefill_may_be_cancelled_anytime() -> None:
+    """vLLM frees a request's blocks when its connection closes."""
+    client = httpx.AsyncClient()
+    prefill, _ = vllm_engines(["http://p:1"], ["http://d:1"], client=client)
+    assert prefill[0].cancel_window is CancelWindow.ANYTIME
+    assert cancel_window_of(prefill[0]) is CancelWindow.ANYTIME
+    prefill, _ = vllm_engines(["http://p:1"], [], client=client,
+                              cancel_window=CancelWindow.BEFORE_HANDOFF)
+    assert prefill[0].cancel_window is CancelWindow.BEFORE_HANDOFF
+    engine = VllmEngine("http://p:1", "prefill", client=client, cancel_window=CancelWindow.NEVER)
+    assert engine.cancel_window is CancelWindow.NEVER
+    with pytest.raises(TypeError, match="CancelWindow"):
+        VllmEngine("http://p:1", "prefill", client=client,
+                   cancel_window="anytime")  # type: ignore[arg-type]
 
 
 # --- the sequential handoff ---------------------------------------------------------------

@@ -23,7 +23,7 @@ import trio
 from httpx_sse import EventSource
 
 from .._context import RequestContext
-from .._engine import HandoffStyle
+from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import (
     Annotated,
@@ -208,21 +208,38 @@ class HttpEngine:
     aborts the request) and ends the stream with one ``cancelled`` item;
     ``context.kill()`` closes it and ends the stream at once; a closed receiver or a
     cancelled caller closes it too.
+
+    ``cancel_window`` (B10) is the class's :attr:`default_cancel_window` unless the
+    constructor's ``cancel_window`` says otherwise (a deployment whose workers free KV
+    differently); ``handoff_style`` is ``SEQUENTIAL`` unless a subclass says otherwise.
     """
 
     #: The protocol's name, for messages.
     protocol: ClassVar[str] = "HTTP"
+    #: When this protocol's prefill may be cancelled without stranding KV (B10); each
+    #: adapter sets its own, an instance may override it (``cancel_window=``).
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.NEVER
 
     def __init__(
-        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        if cancel_window is not None and not isinstance(cancel_window, CancelWindow):
+            raise TypeError(f"cancel_window must be a CancelWindow, got {cancel_window!r}")
         self.url = check_worker_url(url, self.protocol)
         self.role: Role = role
         self.client = client
         self.name = name if name is not None else self.url
         self.handoff_style = HandoffStyle.SEQUENTIAL
+        self.cancel_window = (self.default_cancel_window if cancel_window is None
+                              else cancel_window)
         self.bootstrap_host: str | None = None
         self.bootstrap_port: int | None = None
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
-from .._engine import HandoffStyle
+from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import (
     Annotated,
@@ -249,6 +249,10 @@ class SglangEngine(HttpEngine):
     A request without a bootstrap room, or sharing one between samples (``n`` > 1, a
     batch), raises :class:`~trio_disagg.WorkerError` (400) before anything is sent.
 
+    ``cancel_window`` is ``BEFORE_HANDOFF`` (B10): until a decode worker joined the room
+    the prefill may be cancelled (its paired decode leg ends with it, B6); once one
+    joined, the KV transfer is under way and is let finish.
+
     Args:
         url: the worker's base URL (``http://host:port``, no ``/v1``).
         role: ``"prefill"`` or ``"decode"``.
@@ -257,6 +261,7 @@ class SglangEngine(HttpEngine):
         name: unique within its pool; default ``url``.
         bootstrap_port: a prefill worker's bootstrap port (default 8998, SGLang's); its
             :attr:`bootstrap_host` is the URL's host.
+        cancel_window: overrides ``BEFORE_HANDOFF`` for this engine.
 
     Raises:
         ValueError: a malformed URL, a bad role, or a bootstrap port out of 1-65535 or
@@ -264,6 +269,7 @@ class SglangEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "SGLang"
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
 
     def __init__(
         self,
@@ -273,8 +279,9 @@ class SglangEngine(HttpEngine):
         client: httpx.AsyncClient,
         name: str | None = None,
         bootstrap_port: int | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
-        super().__init__(url, role, client=client, name=name)
+        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
         self.handoff_style = HandoffStyle.BOOTSTRAP
         if role == "prefill":
             port = DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else bootstrap_port
@@ -321,6 +328,7 @@ def sglang_engines(
     decode_urls: Sequence[str],
     *,
     client: httpx.AsyncClient | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> tuple[list[SglangEngine], list[SglangEngine]]:
     """Make the prefill and decode engines of an SGLang deployment, sharing one client.
 
@@ -331,6 +339,8 @@ def sglang_engines(
         client: the client to share; default a new
             :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
             every engine returned. Whoever made it closes it once the router is done.
+        cancel_window: the prefill engines' cancel window (B10), if not
+            ``BEFORE_HANDOFF``.
 
     Returns:
         ``(prefill_engines, decode_engines)``, for two
@@ -350,7 +360,8 @@ def sglang_engines(
         raise ValueError(f"two prefill workers bootstrap at the same host and port: "
                          f"{list(prefill_specs)}")
     shared = client if client is not None else worker_client()
-    prefill = [SglangEngine(url, "prefill", client=shared, bootstrap_port=port)
+    prefill = [SglangEngine(url, "prefill", client=shared, bootstrap_port=port,
+                            cancel_window=cancel_window)
                for url, port in parsed]
     decode = [SglangEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
+from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
@@ -118,7 +119,15 @@ class _Parser(ChunkParser):
 
 class TrtllmEngine(HttpEngine):
     """A TensorRT-LLM server, context or generation, as an :class:`~trio_disagg.Engine`
-    (PROTOCOLS.md sections 1 and 4). ``handoff_style`` is ``SEQUENTIAL``.
+    (PROTOCOLS.md sections 1 and 4).
+
+    A context engine's ``handoff_style`` is ``CONTEXT_FIRST`` (a generation engine's is
+    ``SEQUENTIAL``): the handoff is sequential, but a generation leg aborted before it
+    fetched the context's KV leaves that KV to the context server's transfer timeout, so
+    the router keeps the generation leg as part of the transfer until its first output
+    (B6). Its ``cancel_window`` is ``BEFORE_HANDOFF`` (B10): a context aborted before it
+    answered stages nothing, but once it answered its KV is committed, and an abort would
+    not free it.
 
     **Context** (``role="prefill"``): ``POST`` :func:`context_body` with a fresh random
     63-bit ``disagg_request_id``, not streamed, to ``/v1/chat/completions`` if the body
@@ -148,17 +157,27 @@ class TrtllmEngine(HttpEngine):
         client: the shared client (see :func:`~trio_disagg.engines.worker_client`); the
             engine never closes it.
         name: unique within its pool; default ``url``.
+        cancel_window: overrides ``BEFORE_HANDOFF`` for this engine.
 
     Raises:
         ValueError: a malformed URL or a bad role.
     """
 
     protocol: ClassVar[str] = "TensorRT-LLM"
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
 
     def __init__(
-        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
-        super().__init__(url, role, client=client, name=name)
+        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
+        if role == "prefill":
+            self.handoff_style = HandoffStyle.CONTEXT_FIRST
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         if self.role == "prefill":
@@ -216,6 +235,7 @@ def trtllm_engines(
     decode_urls: Sequence[str],
     *,
     client: httpx.AsyncClient | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> tuple[list[TrtllmEngine], list[TrtllmEngine]]:
     """Make the context and generation engines of a TensorRT-LLM deployment, sharing one
     client.
@@ -226,6 +246,8 @@ def trtllm_engines(
         client: the client to share; default a new
             :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
             every engine returned. Whoever made it closes it once the router is done.
+        cancel_window: the context engines' cancel window (B10), if not
+            ``BEFORE_HANDOFF``.
 
     Returns:
         ``(prefill_engines, decode_engines)``, for two
@@ -239,6 +261,7 @@ def trtllm_engines(
     for url in [*prefill_urls, *decode_urls]:
         check_worker_url(url, TrtllmEngine.protocol)  # before a client is made
     shared = client if client is not None else worker_client()
-    prefill = [TrtllmEngine(url, "prefill", client=shared) for url in prefill_urls]
+    prefill = [TrtllmEngine(url, "prefill", client=shared, cancel_window=cancel_window)
+               for url in prefill_urls]
     decode = [TrtllmEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
+from .._engine import CancelWindow
 from .._protocols import LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
     DEFAULT_LIMITS,
@@ -148,11 +149,16 @@ class VllmEngine(HttpEngine):
     would abort the prefill and lose its KV): only the prefill's own deadline or a kill
     of its own context does.
 
+    ``cancel_window`` is ``ANYTIME`` (B10): vLLM frees a request's blocks when its
+    connection closes, so a prefill may be cancelled until it answers without stranding
+    KV; once it answered, the KV waits for a decode, which the router sends (B1).
+
     Args:
         url: the worker's base URL, such as ``http://10.0.0.5:8100`` (no ``/v1``).
         role: ``"prefill"`` or ``"decode"``.
         client: the shared client (see :func:`vllm_client`); the engine never closes it.
         name: unique within its pool; default ``url``.
+        cancel_window: overrides ``ANYTIME`` for this engine.
 
     Raises:
         ValueError: ``url`` is not an ``http://`` or ``https://`` URL, or ``role`` is
@@ -160,11 +166,18 @@ class VllmEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "vLLM"
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.ANYTIME
 
     def __init__(
-        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
-        super().__init__(url, role, client=client, name=name)
+        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         body = prefill_body(request.body) if self.role == "prefill" else decode_body(request)
@@ -192,6 +205,7 @@ def vllm_engines(
     decode_urls: Sequence[str],
     *,
     client: httpx.AsyncClient | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> tuple[list[VllmEngine], list[VllmEngine]]:
     """Make the prefill and decode engines of a vLLM deployment, sharing one client.
 
@@ -201,6 +215,7 @@ def vllm_engines(
         client: the client to share; default a new :func:`vllm_client`, reachable as
             ``engine.client`` of every engine returned. Whoever made it closes it
             (``await client.aclose()``) once the router is done.
+        cancel_window: the prefill engines' cancel window (B10), if not ``ANYTIME``.
 
     Returns:
         ``(prefill_engines, decode_engines)``, for two
@@ -212,6 +227,7 @@ def vllm_engines(
     check_unique("prefill", list(prefill_urls))
     check_unique("decode", list(decode_urls))
     shared = client if client is not None else vllm_client()
-    prefill = [VllmEngine(url, "prefill", client=shared) for url in prefill_urls]
+    prefill = [VllmEngine(url, "prefill", client=shared, cancel_window=cancel_window)
+               for url in prefill_urls]
     decode = [VllmEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode
