@@ -17,21 +17,25 @@ from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any, ClassVar, Literal
 
+import cattrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
 import trio
+from cattrs.errors import AttributeValidationNote, IterableValidationNote
 from httpx_sse import EventSource
 
 from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
-from .._errors import WorkerError
+from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import (
     Annotated,
     CompletionUsage,
+    FinishKind,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
     PromptTokensDetails,
+    make_strict_converter,
 )
 
 Item = Annotated[LLMEngineOutput]
@@ -68,6 +72,52 @@ FINISH: Mapping[str, FinishReason] = {
     "tool_calls": FinishReason.STOP,
     "function_call": FinishReason.STOP,
 }
+
+
+#: Validates handoffs (B7): JSON exactly as typed, unknown keys ignored (and passed on).
+handoff_converter = make_strict_converter()
+
+
+def handoff_problem(value: Any, cls: type[Any]) -> tuple[str, str] | None:
+    """What is wrong with ``value`` as a ``cls`` (an attrs class of handoff fields),
+    structured through :data:`handoff_converter`; None if nothing is.
+
+    Returns:
+        ``(field, problem)`` for the first offending field, ``field`` a path into
+        ``value`` such as ``"choices[0].disaggregated_params.ctx_request_id"`` and
+        ``problem`` such as ``"must be an integer, got str 'abc'"`` or ``"is missing"``.
+    """
+    try:
+        handoff_converter.structure(value, cls)
+    except Exception as exc:  # cattrs raises ClassValidationError, TypeError, ...
+        return _first_problem(exc, "")
+    return None
+
+
+def _first_problem(exc: BaseException, path: str) -> tuple[str, str]:
+    if isinstance(exc, cattrs.BaseValidationError) and exc.exceptions:
+        inner = exc.exceptions[0]  # cattrs keeps them in field order
+        for note in getattr(inner, "__notes__", ()):
+            if isinstance(note, AttributeValidationNote):
+                path = f"{path}.{note.name}" if path else note.name
+                break
+            if isinstance(note, IterableValidationNote):
+                path = f"{path}[{note.index}]"
+                break
+        return _first_problem(inner, path)
+    if isinstance(exc, KeyError):
+        return path, "is missing"
+    text = str(exc) or type(exc).__name__
+    if text.startswith("expected "):  # the strict converter's "expected an integer, got ..."
+        text = "must be " + text.removeprefix("expected ")
+    return path, text
+
+
+def needs_handoff(output: LLMEngineOutput) -> bool:
+    """True for a prefill output that is not terminal (S7): no finish reason, or
+    ``length``, so the decode needs its handoff."""
+    finish = output.finish_reason
+    return finish is None or finish.kind is FinishKind.LENGTH
 
 
 def worker_client(
@@ -209,6 +259,11 @@ class HttpEngine:
     ``context.kill()`` closes it and ends the stream at once; a closed receiver or a
     cancelled caller closes it too.
 
+    Handoffs (B7): a prefill's whole answer that is not terminal (S7) is validated as a
+    handoff (:meth:`_handoff_problem`) before it is sent on; an invalid one becomes ONE
+    error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff` that names the
+    offending field, and no output with a handoff is sent.
+
     ``cancel_window`` (B10) is the class's :attr:`default_cancel_window` unless the
     constructor's ``cancel_window`` says otherwise (a deployment whose workers free KV
     differently); ``handoff_style`` is ``SEQUENTIAL`` unless a subclass says otherwise.
@@ -272,6 +327,20 @@ class HttpEngine:
         if output is None or output.finish_reason is None:
             return None
         return output
+
+    def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
+        """What is wrong with a prefill's non-terminal whole answer as a handoff (B7), as
+        :func:`handoff_problem` says it; None if nothing is (the default: no check)."""
+        return None
+
+    def _invalid_handoff(self, field: str, problem: str, *, sent: bool = True) -> Item:
+        """The ONE error item for an invalid handoff (B7): it carries an
+        :class:`~trio_disagg.InvalidPrefillHandoff` naming ``field``, which the router's
+        classification raises as is. ``sent``: the worker sent the handoff (else the
+        adapter made it from the request)."""
+        how = "sent an invalid handoff" if sent else "has an invalid handoff"
+        return Annotated.from_exception(InvalidPrefillHandoff(
+            f"prefill worker {self.url} {how}: {field} {problem}", field=field))
 
     async def _relay(
         self,
@@ -424,6 +493,13 @@ class HttpEngine:
             await send.send(self._error(
                 f"answered without a choice or a finish_reason: {excerpt(data)}"))
             return
+        if self.role == "prefill" and needs_handoff(output):
+            # B7: checked here, at the edge, so that nothing downstream builds a decode
+            # request from it; the answer itself is passed on as the worker sent it.
+            problem = self._handoff_problem(answer)
+            if problem is not None:
+                await send.send(self._invalid_handoff(*problem))
+                return
         await send.send(Annotated(data=output))
 
     async def _relay_any(

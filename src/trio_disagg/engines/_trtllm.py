@@ -8,7 +8,8 @@ once the prompt's KV is committed, with ``choices[0].disaggregated_params``
 (``ctx_request_id``, ``first_gen_tokens``, ``encoded_opaque_state``, ...) and
 ``prompt_token_ids``. A context that already finished the request (its ``finish_reason``
 is not ``length`` / ``not_finished``) is the final answer (SEMANTICS.md S7); a non-terminal
-one without a usable ``ctx_request_id`` is refused before any generation request (S9).
+one is validated as a handoff (B7: one choice, a usable ``ctx_request_id``, S9, and the
+other fields well typed) and refused before any generation request if invalid.
 Otherwise the generation server gets the client's body with those
 ``disaggregated_params`` (``request_type: "generation_only"``) and the prompt replaced by
 ``prompt_token_ids``.
@@ -23,6 +24,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
 from .._engine import CancelWindow, HandoffStyle
@@ -39,14 +41,15 @@ from ._http import (
     check_worker_url,
     endpoint_for,
     first_choice,
+    handoff_problem,
     openai_output,
     streaming_body,
     worker_client,
 )
 
 __all__ = [
-    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TrtllmEngine", "context_body",
-    "generation_body", "trtllm_engines",
+    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "ContextParams", "TrtllmEngine", "context_body",
+    "context_problem", "generation_body", "trtllm_engines",
 ]
 
 #: The key under which the handoff payload (the context's ``disaggregated_params``)
@@ -61,6 +64,51 @@ TRTLLM_FINISH: Mapping[str, FinishReason] = {
     "not_finished": FinishReason.LENGTH,
     "timeout": FinishReason.error("the worker timed the request out"),
 }
+
+
+@attrs.frozen(kw_only=True)
+class ContextParams:
+    """The fields of a context's ``choices[0].disaggregated_params`` a generation request
+    needs (B7), with their types (TensorRT-LLM's ``DisaggregatedParams``).
+
+    Only ``ctx_request_id`` is required, and must be an integer (not a boolean, a string
+    or a float); the others may be left out, or be null but for ``request_type``. Only
+    for validation: the worker's object goes on as sent, with any other field it has.
+    """
+
+    ctx_request_id: int
+    request_type: str = "context_only"
+    first_gen_tokens: list[int] | None = None
+    encoded_opaque_state: str | None = None
+    draft_tokens: list[int] | None = None
+    disagg_request_id: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _ContextChoice:
+    disaggregated_params: ContextParams
+
+
+@attrs.frozen(kw_only=True)
+class _ContextAnswer:
+    choices: list[_ContextChoice]
+    prompt_token_ids: list[int] | None = None  # the generation's prompt, if given
+
+
+def context_problem(answer: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What is wrong with a non-terminal context answer as a handoff (B7), as
+    :func:`~trio_disagg.engines._http.handoff_problem` says it: not exactly one choice,
+    a :class:`ContextParams` field missing or mistyped, or ``prompt_token_ids`` not a
+    list of integers. None if nothing is."""
+    choices = answer.get("choices")
+    if isinstance(choices, list) and len(choices) != 1:
+        # one context, one KV: which choice's KV would a generation pull?
+        return "choices", f"must hold exactly one choice, got {len(choices)}"
+    problem = handoff_problem(answer, _ContextAnswer)
+    if problem is not None and problem[0].endswith(".ctx_request_id"):
+        field, what = problem
+        return field, f"{what} (no usable ctx_request_id for a non-terminal handoff)"
+    return problem
 
 
 def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, Any]:
@@ -137,11 +185,16 @@ class TrtllmEngine(HttpEngine):
     ``disaggregated_params`` = ``choices[0].disaggregated_params`` as the server sent it,
     with ``request_type: "context_only"`` if it had none and the ``disagg_request_id``
     sent if it had none, plus the answer's ``prompt_token_ids`` under
-    :data:`PROMPT_TOKEN_IDS_KEY`. So the router's classification applies as is: a
-    terminal context (finish not ``length``) is the final answer with no generation
-    request (S7); a non-terminal one whose ``ctx_request_id`` is null or missing is
-    refused before any generation request (S9); one without ``disaggregated_params`` is
-    refused too (S8). Once the context server started answering, a stop no longer closes
+    :data:`PROMPT_TOKEN_IDS_KEY`. A terminal context (finish not ``length`` /
+    ``not_finished``) is the final answer with no generation request (S7). A
+    non-terminal one is validated as a handoff first (B7, :func:`context_problem`):
+    exactly one choice, its ``disaggregated_params`` an object with the fields of
+    :class:`ContextParams` well typed (a null or missing ``ctx_request_id`` is S9's
+    refusal), ``prompt_token_ids`` a list of integers if given. An invalid one becomes
+    ONE error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff` whose
+    ``field`` names the culprit (``"choices[0].disaggregated_params.ctx_request_id"``,
+    ``"choices"``); the router's classification raises it, and no generation request is
+    built. Once the context server started answering, a stop no longer closes
     the connection (only a kill does): aborting a context after its KV is committed
     would not free the KV, so the answer is always read to its end.
 
@@ -201,6 +254,9 @@ class TrtllmEngine(HttpEngine):
         if self.role == "prefill":
             stopper.disarm()  # the context answers: never abort it after the handoff
         await super()._relay(response, request, path, body, stopper, send)
+
+    def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
+        return context_problem(answer)
 
     def _answer_output(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
 from .._engine import CancelWindow
@@ -29,12 +30,14 @@ from ._http import (
     Role,
     check_unique,
     endpoint_for,
+    handoff_problem,
     streaming_body,
     worker_client,
 )
 
 __all__ = [
-    "DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PREFILL_KV_TRANSFER_PARAMS", "VllmEngine",
+    "DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PREFILL_KV_TRANSFER_PARAMS", "KvTransferParams",
+    "VllmEngine",
     "decode_body", "endpoint_for", "prefill_body", "vllm_client", "vllm_engines",
 ]
 
@@ -47,6 +50,27 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+@attrs.frozen(kw_only=True)
+class KvTransferParams:
+    """The fields of a prefill's ``kv_transfer_params`` a decode worker needs to pull the
+    KV (B7), and their types; ``remote_request_id`` and
+    ``tp_size`` may be left out. Only for validation: the worker's object goes to the
+    decode as sent, with any other field it has."""
+
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_block_ids: list[int]
+    remote_host: str
+    remote_port: int
+    remote_request_id: str = ""
+    tp_size: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class _PrefillAnswer:
+    kv_transfer_params: KvTransferParams
 
 
 def vllm_client(
@@ -117,7 +141,12 @@ class VllmEngine(HttpEngine):
     the client, S4/S10), and ``disaggregated_params`` = the answer's
     ``kv_transfer_params``. A prefill that ended on its first token (``finish_reason``
     ``stop``, ``kv_transfer_params`` null) is thus an output with finish ``STOP`` and no
-    ``disaggregated_params``: the router's terminal case, no decode (S7).
+    ``disaggregated_params``: the router's terminal case, no decode (S7). Any other
+    answer is a handoff and is validated first (B7): its ``kv_transfer_params`` must be
+    an object with the fields of :class:`KvTransferParams`, well typed; if not, the
+    answer becomes ONE error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff`
+    whose ``field`` names the culprit (``"kv_transfer_params.remote_port"``), and no
+    decode request is ever built from it.
 
     **Decode** (``role="decode"``): ``POST`` :func:`decode_body` (always streamed) and
     turn each server-sent event into an output: its text, ``token_ids`` if present, and
@@ -182,6 +211,9 @@ class VllmEngine(HttpEngine):
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         body = prefill_body(request.body) if self.role == "prefill" else decode_body(request)
         return endpoint_for(body), body
+
+    def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
+        return handoff_problem(answer, _PrefillAnswer)
 
     def _answer_output(
         self,
