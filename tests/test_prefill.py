@@ -17,6 +17,7 @@ from trio_disagg import (
     CompletionUsage,
     FinishReason,
     Handoff,
+    InvalidPrefillHandoff,
     LLMEngineOutput,
     NoDisaggregatedParams,
     PrefillCompletion,
@@ -26,6 +27,7 @@ from trio_disagg import (
     Terminal,
     TraceLink,
     TransferKeeper,
+    WorkerError,
     check_prefill_output,
     classify_first_output,
     consume_prefill_stream,
@@ -149,6 +151,27 @@ async def test_S2_first_output_error_closes_the_stream(
             with pytest.raises(PrefillError, match="prefill failed"):
                 await consume_prefill_stream(receive)
     assert producer_saw_close == [True]
+
+
+def test_S2_T4_an_error_item_carrying_a_prefill_error_raises_that_error() -> None:
+    """An adapter that knows what failed (B7: which handoff field) sends its exception in
+    the error item; classification and the later-output check raise that very object.
+    An error item carrying any other exception is classified from its message as before."""
+    invalid = InvalidPrefillHandoff("prefill worker w sent an invalid handoff: x", field="x")
+    item = Annotated[LLMEngineOutput].from_exception(invalid)
+    tracker = RequestTracker()
+    with pytest.raises(InvalidPrefillHandoff) as first:
+        classify_first_output(item, tracker)
+    assert first.value is invalid and first.value.field == "x"
+    assert tracker.prefill_complete_at is None  # S2 still holds
+    with pytest.raises(InvalidPrefillHandoff) as later:
+        check_prefill_output(item)
+    assert later.value is invalid
+    other = Annotated[LLMEngineOutput].from_exception(WorkerError("worker died", status=502))
+    for check in (classify_first_output, check_prefill_output):
+        with pytest.raises(PrefillError, match="worker died") as caught:
+            check(other)
+        assert type(caught.value) is PrefillError
 
 
 async def test_S3_valid_first_output_records_prefill_complete_on_arrival(

@@ -47,6 +47,7 @@ from protocol_support import (
 
 from trio_disagg import (
     BootstrapInfo,
+    CancelWindow,
     Deadlines,
     Engine,
     FinishKind,
@@ -56,6 +57,7 @@ from trio_disagg import (
     RequestContext,
     TrioDisaggError,
     WorkerError,
+    cancel_window_of,
 )
 from trio_disagg.engines import (
     DEFAULT_BOOTSTRAP_PORT,
@@ -201,6 +203,19 @@ def test_one_body_with_the_bootstrap_triple_for_both_legs() -> None:
     with pytest.raises(WorkerError, match="bootstrap room") as missing:
         sglang_body(attrs.evolve(request, bootstrap_info=None))
     assert missing.value.status == 400
+
+
+def test_B10_an_sglang_prefill_may_be_cancelled_before_a_decode_joined_its_room() -> None:
+    client = httpx.AsyncClient()
+    prefill, _ = sglang_engines(["http://p:1"], ["http://d:1"], client=client)
+    assert prefill[0].cancel_window is CancelWindow.BEFORE_HANDOFF
+    assert cancel_window_of(prefill[0]) is CancelWindow.BEFORE_HANDOFF
+    prefill, _ = sglang_engines(["http://p:1,9000"], [], client=client,
+                                cancel_window=CancelWindow.NEVER)
+    assert prefill[0].cancel_window is CancelWindow.NEVER
+    engine = SglangEngine("http://p:1", "prefill", client=client,
+                          cancel_window=CancelWindow.ANYTIME)
+    assert engine.cancel_window is CancelWindow.ANYTIME
 
 
 # --- the bootstrap handoff -----------------------------------------------------------------

@@ -48,6 +48,7 @@ from protocol_support import (
 )
 
 from trio_disagg import (
+    CancelWindow,
     Deadlines,
     Engine,
     FinishKind,
@@ -59,6 +60,7 @@ from trio_disagg import (
     PreprocessedRequest,
     RequestContext,
     WorkerError,
+    cancel_window_of,
 )
 from trio_disagg.engines import (
     PROMPT_TOKEN_IDS_KEY,
@@ -128,9 +130,24 @@ def test_context_and_generation_bodies_follow_protocols_section_4() -> None:
     assert "disaggregated_params" not in generation_body(attrs.evolve(
         request, body={**body, "disaggregated_params": {"x": 1}}, prefill_result=None))
     engines = trtllm_engines(["http://c:1"], ["http://g:1"], client=httpx.AsyncClient())
-    assert all(e.handoff_style is HandoffStyle.SEQUENTIAL for e in engines[0] + engines[1])
+    assert [e.handoff_style for e in engines[0] + engines[1]] == [
+        HandoffStyle.CONTEXT_FIRST, HandoffStyle.SEQUENTIAL]
     with pytest.raises(ValueError, match="unique"):
         trtllm_engines(["http://c:1", "http://c:1/"], [], client=httpx.AsyncClient())
+
+
+def test_B10_a_context_may_be_cancelled_before_its_handoff_only() -> None:
+    """A context aborted before it answered stages nothing; after, its KV is committed."""
+    client = httpx.AsyncClient()
+    contexts, _ = trtllm_engines(["http://c:1"], ["http://g:1"], client=client)
+    assert contexts[0].cancel_window is CancelWindow.BEFORE_HANDOFF
+    assert cancel_window_of(contexts[0]) is CancelWindow.BEFORE_HANDOFF
+    contexts, _ = trtllm_engines(["http://c:1"], ["http://g:1"], client=client,
+                                 cancel_window=CancelWindow.NEVER)
+    assert contexts[0].cancel_window is CancelWindow.NEVER
+    assert TrtllmEngine("http://c:1", "prefill", client=client,
+                        cancel_window=CancelWindow.ANYTIME).cancel_window is CancelWindow.ANYTIME
+    assert TrtllmEngine.default_cancel_window is CancelWindow.BEFORE_HANDOFF
 
 
 # --- the context-first handoff ------------------------------------------------------------

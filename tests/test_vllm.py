@@ -22,6 +22,7 @@ from typing import Any
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import pytest
 import trio
+import trio.testing
 from e2e_support import (
     FAST,
     MODEL,
@@ -45,6 +46,7 @@ from protocol_support import (
 )
 
 from trio_disagg import (
+    CancelWindow,
     Deadlines,
     Engine,
     FinishKind,
@@ -54,6 +56,7 @@ from trio_disagg import (
     PreprocessedRequest,
     RequestContext,
     WorkerError,
+    cancel_window_of,
 )
 from trio_disagg.engines import (
     PREFILL_KV_TRANSFER_PARAMS,
@@ -115,6 +118,22 @@ def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
     bare = PreprocessedRequest(request_id="r", model=MODEL,
                                body={"model": MODEL, "prompt": "x"}, max_tokens=16)
     assert decode_body(bare)["max_tokens"] == 16  # the router's budget, never the worker's
+
+
+def test_B10_a_vllm_prefill_may_be_cancelled_anytime() -> None:
+    """vLLM frees a request's blocks when its connection closes."""
+    client = httpx.AsyncClient()
+    prefill, _ = vllm_engines(["http://p:1"], ["http://d:1"], client=client)
+    assert prefill[0].cancel_window is CancelWindow.ANYTIME
+    assert cancel_window_of(prefill[0]) is CancelWindow.ANYTIME
+    prefill, _ = vllm_engines(["http://p:1"], [], client=client,
+                              cancel_window=CancelWindow.BEFORE_HANDOFF)
+    assert prefill[0].cancel_window is CancelWindow.BEFORE_HANDOFF
+    engine = VllmEngine("http://p:1", "prefill", client=client, cancel_window=CancelWindow.NEVER)
+    assert engine.cancel_window is CancelWindow.NEVER
+    with pytest.raises(TypeError, match="CancelWindow"):
+        VllmEngine("http://p:1", "prefill", client=client,
+                   cancel_window="anytime")  # type: ignore[arg-type]
 
 
 # --- the sequential handoff ---------------------------------------------------------------
@@ -275,6 +294,48 @@ async def test_prefill_deadline_closes_the_prefill_connection() -> None:
         assert cluster.prefill.kv.counters().aborted == 1
 
 
+@pytest.mark.parametrize(("status", "expected"), [(400, 400), (503, 502)])
+async def test_a_workers_error_survives_a_deadline_expiring_while_its_answer_closes(
+        autojump_clock: trio.testing.MockClock, status: int, expected: int) -> None:
+    """The worker answers an error status; the caller's deadline expires while the
+    adapter closes that answer (closing is a checkpoint). The caller still gets the
+    worker's error, not a Cancelled that its deadline scope swallows (which the client
+    would see as a 504). The clock is virtual: the close takes 1 s, the deadline is 0.5 s
+    after the request, so it expires during the close, every run."""
+    closes: list[float] = []
+
+    class SlowClose(httpx.AsyncByteStream):
+        def __init__(self) -> None:
+            self.parts = [b'{"object": "error", "message": "bad prompt", "code": 400}']
+
+        def __aiter__(self) -> SlowClose:
+            return self
+
+        async def __anext__(self) -> bytes:
+            await trio.lowlevel.checkpoint()
+            if not self.parts:
+                raise StopAsyncIteration
+            return self.parts.pop()
+
+        async def aclose(self) -> None:
+            closes.append(trio.current_time())
+            await trio.sleep(1)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, headers={"content-type": "application/json"},
+                              stream=SlowClose())
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        engine = VllmEngine("http://prefill:8000", "prefill", client=client)
+        send, receive = trio.open_memory_channel[Item](1)
+        with receive, pytest.raises(WorkerError) as caught:
+            with trio.move_on_after(0.5):
+                await engine.generate(completion("late"), RequestContext("late"), send)
+    assert caught.value.status == expected and "bad prompt" in str(caught.value)
+    assert closes == [0.0]  # the deadline had not expired when the close began
+    assert trio.current_time() <= 2.0  # the close is bounded; the clock jumped past 0.5
+
+
 async def test_decode_reject_then_b1_consumes_the_kv() -> None:
     async with vllm_cluster() as cluster:
         error = await refusal(cluster, completion("drej", fault="decode_reject:503"))
@@ -289,6 +350,15 @@ async def test_decode_reject_then_b1_consumes_the_kv() -> None:
 # --- decode failures after acceptance -----------------------------------------------------
 
 
+def assert_worker_error(item: Item, url: str) -> None:
+    """A failure after the worker accepted is an error item carrying a typed 502
+    :class:`WorkerError` naming the worker, for the server to map; its message is the
+    item's."""
+    error = item.exception
+    assert isinstance(error, WorkerError)
+    assert (error.status, error.worker, str(error)) == (502, url, item.error_message())
+
+
 async def test_decode_failure_before_the_first_token() -> None:
     async with vllm_cluster() as cluster:
         _, items = await run(cluster, completion("dfb", fault="decode_fail_before_first_token"))
@@ -297,6 +367,7 @@ async def test_decode_failure_before_the_first_token() -> None:
         message = item.error_message() or ""
         assert message.startswith(f"decode worker {cluster.decode_url} reported an error")
         assert "decode_fail_before_first_token" in message
+        assert_worker_error(item, cluster.decode_url)
         await cluster.settled()
         counters = cluster.prefill.kv.counters()  # the decode told the prefill to free it
         assert (counters.aborted, counters.freed_blocks, counters.served) == (1, 3, 0)
@@ -308,6 +379,7 @@ async def test_decode_error_after_the_first_token() -> None:
         assert len(items) == 3
         assert [item.is_error for item in items] == [False, False, True]
         assert "decode_error_at" in (items[-1].error_message() or "")
+        assert_worker_error(items[-1], cluster.decode_url)
         await cluster.settled()
 
 
@@ -318,6 +390,7 @@ async def test_decode_reset_mid_stream_is_an_error_item() -> None:
         message = items[-1].error_message() or ""
         assert message.startswith(f"decode worker {cluster.decode_url}")
         assert "mid-stream" in message
+        assert_worker_error(items[-1], cluster.decode_url)
         await cluster.settled()
 
 

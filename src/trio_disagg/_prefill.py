@@ -57,14 +57,24 @@ def is_bootstrap_params(params: Any) -> bool:
     return isinstance(params, Mapping) and all(key in params for key in _BOOTSTRAP_KEYS)
 
 
+def _raise_carried(item: Annotated[LLMEngineOutput]) -> None:
+    """Raise the :class:`PrefillError` an error item carries, if it carries one: the
+    adapter that made it knew what failed (B7: which handoff field), so its own exception
+    reaches the router rather than one rebuilt from its message."""
+    if isinstance(item.exception, PrefillError):
+        raise item.exception
+
+
 def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
     """Check a later prefill output (T4).
 
     Raises:
         PrefillError: on an error envelope, ``finish_reason = error`` or
-            ``finish_reason = cancelled``; the message carries the worker's text.
+            ``finish_reason = cancelled``; the message carries the worker's text. An
+            error item that carries a :class:`PrefillError` of its own raises that one.
     """
     if item.event == "error":
+        _raise_carried(item)
         raise PrefillError(f"Prefill returned an error in its output stream: "
                            f"{item.error_message()}")
     data = item.data
@@ -85,11 +95,14 @@ def classify_first_output(
     Records prefill complete on ``tracker`` for any output that is not an error.
 
     Raises:
-        PrefillError: the first output is an error (S2); the tracker is not touched.
+        PrefillError: the first output is an error (S2); the tracker is not touched. An
+            error item that carries a :class:`PrefillError` of its own (an adapter's
+            :class:`~trio_disagg.InvalidPrefillHandoff`, B7) raises that one.
         NoDisaggregatedParams: a handoff is needed but there is nothing usable to hand
             off (S8), or a TRT-LLM context has no usable ``ctx_request_id`` (S9).
     """
     if first.event == "error":
+        _raise_carried(first)
         raise PrefillError(f"Prefill returned an error: {first.error_message()}")
     if tracker is not None:
         tracker.record_prefill_complete()

@@ -17,21 +17,25 @@ from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any, ClassVar, Literal
 
+import cattrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
 import trio
+from cattrs.errors import AttributeValidationNote, IterableValidationNote
 from httpx_sse import EventSource
 
 from .._context import RequestContext
-from .._engine import HandoffStyle
-from .._errors import WorkerError
+from .._engine import CancelWindow, HandoffStyle
+from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import (
     Annotated,
     CompletionUsage,
+    FinishKind,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
     PromptTokensDetails,
+    make_strict_converter,
 )
 
 Item = Annotated[LLMEngineOutput]
@@ -52,6 +56,9 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of a worker's error answer read for its message
 JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
+#: Seconds a worker's error answer may take to be read and closed after the caller was
+#: cancelled (its deadline expired in the meantime): the worker's error still wins.
+ERROR_CLOSE_GRACE = 0.5
 
 #: Worker finish reasons (OpenAI and engine spellings) and what they mean to the router.
 FINISH: Mapping[str, FinishReason] = {
@@ -65,6 +72,52 @@ FINISH: Mapping[str, FinishReason] = {
     "tool_calls": FinishReason.STOP,
     "function_call": FinishReason.STOP,
 }
+
+
+#: Validates handoffs (B7): JSON exactly as typed, unknown keys ignored (and passed on).
+handoff_converter = make_strict_converter()
+
+
+def handoff_problem(value: Any, cls: type[Any]) -> tuple[str, str] | None:
+    """What is wrong with ``value`` as a ``cls`` (an attrs class of handoff fields),
+    structured through :data:`handoff_converter`; None if nothing is.
+
+    Returns:
+        ``(field, problem)`` for the first offending field, ``field`` a path into
+        ``value`` such as ``"choices[0].disaggregated_params.ctx_request_id"`` and
+        ``problem`` such as ``"must be an integer, got str 'abc'"`` or ``"is missing"``.
+    """
+    try:
+        handoff_converter.structure(value, cls)
+    except Exception as exc:  # cattrs raises ClassValidationError, TypeError, ...
+        return _first_problem(exc, "")
+    return None
+
+
+def _first_problem(exc: BaseException, path: str) -> tuple[str, str]:
+    if isinstance(exc, cattrs.BaseValidationError) and exc.exceptions:
+        inner = exc.exceptions[0]  # cattrs keeps them in field order
+        for note in getattr(inner, "__notes__", ()):
+            if isinstance(note, AttributeValidationNote):
+                path = f"{path}.{note.name}" if path else note.name
+                break
+            if isinstance(note, IterableValidationNote):
+                path = f"{path}[{note.index}]"
+                break
+        return _first_problem(inner, path)
+    if isinstance(exc, KeyError):
+        return path, "is missing"
+    text = str(exc) or type(exc).__name__
+    if text.startswith("expected "):  # the strict converter's "expected an integer, got ..."
+        text = "must be " + text.removeprefix("expected ")
+    return path, text
+
+
+def needs_handoff(output: LLMEngineOutput) -> bool:
+    """True for a prefill output that is not terminal (S7): no finish reason, or
+    ``length``, so the decode needs its handoff."""
+    finish = output.finish_reason
+    return finish is None or finish.kind is FinishKind.LENGTH
 
 
 def worker_client(
@@ -193,30 +246,55 @@ class HttpEngine:
 
     Errors: before ``started()`` a worker's 4xx raises :class:`~trio_disagg.WorkerError`
     with that status and the worker's own message; a 5xx, another status, or a transport
-    failure raises it with status 502 and a message naming the worker. After
+    failure raises it with status 502 and a message naming the worker. Once the worker
+    answered an error status, that error is what is raised, even if the caller's deadline
+    expires while the answer is read and closed (within :data:`ERROR_CLOSE_GRACE`). After
     ``started()`` failures are sent as ONE error item and the stream ends: an error answer
     or event, a transport failure, a malformed answer, or a stream that ends without a
-    finish reason (the worker died). Nothing is raised then.
+    finish reason (the worker died). The item carries a :class:`~trio_disagg.WorkerError`
+    (status 502, naming the worker) for the server to map by type. Nothing is raised then.
 
     Cancellation: ``context.stop_generating()`` closes the worker response (the worker
     aborts the request) and ends the stream with one ``cancelled`` item;
     ``context.kill()`` closes it and ends the stream at once; a closed receiver or a
     cancelled caller closes it too.
+
+    Handoffs (B7): a prefill's whole answer that is not terminal (S7) is validated as a
+    handoff (:meth:`_handoff_problem`) before it is sent on; an invalid one becomes ONE
+    error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff` that names the
+    offending field, and no output with a handoff is sent.
+
+    ``cancel_window`` (B10) is the class's :attr:`default_cancel_window` unless the
+    constructor's ``cancel_window`` says otherwise (a deployment whose workers free KV
+    differently); ``handoff_style`` is ``SEQUENTIAL`` unless a subclass says otherwise.
     """
 
     #: The protocol's name, for messages.
     protocol: ClassVar[str] = "HTTP"
+    #: When this protocol's prefill may be cancelled without stranding KV (B10); each
+    #: adapter sets its own, an instance may override it (``cancel_window=``).
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.NEVER
 
     def __init__(
-        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        if cancel_window is not None and not isinstance(cancel_window, CancelWindow):
+            raise TypeError(f"cancel_window must be a CancelWindow, got {cancel_window!r}")
         self.url = check_worker_url(url, self.protocol)
         self.role: Role = role
         self.client = client
         self.name = name if name is not None else self.url
         self.handoff_style = HandoffStyle.SEQUENTIAL
+        self.cancel_window = (self.default_cancel_window if cancel_window is None
+                              else cancel_window)
         self.bootstrap_host: str | None = None
         self.bootstrap_port: int | None = None
 
@@ -249,6 +327,20 @@ class HttpEngine:
         if output is None or output.finish_reason is None:
             return None
         return output
+
+    def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
+        """What is wrong with a prefill's non-terminal whole answer as a handoff (B7), as
+        :func:`handoff_problem` says it; None if nothing is (the default: no check)."""
+        return None
+
+    def _invalid_handoff(self, field: str, problem: str, *, sent: bool = True) -> Item:
+        """The ONE error item for an invalid handoff (B7): it carries an
+        :class:`~trio_disagg.InvalidPrefillHandoff` naming ``field``, which the router's
+        classification raises as is. ``sent``: the worker sent the handoff (else the
+        adapter made it from the request)."""
+        how = "sent an invalid handoff" if sent else "has an invalid handoff"
+        return Annotated.from_exception(InvalidPrefillHandoff(
+            f"prefill worker {self.url} {how}: {field} {problem}", field=field))
 
     async def _relay(
         self,
@@ -292,31 +384,38 @@ class HttpEngine:
                 headers[b"accept"] = b"text/event-stream"
             stopper = Stopper(context)
             started = False
+            refusal: WorkerError | None = None
             try:
                 with stopper.scope:
                     async with self.client.stream(
                         "POST", self.url + path, content=orjson.dumps(body), headers=headers
                     ) as response:
                         if not 200 <= response.status_code < 300:
-                            raise await self._status_error(response)
-                        task_status.started()
-                        started = True
-                        await self._relay(response, request, path, body, stopper,
-                                          send_channel)
+                            # Raised below, not here: leaving this block with it would
+                            # close the response at a checkpoint, where a deadline expiring
+                            # now would replace the worker's error with Cancelled.
+                            refusal = await self._status_error(response)
+                        else:
+                            task_status.started()
+                            started = True
+                            await self._relay(response, request, path, body, stopper,
+                                              send_channel)
             except httpx.HTTPError as exc:
                 if not started:
                     raise WorkerError(
                         f"{self.role} worker {self.url} failed: {describe(exc)}",
                         status=502, worker=self.name,
                     ) from exc
-                await send_quietly(send_channel, Annotated.from_error(
-                    f"{self.role} worker {self.url} failed mid-stream: {describe(exc)}"))
+                await send_quietly(send_channel, self._error(
+                    f"failed mid-stream: {describe(exc)}"))
                 return
             except trio.BrokenResourceError:
                 # The receiver is gone: the response is closed (an abort on the worker).
                 # send() raised before its checkpoint completed.
                 await trio.lowlevel.checkpoint()
                 return
+            if refusal is not None:
+                raise refusal
             if stopper.scope.cancelled_caught:
                 if not started:
                     task_status.started()  # accepted and at once stopped
@@ -326,9 +425,24 @@ class HttpEngine:
                     await trio.lowlevel.checkpoint()
 
     async def _status_error(self, response: httpx.Response) -> WorkerError:
+        """The error for a worker's non-2xx answer; the answer is read and closed.
+
+        The worker's answer is final, so reading and closing it is shielded from the
+        caller's cancellation for at most :data:`ERROR_CLOSE_GRACE` seconds: a deadline
+        expiring meanwhile must not turn the worker's error into a Cancelled (the client
+        would see a timeout instead of the worker's 4xx or 5xx).
+        """
         status = response.status_code
-        data = await read_limited(response, ERROR_BODY_LIMIT)
-        message = error_message(data, status)
+        # Collected part by part: httpx closes the answer once its end is read, so the
+        # grace may run out after the last part arrived.
+        data = bytearray()
+        with trio.move_on_after(ERROR_CLOSE_GRACE, shield=True):
+            async for part in response.aiter_bytes():
+                data += part
+                if len(data) >= ERROR_BODY_LIMIT:
+                    break
+            await response.aclose()
+        message = error_message(bytes(data), status)
         if 400 <= status < 500:
             return WorkerError(message, status=status, worker=self.name)
         return WorkerError(
@@ -337,8 +451,13 @@ class HttpEngine:
         )
 
     def _error(self, what: str) -> Item:
-        """An error item naming this worker: ``"decode worker URL <what>"``."""
-        return Annotated.from_error(f"{self.role} worker {self.url} {what}")
+        """An error item naming this worker: ``"decode worker URL <what>"``.
+
+        It carries a :class:`~trio_disagg.WorkerError` (status 502, this worker) so that
+        the server can map the failure by its type; on the wire only the message goes.
+        """
+        return Annotated.from_exception(WorkerError(
+            f"{self.role} worker {self.url} {what}", status=502, worker=self.name))
 
     async def _read_answer(self, response: httpx.Response) -> tuple[dict[str, Any] | Item, bytes]:
         """A whole JSON answer (or the error item saying what is wrong with it), and its
@@ -374,6 +493,13 @@ class HttpEngine:
             await send.send(self._error(
                 f"answered without a choice or a finish_reason: {excerpt(data)}"))
             return
+        if self.role == "prefill" and needs_handoff(output):
+            # B7: checked here, at the edge, so that nothing downstream builds a decode
+            # request from it; the answer itself is passed on as the worker sent it.
+            problem = self._handoff_problem(answer)
+            if problem is not None:
+                await send.send(self._invalid_handoff(*problem))
+                return
         await send.send(Annotated(data=output))
 
     async def _relay_any(

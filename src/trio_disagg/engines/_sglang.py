@@ -20,9 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+import trio
 
-from .._engine import HandoffStyle
+from .._context import RequestContext
+from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import (
     Annotated,
@@ -43,16 +46,18 @@ from ._http import (
     check_worker_url,
     count,
     endpoint_for,
+    handoff_problem,
     make_usage,
     parse_finish,
+    send_quietly,
     streaming_body,
     worker_client,
 )
 from ._kv import DEFAULT_BOOTSTRAP_PORT
 
 __all__ = [
-    "GENERATE_PATH", "SglangEngine", "native_output", "parse_prefill_spec", "sglang_body",
-    "sglang_engines",
+    "GENERATE_PATH", "SglangEngine", "bootstrap_problem", "native_output",
+    "parse_prefill_spec", "sglang_body", "sglang_engines",
 ]
 
 #: SGLang's native generation endpoint.
@@ -79,6 +84,24 @@ def parse_prefill_spec(spec: str) -> tuple[str, int]:
         raise ValueError(f"the bootstrap port of {url} must be an integer in 1-65535, got "
                          f"{port_text!r}")
     return url, int(port_text)
+
+
+@attrs.frozen(kw_only=True)
+class _BootstrapParams:
+    """The bootstrap triple as the router relies on it (S5, B7)."""
+
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+
+
+def bootstrap_problem(info: BootstrapInfo) -> tuple[str, str] | None:
+    """What is wrong with ``info`` as the handoff of a bootstrap prefill (B7): its
+    ``bootstrap_host`` not a string, its ``bootstrap_port`` or ``bootstrap_room`` not an
+    integer; None if nothing is. (``info`` is the router's, built from the prefill
+    engine's address: only a broken engine or router gets it wrong, and then no leg may
+    use it.)"""
+    return handoff_problem(info.as_params(), _BootstrapParams)
 
 
 def _is_native(body: Mapping[str, Any]) -> bool:
@@ -114,12 +137,17 @@ def sglang_body(request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         WorkerError: status 400: the request has no bootstrap room, or would share one
             room between several samples (``n`` > 1, a batch of prompts): every request
             and every sample needs its own room. (The router's HTTP edge already refuses
-            ``n`` > 1, so each request is one sample with one room.)
+            ``n`` > 1, so each request is one sample with one room.) Status 502: the
+            bootstrap triple is not well typed (:func:`bootstrap_problem`, B7).
     """
     info = _bootstrap_info(request)
     if info is None:
         raise WorkerError("an SGLang request needs the bootstrap room the router picks "
                           "(request.bootstrap_info)", status=400)
+    problem = bootstrap_problem(info)
+    if problem is not None:
+        field, what = problem
+        raise WorkerError(f"invalid bootstrap handoff: {field} {what}", status=502)
     body = request.body
     n = body.get("n")
     if type(n) is int and n > 1:
@@ -226,11 +254,15 @@ class SglangEngine(HttpEngine):
     ``X-Request-Id: request.request_id``; ``task_status.started()`` is called once the
     worker answered 2xx headers.
 
-    **Prefill**: once accepted, the first output carries ``disaggregated_params`` = the
-    bootstrap triple (the router's S5 handoff, drained by its transfer keeper); then the
-    prefill's events are relayed as the decode's are: its answer (SGLang answers only
-    once the KV went to the decode) ends the stream with its finish reason and its usage,
-    whose ``prompt_tokens_details.cached_tokens`` the router reports to the client (S4).
+    **Prefill**: the bootstrap triple is validated first (B7, :func:`bootstrap_problem`):
+    if it is not well typed, nothing is sent to the worker and the stream is ONE error
+    item carrying an :class:`~trio_disagg.InvalidPrefillHandoff` naming the field
+    (``"bootstrap_port"``). Once accepted, the first output carries
+    ``disaggregated_params`` = the bootstrap triple (the router's S5 handoff, drained by
+    its transfer keeper); then the prefill's events are relayed as the decode's are: its
+    answer (SGLang answers only once the KV went to the decode) ends the stream with its
+    finish reason and its usage, whose ``prompt_tokens_details.cached_tokens`` the
+    router reports to the client (S4).
     A prefill that fails (an error event, ``finish_reason`` ``abort``, a dropped
     connection, a stream without a finish) sends an error item or failed finish (T4);
     the router's gatekeeper then stops the decode leg and the client gets the error
@@ -249,6 +281,10 @@ class SglangEngine(HttpEngine):
     A request without a bootstrap room, or sharing one between samples (``n`` > 1, a
     batch), raises :class:`~trio_disagg.WorkerError` (400) before anything is sent.
 
+    ``cancel_window`` is ``BEFORE_HANDOFF`` (B10): until a decode worker joined the room
+    the prefill may be cancelled (its paired decode leg ends with it, B6); once one
+    joined, the KV transfer is under way and is let finish.
+
     Args:
         url: the worker's base URL (``http://host:port``, no ``/v1``).
         role: ``"prefill"`` or ``"decode"``.
@@ -257,6 +293,7 @@ class SglangEngine(HttpEngine):
         name: unique within its pool; default ``url``.
         bootstrap_port: a prefill worker's bootstrap port (default 8998, SGLang's); its
             :attr:`bootstrap_host` is the URL's host.
+        cancel_window: overrides ``BEFORE_HANDOFF`` for this engine.
 
     Raises:
         ValueError: a malformed URL, a bad role, or a bootstrap port out of 1-65535 or
@@ -264,6 +301,7 @@ class SglangEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "SGLang"
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
 
     def __init__(
         self,
@@ -273,8 +311,9 @@ class SglangEngine(HttpEngine):
         client: httpx.AsyncClient,
         name: str | None = None,
         bootstrap_port: int | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
-        super().__init__(url, role, client=client, name=name)
+        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
         self.handoff_style = HandoffStyle.BOOTSTRAP
         if role == "prefill":
             port = DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else bootstrap_port
@@ -290,6 +329,31 @@ class SglangEngine(HttpEngine):
         if self.role == "prefill":
             return f"<SglangEngine prefill {self.url} bootstrap port {self.bootstrap_port}>"
         return f"<SglangEngine decode {self.url}>"
+
+    async def generate(  # noqa: ASYNC114 (started by the router)
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: SendChannel,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve one leg of ``request`` on the worker; see the class docstring.
+
+        Raises:
+            WorkerError: before ``started()`` only, as :class:`HttpEngine`'s.
+        """
+        info = request.bootstrap_info
+        problem = (bootstrap_problem(info) if self.role == "prefill" and info is not None
+                   else None)
+        if problem is None:
+            await super().generate(request, context, send_channel, task_status=task_status)
+            return
+        # B7: the handoff would be this triple; refused before anything is sent, so no
+        # room is opened on the worker (and the decode leg's body refuses it too).
+        with send_channel:
+            task_status.started()
+            await send_quietly(send_channel, self._invalid_handoff(*problem, sent=False))
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         return sglang_body(request)
@@ -321,6 +385,7 @@ def sglang_engines(
     decode_urls: Sequence[str],
     *,
     client: httpx.AsyncClient | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> tuple[list[SglangEngine], list[SglangEngine]]:
     """Make the prefill and decode engines of an SGLang deployment, sharing one client.
 
@@ -331,6 +396,8 @@ def sglang_engines(
         client: the client to share; default a new
             :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
             every engine returned. Whoever made it closes it once the router is done.
+        cancel_window: the prefill engines' cancel window (B10), if not
+            ``BEFORE_HANDOFF``.
 
     Returns:
         ``(prefill_engines, decode_engines)``, for two
@@ -350,7 +417,8 @@ def sglang_engines(
         raise ValueError(f"two prefill workers bootstrap at the same host and port: "
                          f"{list(prefill_specs)}")
     shared = client if client is not None else worker_client()
-    prefill = [SglangEngine(url, "prefill", client=shared, bootstrap_port=port)
+    prefill = [SglangEngine(url, "prefill", client=shared, bootstrap_port=port,
+                            cancel_window=cancel_window)
                for url, port in parsed]
     decode = [SglangEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode

@@ -8,7 +8,8 @@ once the prompt's KV is committed, with ``choices[0].disaggregated_params``
 (``ctx_request_id``, ``first_gen_tokens``, ``encoded_opaque_state``, ...) and
 ``prompt_token_ids``. A context that already finished the request (its ``finish_reason``
 is not ``length`` / ``not_finished``) is the final answer (SEMANTICS.md S7); a non-terminal
-one without a usable ``ctx_request_id`` is refused before any generation request (S9).
+one is validated as a handoff (B7: one choice, a usable ``ctx_request_id``, S9, and the
+other fields well typed) and refused before any generation request if invalid.
 Otherwise the generation server gets the client's body with those
 ``disaggregated_params`` (``request_type: "generation_only"``) and the prompt replaced by
 ``prompt_token_ids``.
@@ -23,8 +24,10 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
+from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
@@ -38,14 +41,15 @@ from ._http import (
     check_worker_url,
     endpoint_for,
     first_choice,
+    handoff_problem,
     openai_output,
     streaming_body,
     worker_client,
 )
 
 __all__ = [
-    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TrtllmEngine", "context_body",
-    "generation_body", "trtllm_engines",
+    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "ContextParams", "TrtllmEngine", "context_body",
+    "context_problem", "generation_body", "trtllm_engines",
 ]
 
 #: The key under which the handoff payload (the context's ``disaggregated_params``)
@@ -60,6 +64,51 @@ TRTLLM_FINISH: Mapping[str, FinishReason] = {
     "not_finished": FinishReason.LENGTH,
     "timeout": FinishReason.error("the worker timed the request out"),
 }
+
+
+@attrs.frozen(kw_only=True)
+class ContextParams:
+    """The fields of a context's ``choices[0].disaggregated_params`` a generation request
+    needs (B7), with their types (TensorRT-LLM's ``DisaggregatedParams``).
+
+    Only ``ctx_request_id`` is required, and must be an integer (not a boolean, a string
+    or a float); the others may be left out, or be null but for ``request_type``. Only
+    for validation: the worker's object goes on as sent, with any other field it has.
+    """
+
+    ctx_request_id: int
+    request_type: str = "context_only"
+    first_gen_tokens: list[int] | None = None
+    encoded_opaque_state: str | None = None
+    draft_tokens: list[int] | None = None
+    disagg_request_id: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _ContextChoice:
+    disaggregated_params: ContextParams
+
+
+@attrs.frozen(kw_only=True)
+class _ContextAnswer:
+    choices: list[_ContextChoice]
+    prompt_token_ids: list[int] | None = None  # the generation's prompt, if given
+
+
+def context_problem(answer: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What is wrong with a non-terminal context answer as a handoff (B7), as
+    :func:`~trio_disagg.engines._http.handoff_problem` says it: not exactly one choice,
+    a :class:`ContextParams` field missing or mistyped, or ``prompt_token_ids`` not a
+    list of integers. None if nothing is."""
+    choices = answer.get("choices")
+    if isinstance(choices, list) and len(choices) != 1:
+        # one context, one KV: which choice's KV would a generation pull?
+        return "choices", f"must hold exactly one choice, got {len(choices)}"
+    problem = handoff_problem(answer, _ContextAnswer)
+    if problem is not None and problem[0].endswith(".ctx_request_id"):
+        field, what = problem
+        return field, f"{what} (no usable ctx_request_id for a non-terminal handoff)"
+    return problem
 
 
 def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, Any]:
@@ -118,7 +167,15 @@ class _Parser(ChunkParser):
 
 class TrtllmEngine(HttpEngine):
     """A TensorRT-LLM server, context or generation, as an :class:`~trio_disagg.Engine`
-    (PROTOCOLS.md sections 1 and 4). ``handoff_style`` is ``SEQUENTIAL``.
+    (PROTOCOLS.md sections 1 and 4).
+
+    A context engine's ``handoff_style`` is ``CONTEXT_FIRST`` (a generation engine's is
+    ``SEQUENTIAL``): the handoff is sequential, but a generation leg aborted before it
+    fetched the context's KV leaves that KV to the context server's transfer timeout, so
+    the router keeps the generation leg as part of the transfer until its first output
+    (B6). Its ``cancel_window`` is ``BEFORE_HANDOFF`` (B10): a context aborted before it
+    answered stages nothing, but once it answered its KV is committed, and an abort would
+    not free it.
 
     **Context** (``role="prefill"``): ``POST`` :func:`context_body` with a fresh random
     63-bit ``disagg_request_id``, not streamed, to ``/v1/chat/completions`` if the body
@@ -128,11 +185,16 @@ class TrtllmEngine(HttpEngine):
     ``disaggregated_params`` = ``choices[0].disaggregated_params`` as the server sent it,
     with ``request_type: "context_only"`` if it had none and the ``disagg_request_id``
     sent if it had none, plus the answer's ``prompt_token_ids`` under
-    :data:`PROMPT_TOKEN_IDS_KEY`. So the router's classification applies as is: a
-    terminal context (finish not ``length``) is the final answer with no generation
-    request (S7); a non-terminal one whose ``ctx_request_id`` is null or missing is
-    refused before any generation request (S9); one without ``disaggregated_params`` is
-    refused too (S8). Once the context server started answering, a stop no longer closes
+    :data:`PROMPT_TOKEN_IDS_KEY`. A terminal context (finish not ``length`` /
+    ``not_finished``) is the final answer with no generation request (S7). A
+    non-terminal one is validated as a handoff first (B7, :func:`context_problem`):
+    exactly one choice, its ``disaggregated_params`` an object with the fields of
+    :class:`ContextParams` well typed (a null or missing ``ctx_request_id`` is S9's
+    refusal), ``prompt_token_ids`` a list of integers if given. An invalid one becomes
+    ONE error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff` whose
+    ``field`` names the culprit (``"choices[0].disaggregated_params.ctx_request_id"``,
+    ``"choices"``); the router's classification raises it, and no generation request is
+    built. Once the context server started answering, a stop no longer closes
     the connection (only a kill does): aborting a context after its KV is committed
     would not free the KV, so the answer is always read to its end.
 
@@ -148,17 +210,27 @@ class TrtllmEngine(HttpEngine):
         client: the shared client (see :func:`~trio_disagg.engines.worker_client`); the
             engine never closes it.
         name: unique within its pool; default ``url``.
+        cancel_window: overrides ``BEFORE_HANDOFF`` for this engine.
 
     Raises:
         ValueError: a malformed URL or a bad role.
     """
 
     protocol: ClassVar[str] = "TensorRT-LLM"
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
 
     def __init__(
-        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
-        super().__init__(url, role, client=client, name=name)
+        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
+        if role == "prefill":
+            self.handoff_style = HandoffStyle.CONTEXT_FIRST
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         if self.role == "prefill":
@@ -182,6 +254,9 @@ class TrtllmEngine(HttpEngine):
         if self.role == "prefill":
             stopper.disarm()  # the context answers: never abort it after the handoff
         await super()._relay(response, request, path, body, stopper, send)
+
+    def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
+        return context_problem(answer)
 
     def _answer_output(
         self,
@@ -216,6 +291,7 @@ def trtllm_engines(
     decode_urls: Sequence[str],
     *,
     client: httpx.AsyncClient | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> tuple[list[TrtllmEngine], list[TrtllmEngine]]:
     """Make the context and generation engines of a TensorRT-LLM deployment, sharing one
     client.
@@ -226,6 +302,8 @@ def trtllm_engines(
         client: the client to share; default a new
             :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
             every engine returned. Whoever made it closes it once the router is done.
+        cancel_window: the context engines' cancel window (B10), if not
+            ``BEFORE_HANDOFF``.
 
     Returns:
         ``(prefill_engines, decode_engines)``, for two
@@ -239,6 +317,7 @@ def trtllm_engines(
     for url in [*prefill_urls, *decode_urls]:
         check_worker_url(url, TrtllmEngine.protocol)  # before a client is made
     shared = client if client is not None else worker_client()
-    prefill = [TrtllmEngine(url, "prefill", client=shared) for url in prefill_urls]
+    prefill = [TrtllmEngine(url, "prefill", client=shared, cancel_window=cancel_window)
+               for url in prefill_urls]
     decode = [TrtllmEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode

@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
+from .._engine import CancelWindow
 from .._protocols import LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
     DEFAULT_LIMITS,
@@ -28,12 +30,14 @@ from ._http import (
     Role,
     check_unique,
     endpoint_for,
+    handoff_problem,
     streaming_body,
     worker_client,
 )
 
 __all__ = [
-    "DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PREFILL_KV_TRANSFER_PARAMS", "VllmEngine",
+    "DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PREFILL_KV_TRANSFER_PARAMS", "KvTransferParams",
+    "VllmEngine",
     "decode_body", "endpoint_for", "prefill_body", "vllm_client", "vllm_engines",
 ]
 
@@ -46,6 +50,27 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+@attrs.frozen(kw_only=True)
+class KvTransferParams:
+    """The fields of a prefill's ``kv_transfer_params`` a decode worker needs to pull the
+    KV (B7), and their types; ``remote_request_id`` and
+    ``tp_size`` may be left out. Only for validation: the worker's object goes to the
+    decode as sent, with any other field it has."""
+
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_block_ids: list[int]
+    remote_host: str
+    remote_port: int
+    remote_request_id: str = ""
+    tp_size: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class _PrefillAnswer:
+    kv_transfer_params: KvTransferParams
 
 
 def vllm_client(
@@ -116,7 +141,12 @@ class VllmEngine(HttpEngine):
     the client, S4/S10), and ``disaggregated_params`` = the answer's
     ``kv_transfer_params``. A prefill that ended on its first token (``finish_reason``
     ``stop``, ``kv_transfer_params`` null) is thus an output with finish ``STOP`` and no
-    ``disaggregated_params``: the router's terminal case, no decode (S7).
+    ``disaggregated_params``: the router's terminal case, no decode (S7). Any other
+    answer is a handoff and is validated first (B7): its ``kv_transfer_params`` must be
+    an object with the fields of :class:`KvTransferParams`, well typed; if not, the
+    answer becomes ONE error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff`
+    whose ``field`` names the culprit (``"kv_transfer_params.remote_port"``), and no
+    decode request is ever built from it.
 
     **Decode** (``role="decode"``): ``POST`` :func:`decode_body` (always streamed) and
     turn each server-sent event into an output: its text, ``token_ids`` if present, and
@@ -137,7 +167,8 @@ class VllmEngine(HttpEngine):
     - After ``started()`` failures are sent as ONE error item, then the stream ends: a
       worker's error event (``data: {"error": ...}``), a transport failure or connection
       reset, a malformed answer, or a stream that ends without a finish reason (the
-      worker died). Nothing is raised.
+      worker died). The item carries a :class:`~trio_disagg.WorkerError` (502). Nothing
+      is raised.
 
     Cancellation: ``context.stop_generating()`` closes the worker response (vLLM aborts
     the request) and ends the stream with one ``cancelled`` item; ``context.kill()``
@@ -147,11 +178,16 @@ class VllmEngine(HttpEngine):
     would abort the prefill and lose its KV): only the prefill's own deadline or a kill
     of its own context does.
 
+    ``cancel_window`` is ``ANYTIME`` (B10): vLLM frees a request's blocks when its
+    connection closes, so a prefill may be cancelled until it answers without stranding
+    KV; once it answered, the KV waits for a decode, which the router sends (B1).
+
     Args:
         url: the worker's base URL, such as ``http://10.0.0.5:8100`` (no ``/v1``).
         role: ``"prefill"`` or ``"decode"``.
         client: the shared client (see :func:`vllm_client`); the engine never closes it.
         name: unique within its pool; default ``url``.
+        cancel_window: overrides ``ANYTIME`` for this engine.
 
     Raises:
         ValueError: ``url`` is not an ``http://`` or ``https://`` URL, or ``role`` is
@@ -159,15 +195,25 @@ class VllmEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "vLLM"
+    default_cancel_window: ClassVar[CancelWindow] = CancelWindow.ANYTIME
 
     def __init__(
-        self, url: str, role: Role, *, client: httpx.AsyncClient, name: str | None = None
+        self,
+        url: str,
+        role: Role,
+        *,
+        client: httpx.AsyncClient,
+        name: str | None = None,
+        cancel_window: CancelWindow | None = None,
     ) -> None:
-        super().__init__(url, role, client=client, name=name)
+        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         body = prefill_body(request.body) if self.role == "prefill" else decode_body(request)
         return endpoint_for(body), body
+
+    def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
+        return handoff_problem(answer, _PrefillAnswer)
 
     def _answer_output(
         self,
@@ -191,6 +237,7 @@ def vllm_engines(
     decode_urls: Sequence[str],
     *,
     client: httpx.AsyncClient | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> tuple[list[VllmEngine], list[VllmEngine]]:
     """Make the prefill and decode engines of a vLLM deployment, sharing one client.
 
@@ -200,6 +247,7 @@ def vllm_engines(
         client: the client to share; default a new :func:`vllm_client`, reachable as
             ``engine.client`` of every engine returned. Whoever made it closes it
             (``await client.aclose()``) once the router is done.
+        cancel_window: the prefill engines' cancel window (B10), if not ``ANYTIME``.
 
     Returns:
         ``(prefill_engines, decode_engines)``, for two
@@ -211,6 +259,7 @@ def vllm_engines(
     check_unique("prefill", list(prefill_urls))
     check_unique("decode", list(decode_urls))
     shared = client if client is not None else vllm_client()
-    prefill = [VllmEngine(url, "prefill", client=shared) for url in prefill_urls]
+    prefill = [VllmEngine(url, "prefill", client=shared, cancel_window=cancel_window)
+               for url in prefill_urls]
     decode = [VllmEngine(url, "decode", client=shared) for url in decode_urls]
     return prefill, decode
