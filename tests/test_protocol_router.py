@@ -21,7 +21,7 @@ import trio
 from e2e_support import FAST, PROTOCOLS, SLOW_TOKENS, ProtocolName, cluster_factory, wait_until
 from protocol_support import Cluster, completion, gating
 
-from trio_disagg import FinishKind, RequestContext
+from trio_disagg import CancelWindow, FinishKind, RequestContext
 
 #: The sequential-handoff protocols (PROTOCOLS.md sections 2 and 4).
 SEQUENTIAL: tuple[ProtocolName, ...] = ("vllm", "trtllm")
@@ -50,14 +50,20 @@ async def test_G4_stop_generating_closes_the_decode_response(protocol: ProtocolN
         assert cluster.prefill.stats.aborted == 0
 
 
-# --- client disconnects: never abort the prefill, never strand KV (G9, B1) ----------------
+# --- client disconnects: never strand KV (G9, B1, B10) -------------------------------------
 
 
 @pytest.mark.parametrize("protocol", SEQUENTIAL)
-async def test_G9_B1_disconnect_during_the_prefill(protocol: ProtocolName) -> None:
+@pytest.mark.parametrize("window", [CancelWindow.NEVER, None], ids=["never", "engine-window"])
+async def test_G9_B1_B10_disconnect_during_the_prefill(
+    protocol: ProtocolName, window: CancelWindow | None
+) -> None:
+    """Outside a cancel window the prefill runs to its end and a cleanup decode pulls its
+    KV (G9, B1); inside the engine's own window (vLLM anytime, TRT-LLM before_handoff) it
+    is cancelled at once and nothing is ever staged (B10)."""
     slow_prefill = attrs.evolve(FAST, ttft_per_prompt_token=0.01)  # 0.45 s
     cluster: Cluster[Any]
-    async with cluster_factory(protocol)(latency=slow_prefill) as cluster:
+    async with cluster_factory(protocol)(latency=slow_prefill, cancel_window=window) as cluster:
         with trio.move_on_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cluster.router.stream, nursery, completion("dp"),
@@ -65,10 +71,17 @@ async def test_G9_B1_disconnect_during_the_prefill(protocol: ProtocolName) -> No
                 await wait_until(lambda: cluster.prefill.stats.running == 1)
                 nursery.cancel_scope.cancel()  # the client goes away
         await cluster.settled()  # within 5 s; the TTL (TRT-LLM: the lease) is 120 s
-        assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
         counters = cluster.prefill.kv.counters()
-        assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
-        assert cluster.router.counters.staged_kv_cleanups == 1  # B1 pulled it
+        router = cluster.router.counters
+        if window is CancelWindow.NEVER:
+            assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
+            assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
+            assert router.staged_kv_cleanups == 1  # B1 pulled it
+        else:
+            assert cluster.prefill.stats.prefills_aborted == 1  # its compute saved
+            assert (counters.staged_blocks, counters.stranded_blocks) == (0, 0)
+            assert (router.prefills_cancelled, router.staged_kv_cleanups) == (1, 0)
+            assert not cluster.decode.seen
 
 
 @pytest.mark.parametrize("protocol", SEQUENTIAL)
@@ -90,8 +103,13 @@ async def test_B1_disconnect_at_the_handoff(protocol: ProtocolName) -> None:
         assert cluster.prefill.stats.aborted == 0
         counters = cluster.prefill.kv.counters()
         assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
-        assert cluster.router.counters.staged_kv_cleanups == 1
-        assert gate.calls == 2
+        if protocol == "trtllm":
+            # The generation leg is part of the transfer until it fetched the KV: it was
+            # kept, and it pulled the KV itself (B6).
+            assert (cluster.router.counters.staged_kv_cleanups, gate.calls) == (0, 1)
+        else:
+            # vLLM: the cancelled decode never reached the worker; a cleanup pulled it (B1)
+            assert (cluster.router.counters.staged_kv_cleanups, gate.calls) == (1, 2)
 
 
 @pytest.mark.parametrize("protocol", SEQUENTIAL)
@@ -114,8 +132,13 @@ async def test_G9_disconnect_during_the_kv_pull(protocol: ProtocolName) -> None:
         await cluster.settled()
         await wait_until(lambda: cluster.decode.stats.aborted == 1)
         assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
-        counters = kv.counters()  # the interrupted transfer freed the blocks at once
-        assert (counters.served, counters.aborted, counters.stranded_blocks) == (0, 1, 0)
+        counters = kv.counters()
+        if protocol == "trtllm":
+            # The generation leg was kept until it fetched the KV, then it ended (B6).
+            assert (counters.served, counters.aborted, counters.stranded_blocks) == (1, 0, 0)
+        else:
+            # vLLM: the interrupted transfer freed the blocks at once
+            assert (counters.served, counters.aborted, counters.stranded_blocks) == (0, 1, 0)
         assert cluster.router.counters.staged_kv_cleanups == 0
 
 

@@ -727,11 +727,6 @@ class InvalidHandoffPrefill:
                                       field=self.field)))
 
 
-@pytest.mark.xfail(
-    reason="needs the router's classify_first_output to raise an error item's own "
-    "PrefillError (being changed on another branch); until then it is a prefill_failed",
-    strict=True,
-)
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_B7_an_invalid_prefill_handoff_is_a_502_naming_the_field(stream: bool) -> None:
     field = "choices[0].disaggregated_params.ctx_request_id"

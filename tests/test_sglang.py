@@ -120,6 +120,7 @@ async def sglang_cluster(
     prefill_model: str | None = None,
     wrap_prefill: Callable[[SglangEngine], Any] | None = None,
     wrap_decode: Callable[[SglangEngine], Any] | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> AsyncIterator[Cluster[MockSglangWorker]]:
     prefill = create_mock_worker("prefill", "sglang", latency=latency, model=prefill_model,
                                  bootstrap_port=0)
@@ -129,7 +130,7 @@ async def sglang_cluster(
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         # the prefill's bootstrap port is known once it is served
         return sglang_engines([f"{prefill_url},{prefill.bootstrap_port}"], [decode_url],
-                              client=client)
+                              client=client, cancel_window=cancel_window)
 
     async with open_cluster(prefill, decode, worker_client(), engines, deadlines=deadlines,
                             wrap_prefill=wrap_prefill, wrap_decode=wrap_decode) as cluster:
@@ -593,7 +594,7 @@ async def test_G9_disconnect_during_prefill_leaves_no_kv() -> None:
 
 async def test_B1_disconnect_while_the_decode_dispatch_is_pending() -> None:
     gated, wrap = gating()
-    async with sglang_cluster(wrap_decode=wrap) as cluster:
+    async with sglang_cluster(wrap_decode=wrap, cancel_window=CancelWindow.NEVER) as cluster:
         (gate,) = gated
         with trio.move_on_after(10):
             async with trio.open_nursery() as nursery:
@@ -614,6 +615,29 @@ async def test_B1_disconnect_while_the_decode_dispatch_is_pending() -> None:
         # joined the room: a room is never reused (PROTOCOLS.md section 3).
         assert cluster.router.counters.staged_kv_cleanups == 0
         assert gate.calls == 1
+
+
+async def test_B10_disconnect_before_a_decode_joined_ends_both_legs() -> None:
+    """Inside SGLang's window (before a decode joined the room) a client that leaves ends
+    the prefill and the pending decode dispatch: no decode joins, nothing is stranded."""
+    gated, wrap = gating()
+    async with sglang_cluster(wrap_decode=wrap) as cluster:
+        (gate,) = gated
+        with trio.move_on_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.router.stream, nursery, completion("dh"),
+                                   RequestContext("dh"))
+                with trio.fail_after(5):
+                    await gate.entered.wait()  # the decode not accepted yet
+                await wait_until(lambda: cluster.prefill.kv.counters().held_blocks == 3)
+                nursery.cancel_scope.cancel()
+        gate.gate.set()
+        await cluster.settled()
+        assert cluster.prefill.stats.aborted == 1 and cluster.prefill.stats.completed == 0
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.stranded_blocks) == (0, 0)
+        assert cluster.router.counters.prefills_cancelled == 1
+        assert not cluster.decode.seen  # the pending dispatch never reached the worker
 
 
 # --- concurrency --------------------------------------------------------------------------

@@ -86,6 +86,7 @@ async def trtllm_cluster(
     prefill_model: str | None = None,
     prefill_url: str | None = None,
     wrap_decode: Callable[[TrtllmEngine], Any] | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> AsyncIterator[Cluster[MockTrtllmWorker]]:
     prefill = create_mock_worker("prefill", "trtllm", latency=latency, kv_ttl=KV_TTL,
                                  model=prefill_model)
@@ -93,7 +94,8 @@ async def trtllm_cluster(
 
     def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
-        return trtllm_engines([prefill_url], [decode_url], client=client)
+        return trtllm_engines([prefill_url], [decode_url], client=client,
+                              cancel_window=cancel_window)
 
     async with open_cluster(prefill, decode, worker_client(), engines, deadlines=deadlines,
                             prefill_url=prefill_url, wrap_decode=wrap_decode) as cluster:
@@ -158,7 +160,7 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         request = completion("req-ctx", max_tokens=5, stream_options={"include_usage": False},
                              return_token_ids=True)
         stream, items = await run(cluster, request)
-        assert stream.style == "sequential"
+        assert stream.style == "context_first"
         assert all(not item.is_error for item in items)
         assert len(texts(items)) == 5 and all(texts(items))
         last = items[-1].data

@@ -82,13 +82,15 @@ async def vllm_cluster(
     prefill_model: str | None = None,
     prefill_url: str | None = None,
     wrap_decode: Callable[[VllmEngine], Any] | None = None,
+    cancel_window: CancelWindow | None = None,
 ) -> AsyncIterator[Cluster[MockVllmWorker]]:
     prefill = create_mock_worker("prefill", latency=latency, kv_ttl=KV_TTL, model=prefill_model)
     decode = create_mock_worker("decode", latency=latency)
 
     def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
-        return vllm_engines([prefill_url], [decode_url], client=client)
+        return vllm_engines([prefill_url], [decode_url], client=client,
+                            cancel_window=cancel_window)
 
     async with open_cluster(prefill, decode, vllm_client(), engines, deadlines=deadlines,
                             prefill_url=prefill_url, wrap_decode=wrap_decode) as cluster:

@@ -104,6 +104,10 @@ class HandoffOwner:
     request_open: bool = True
     #: KV staged and not yet taken (sequential styles).
     staged: PrefillResult | None = None
+    #: The handoff the decode leg was sent (sequential styles).
+    handoff: PrefillResult | None = None
+    #: The decode leg's first output reached the gatekeeper (its KV was fetched).
+    first_output_seen: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.window = self.prefill_worker.cancel_window
@@ -142,7 +146,7 @@ class HandoffOwner:
         if self.state not in (HandoffState.PENDING, HandoffState.RELEASED):
             return
         self.state = HandoffState.STAGED
-        self.staged = result
+        self.staged = self.handoff = result
         if not self.request_open:
             self._consume()
 
@@ -172,6 +176,14 @@ class HandoffOwner:
             self.leg.scope.deadline = math.inf
             if not self.request_open:
                 self.leg.bound(self.router.deadlines.decode_idle)
+
+    def decode_first_output(self) -> None:
+        """The decode leg's first output arrived: it has fetched its KV."""
+        self.first_output_seen = True
+
+    def decode_cancelled(self) -> None:
+        """The router cancelled a kept decode leg after its worker accepted (nobody read
+        it, or it stalled past a deadline)."""
 
     def attach_leg(self, leg: TransferLeg) -> None:
         """The decode leg kept in the keeper for this handoff."""
@@ -223,10 +235,15 @@ class HandoffOwner:
             self.leg.scope.cancel()
 
     def forward_ended(self, grace: float) -> None:
-        """The request's forwarder ended: nobody reads the decode leg any more. A leg kept
-        for the transfer gets ``grace`` seconds to reach its first send (its KV pulled),
-        then it is cancelled."""
-        if self.leg is not None:
+        """The request's forwarder ended: nobody reads the decode leg any more. A kept leg
+        past its first output is no longer part of the transfer and ends now; one that has
+        not fetched its KV yet gets ``grace`` seconds to reach its first send, then it is
+        cancelled (and the KV it left is the owner's to decide on)."""
+        if self.leg is None:
+            return
+        if self.first_output_seen:
+            self.leg.scope.cancel()
+        else:
             self.leg.bound(grace)
 
 
@@ -263,6 +280,14 @@ class ContextFirstOwner(SequentialOwner):
 
     style = "context_first"
     holds_transfer = True
+
+    def decode_cancelled(self) -> None:
+        # A generation leg aborted before it fetched the context's KV leaves that KV to
+        # the worker's transfer timeout: consume it (B1).
+        if self.state is HandoffState.DISPATCHED and not self.first_output_seen:
+            self.state = HandoffState.STAGED
+            self.staged = self.handoff
+            self._consume()
 
 
 class BootstrapOwner(HandoffOwner):

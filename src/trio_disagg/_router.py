@@ -348,7 +348,11 @@ class DisaggRouter:
         if isinstance(decode_request, Terminal):  # S7
             return self._terminal(owner, decode_request)
         decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
-        link = partial(owner.context.link_child, decode_context)  # C4
+
+        def first_output() -> None:
+            owner.decode_first_output()
+            owner.context.link_child(decode_context)  # C4
+
         gate = Gatekeeper(
             owner.prefill_task,
             owner.context,
@@ -356,10 +360,10 @@ class DisaggRouter:
             terminal_hold_timeout=self.deadlines.terminal_hold,
             # A leg that is part of the KV transfer hears of the client's stop or kill
             # only once it fetched its KV (its first output): never abort a transfer (G9).
-            on_first_output=link if owner.holds_transfer else None,
+            on_first_output=first_output if owner.holds_transfer else None,
         )
         if not owner.holds_transfer:
-            link()
+            owner.context.link_child(decode_context)  # C4
         decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
         start = self._kept_decode_leg if owner.holds_transfer else self._decode_leg
         try:
@@ -413,8 +417,11 @@ class DisaggRouter:
         out_send: trio.MemorySendChannel[Item],
         decode_context: RequestContext,
     ) -> None:
+        # A kept leg is ended by its owner, never by a stop it would obey before it fetched
+        # its KV (that would leave the KV to a worker timeout): see forward_ended().
+        leg_context = None if owner.holds_transfer else decode_context
         try:
-            await gate.forward(decode_receive, out_send, decode_context)
+            await gate.forward(decode_receive, out_send, leg_context)
         finally:
             owner.tracker.finish()
             self._release()
@@ -467,7 +474,11 @@ class DisaggRouter:
                 if isinstance(exc, WorkerError):
                     self.decode.record_failure(worker, exc)
                 raise
-            self.decode.record_success(worker)
+            else:
+                self.decode.record_success(worker)
+            finally:
+                if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
+                    owner.decode_cancelled()
 
     async def _prefill_leg(self, owner: HandoffOwner, context: RequestContext) -> PrefillCompletion:
         """The whole prefill leg, run by the keeper: dispatch, classify, drain; the owner

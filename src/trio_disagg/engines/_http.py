@@ -444,10 +444,10 @@ class HttpEngine:
             await response.aclose()
         message = error_message(bytes(data), status)
         if 400 <= status < 500:
-            return WorkerError(message, status=status, worker=self.name)
+            return WorkerError(message, status=status, worker=self.name, worker_status=status)
         return WorkerError(
             f"{self.role} worker {self.url} answered {status}: {message}",
-            status=502, worker=self.name,
+            status=502, worker=self.name, worker_status=status,
         )
 
     def _error(self, what: str) -> Item:
