@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trio_disagg.router")
 
+#: Seconds a prefill the router stopped (B6, B10) gets to end before it is cancelled.
+PREFILL_STOP_GRACE = 1.0
+
 
 class HandoffState(enum.Enum):
     """Where a request's handoff stands (:attr:`HandoffOwner.state`)."""
@@ -100,6 +103,8 @@ class HandoffOwner:
     prefill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     leg: TransferLeg | None = None
     task: PrefillTask[PrefillCompletion] | None = None
+    #: The prefill leg's own context (C5), once started.
+    prefill_context: RequestContext | None = None
     #: The request side may still dispatch a decode (it has not given up, nor succeeded).
     request_open: bool = True
     #: KV staged and not yet taken (sequential styles).
@@ -227,7 +232,13 @@ class HandoffOwner:
         else:
             counters.prefills_released += 1
         logger.debug("prefill of %s ended: %s", self.request.request_id, why)
-        self.prefill_scope.cancel()
+        # A stop, not a cancellation: an engine stops a prefill it may still abort, and
+        # reads to its end an answer already on its way (whose KV is then consumed, B1).
+        # The scope is the bound for an engine that ignores the stop.
+        if self.prefill_context is not None:
+            self.prefill_context.stop_generating()
+        self.prefill_scope.deadline = min(self.prefill_scope.deadline,
+                                          trio.current_time() + PREFILL_STOP_GRACE)
         self._end_decode_leg()
 
     def _end_decode_leg(self) -> None:

@@ -23,7 +23,7 @@ from ._errors import (
     WorkerError,
 )
 from ._gate import Gatekeeper
-from ._handoff import BootstrapOwner, HandoffOwner, owner_for
+from ._handoff import BootstrapOwner, HandoffOwner, HandoffState, owner_for
 from ._keeper import CLEANUP, PrefillTask, TransferKeeper
 from ._pool import Worker, WorkerPool
 from ._prefill import (
@@ -333,9 +333,10 @@ class DisaggRouter:
         if room is not None:
             self._rooms.add(room.room)  # released by the prefill leg, however it ends
         permit = owner.tracker.enter_prefill()
+        owner.prefill_context = owner.context.detached_copy()
         try:
             owner.task = self.keeper.start(
-                partial(self._prefill_leg, owner, owner.context.detached_copy()),
+                partial(self._prefill_leg, owner, owner.prefill_context),
                 name=owner.request.request_id, permit=permit,
             )
         except BaseException:
@@ -487,6 +488,11 @@ class DisaggRouter:
             with trio.move_on_after(self.deadlines.transfer) as transfer_scope:
                 with owner.prefill_scope:
                     completion = await self._run_prefill(owner, context)
+        except PrefillError as error:
+            owner.prefill_failed()
+            if owner.state is HandoffState.RELEASED:  # the router stopped it (B6, B10)
+                raise _cancelled(owner) from error
+            raise
         except BaseException:
             owner.prefill_failed()
             raise
@@ -495,13 +501,14 @@ class DisaggRouter:
                 self._rooms.discard(owner.request.bootstrap_info.room)
         if owner.prefill_scope.cancelled_caught:
             owner.prefill_failed()
-            raise PrefillCancelled(f"prefill of {owner.request.request_id} ended by the router: "
-                                   "no decode will take its KV")
+            raise _cancelled(owner)
         if transfer_scope.cancelled_caught:
             context.kill()
             owner.prefill_failed()
             raise PrefillDeadlineExceeded("transfer", self.deadlines.transfer)
         owner.prefill_done(completion)
+        if owner.state is HandoffState.RELEASED:  # stopped, and it answered "cancelled"
+            raise _cancelled(owner)
         return completion
 
     async def _run_prefill(
@@ -615,6 +622,11 @@ class DisaggRouter:
         except Exception as exc:  # logged, never raised into the keeper (T2)
             self.counters.staged_kv_cleanup_failures += 1
             logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+def _cancelled(owner: HandoffOwner) -> PrefillCancelled:
+    return PrefillCancelled(f"prefill of {owner.request.request_id} ended by the router: "
+                            "no decode will take its KV")
 
 
 async def _run_engine(

@@ -35,8 +35,6 @@ from ._http import (
     ChunkParser,
     HttpEngine,
     Role,
-    SendChannel,
-    Stopper,
     check_unique,
     check_worker_url,
     endpoint_for,
@@ -241,19 +239,6 @@ class TrtllmEngine(HttpEngine):
 
     def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
         return _Parser()
-
-    async def _relay(
-        self,
-        response: httpx.Response,
-        request: PreprocessedRequest,
-        path: str,
-        body: Mapping[str, Any],
-        stopper: Stopper,
-        send: SendChannel,
-    ) -> None:
-        if self.role == "prefill":
-            stopper.disarm()  # the context answers: never abort it after the handoff
-        await super()._relay(response, request, path, body, stopper, send)
 
     def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
         return context_problem(answer)
