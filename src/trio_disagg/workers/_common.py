@@ -748,7 +748,8 @@ class MockWorker:
         ``eos_with_handoff``: honour ``eos_first_token`` after a handoff too (SGLang's
         decode receives the prefill's first token with the KV). ``mock``:
         ``decode_kv_lost`` lets go of the KV and answers 500 before any byte;
-        ``decode_queue:SECONDS`` waits that long, accepted, before the pull. A worker
+        ``decode_queue:SECONDS`` waits that long, accepted, before the pull;
+        ``decode_accept_delay:SECONDS`` waits that long before accepting. A worker
         that does not :attr:`releases_unpulled_kv` leaves KV it never pulled to the
         prefill side's lease.
         """
@@ -760,6 +761,9 @@ class MockWorker:
         max_tokens = self._max_tokens(body)
         pending = isinstance(source, KVSource)  # KV we may still have to release
         mock_kind = mock.kind if mock is not None else None
+        if mock is not None and mock_kind is MockFaultKind.DECODE_ACCEPT_DELAY:
+            # not accepted yet, its handoff not looked at: aborted now, it lets go of nothing
+            await trio.sleep(mock.seconds)
         try:
             if mock_kind is MockFaultKind.DECODE_KV_LOST and isinstance(source, KVSource):
                 pending = False  # the failed transfer lets go of the KV: nothing to pull

@@ -1,6 +1,7 @@
 """Faults only the mock HTTP workers inject: wire-level misbehaviour the in-process engines
 have no counterpart for (a decode answering an error status before its stream, a decode
-queued for a while before its KV pull, a prefill answer that is not a usable handoff).
+queued for a while before its KV pull, a decode slow to accept, a prefill answer that is
+not a usable handoff).
 
 They ride in the same body field as the engines' faults (``"fault"``: one string, a
 comma-separated string, or a list of strings) and are taken out before the rest is parsed
@@ -15,6 +16,10 @@ Wire strings:
 - ``decode_queue:SECONDS``: the decode request is accepted (a streamed answer's headers go
   out) and then waits ``SECONDS`` in the worker's queue before it pulls the KV. Aborted
   while queued, it pulls nothing.
+- ``decode_accept_delay:SECONDS``: the decode request is held ``SECONDS`` before the worker
+  accepts it (no byte of its answer, not even a streamed answer's headers, goes out
+  before): a decode dispatch that is still pending. It has not looked at its handoff yet,
+  so aborted meanwhile it lets go of nothing (it neither joins a room nor releases KV).
 - ``prefill_bad_handoff:FIELD``, ``prefill_bad_handoff:FIELD=VALUE``: the prefill answers
   a handoff that is not usable, and stages no KV for it: ``FIELD`` removed from the
   handoff, or set to ``VALUE`` (JSON, else the raw text: ``ctx_request_id=1.5``,
@@ -48,6 +53,7 @@ class MockFaultKind(enum.Enum):
 
     DECODE_KV_LOST = "decode_kv_lost"
     DECODE_QUEUE = "decode_queue"
+    DECODE_ACCEPT_DELAY = "decode_accept_delay"
     PREFILL_BAD_HANDOFF = "prefill_bad_handoff"
 
     @property
@@ -64,7 +70,7 @@ class MockFault:
 
     Attributes:
         kind: what to break.
-        seconds: ``decode_queue``'s wait.
+        seconds: ``decode_queue``'s and ``decode_accept_delay``'s wait.
         field: ``prefill_bad_handoff``'s field (``"choices"``: two choices).
         value: ``prefill_bad_handoff``'s value for the field, or :data:`REMOVED`.
     """
@@ -93,7 +99,7 @@ def parse_mock_fault(text: str) -> MockFault:
         if sep:
             raise ValueError(f"fault {name!r} takes no argument; got {text!r}")
         return MockFault(kind=kind)
-    if kind is MockFaultKind.DECODE_QUEUE:
+    if kind in (MockFaultKind.DECODE_QUEUE, MockFaultKind.DECODE_ACCEPT_DELAY):
         try:
             seconds = float(arg)
         except ValueError:

@@ -126,7 +126,8 @@ class MockTrtllmWorker(MockWorker):
     abort a context leg after its handoff.
 
     Faults: as :class:`~trio_disagg.workers.MockVllmWorker` (mock-only ones included:
-    ``decode_kv_lost``, ``decode_queue:SECONDS``, ``prefill_bad_handoff:FIELD[=VALUE]``
+    ``decode_kv_lost``, ``decode_queue:SECONDS``, ``decode_accept_delay:SECONDS``,
+    ``prefill_bad_handoff:FIELD[=VALUE]``
     with the fields of ``choices[0].disaggregated_params``, or ``choices`` for two
     choices). The body field
     ``"mock_ctx_request_id"`` (:data:`CTX_REQUEST_ID_HOOK`, ``"null"`` or ``"missing"``)

@@ -123,6 +123,7 @@ class MockVllmWorker(MockWorker):
     (:mod:`trio_disagg.workers._faults`): ``decode_kv_lost`` releases the KV and answers
     500 ``"KV transfer failed: ..."`` before any byte, streamed or not;
     ``decode_queue:SECONDS`` waits, accepted, before the pull;
+    ``decode_accept_delay:SECONDS`` waits before accepting, its handoff untouched;
     ``prefill_bad_handoff:FIELD[=VALUE]`` answers ``kv_transfer_params`` without
     ``FIELD`` (or with that JSON value), or two choices (``choices``), staging nothing.
 
