@@ -164,8 +164,8 @@ class HandoffOwner:
     def prefill_failed(self) -> None:
         """The prefill failed, or was ended on purpose: a paired decode leg waits for KV
         that will never come, so it ends now (B6)."""
-        if self.state is HandoffState.PENDING:
-            self.state = HandoffState.FAILED
+        if self.state in (HandoffState.PENDING, HandoffState.DISPATCHED):
+            self.state = HandoffState.FAILED  # (STAGED stays: a late answer's KV, B1)
         self._end_decode_leg()
 
     # --- facts, reported by the request side ------------------------------------------
@@ -201,18 +201,19 @@ class HandoffOwner:
         worker refused it (a :class:`~trio_disagg.WorkerError`), or the dispatch was
         cancelled or crashed."""
 
-    def close_request(self) -> None:
-        """The request side ended without a decode taking the handoff (client gone,
-        deadline, decode refused, prefill failed): decide what becomes of the KV."""
+    def close_request(self, *, client_left: bool) -> None:
+        """The request side ended without a decode taking the handoff (``client_left``:
+        its client went away; else a deadline, a refusal, a failed prefill): decide what
+        becomes of the KV."""
         if not self.request_open:
             return
         self.request_open = False
         if self.state not in _SETTLED and self.state is not HandoffState.DISPATCHED:
-            self._abandon()
+            self._abandon(client_left=client_left)
 
     # --- what a style decides -----------------------------------------------------------
 
-    def _abandon(self) -> None:
+    def _abandon(self, *, client_left: bool) -> None:
         raise NotImplementedError
 
     def _consume(self) -> None:
@@ -245,14 +246,16 @@ class HandoffOwner:
         if self.leg is not None:
             self.leg.scope.cancel()
 
-    def forward_ended(self, grace: float) -> None:
+    def forward_ended(self, grace: float, *, failed: bool) -> None:
         """The request's forwarder ended: nobody reads the decode leg any more. A kept leg
-        past its first output is no longer part of the transfer and ends now; one that has
-        not fetched its KV yet gets ``grace`` seconds to reach its first send, then it is
-        cancelled (and the KV it left is the owner's to decide on)."""
+        past its first output is no longer part of the transfer, and one whose stream the
+        gatekeeper failed (``failed``: a prefill failure, a deadline) is of no use: both
+        end now. One that has not fetched its KV yet when its client left gets ``grace``
+        seconds to reach its first send, then it is cancelled (G9). Either way the KV it
+        leaves is the owner's to decide on (:meth:`decode_cancelled`)."""
         if self.leg is None:
             return
-        if self.first_output_seen:
+        if self.first_output_seen or failed:
             self.leg.scope.cancel()
         else:
             self.leg.bound(grace)
@@ -274,16 +277,16 @@ class SequentialOwner(HandoffOwner):
         elif not self.request_open:
             self._consume()  # B1, for a leg the request had left to the keeper
 
-    def _abandon(self) -> None:
+    def _abandon(self, *, client_left: bool) -> None:
         if self.state is HandoffState.STAGED:
             if self.leg is not None and not self.leg.settled.is_set():
                 return  # a kept leg is still dispatching: its outcome decides
             self._consume()  # B1
-        elif self.window is CancelWindow.NEVER:
+        elif client_left and self.window is not CancelWindow.NEVER:
+            self._cancel_prefill(why="window")  # B10
+        else:
             # The keeper drains the prefill; prefill_staged() consumes its KV (B1).
             self.router.counters.prefills_drained += 1
-        else:
-            self._cancel_prefill(why="window")  # B10
 
 
 class ContextFirstOwner(SequentialOwner):
@@ -325,15 +328,22 @@ class BootstrapOwner(HandoffOwner):
         if self.state is HandoffState.PENDING and not self.request_open:
             self._cancel_prefill(why="no decode will join its room")
 
-    def _abandon(self) -> None:
+    def _abandon(self, *, client_left: bool) -> None:
         leg = self.leg
         if leg is None or (leg.settled.is_set() and not leg.started):
             self._cancel_prefill(why="no decode will join its room")  # B6
-        elif self.window is not CancelWindow.NEVER and not leg.settled.is_set():
+        elif not leg.settled.is_set() and not client_left:
+            pass  # the dispatch, bounded by the handoff deadline, decides
+        elif not leg.settled.is_set() and self.window is not CancelWindow.NEVER:
             # No decode joined yet: ending both legs strands nothing (B10, B6).
             self._cancel_prefill(why="window")
         else:
             self.router.counters.prefills_drained += 1  # the transfer completes (G9)
+
+    def decode_cancelled(self) -> None:
+        # The decode left the room before its KV arrived: no decode will take it (B6).
+        if not self.first_output_seen and self.state is HandoffState.DISPATCHED:
+            self._cancel_prefill(why="no decode will join its room")
 
 
 def owner_for(style: HandoffStyle) -> type[HandoffOwner]:

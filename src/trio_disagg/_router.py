@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import Mapping
 from functools import partial
@@ -32,6 +33,7 @@ from ._prefill import (
     Terminal,
     classify_first_output,
     consume_prefill_stream,
+    is_bootstrap_params,
 )
 from ._protocols import (
     Annotated,
@@ -293,20 +295,18 @@ class DisaggRouter:
         """
         self._admit()
         owner: HandoffOwner | None = None
-        handed_over = False
         try:
             owner = self._route(request, context)
             self._start_prefill(owner)
             stream = await self._open(nursery, owner)
-            handed_over = True
-            if stream.gate is None:  # a terminal prefill: nothing more runs
-                self._release()
-            return stream
-        finally:
-            if not handed_over:
-                if owner is not None:
-                    owner.close_request()
-                self._release()
+        except BaseException as exc:
+            if owner is not None:
+                owner.close_request(client_left=isinstance(exc, trio.Cancelled))
+            self._release()
+            raise
+        if stream.gate is None:  # a terminal prefill: nothing more runs
+            self._release()
+        return stream
 
     def _route(self, request: PreprocessedRequest, context: RequestContext) -> HandoffOwner:
         """Choose the workers (S12) and make the request's handoff owner."""
@@ -426,7 +426,7 @@ class DisaggRouter:
         finally:
             owner.tracker.finish()
             self._release()
-            owner.forward_ended(self.deadlines.decode_idle)
+            owner.forward_ended(self.deadlines.decode_idle, failed=gate.failure is not None)
 
     async def _kept_decode_leg(  # noqa: ASYNC128 (reports started() itself)
         self,
@@ -516,27 +516,33 @@ class DisaggRouter:
     ) -> PrefillCompletion:
         """Dispatch the prefill and classify its stream (S1-S10, T4).
 
-        The prefill deadline bounds the wait for the first output (the handoff) only. The
-        engine runs outside it, so an answer already on its way when the deadline expires
-        can still be read, and its staged KV consumed (B1).
+        The prefill deadline bounds the wait for the first output (the handoff), and for a
+        bootstrap prefill also its answer (which comes after the KV transfer). The engine
+        runs outside it, so an answer already on its way when the deadline expires can
+        still be read, and its staged KV consumed (B1).
         """
         worker = owner.prefill_worker
         with self.prefill.lease(worker):
             send, receive = trio.open_memory_channel[Item](self.channel_buffer)
             refusal: list[WorkerError] = []
             first: Item | None = None
+            completion: PrefillCompletion | None = None
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_run_engine, worker.engine, owner.request, context,
                                        send, refusal)
                     first = await self._first_prefill_output(owner, receive, refusal)
-                    if first is None:
+                    # A bootstrap prefill answers once its KV reached the decode, and an
+                    # adapter may hand off the room before that: its deadline bounds the
+                    # answer, so a stalled bootstrap prefill is a prefill deadline too.
+                    bootstrap = first is not None and _is_bootstrap(first)
+                    with trio.move_on_after(self.deadlines.prefill if bootstrap else math.inf):
+                        if first is not None:
+                            completion = await consume_prefill_stream(
+                                receive, tracker=owner.tracker, first=first
+                            )
+                    if completion is None:
                         nursery.cancel_scope.cancel()
-                        completion = None
-                    else:
-                        completion = await consume_prefill_stream(
-                            receive, tracker=owner.tracker, first=first
-                        )
             except* PrefillError as group:
                 leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
                 self.prefill.record_failure(worker, leaf.__cause__ or leaf)
@@ -622,6 +628,10 @@ class DisaggRouter:
         except Exception as exc:  # logged, never raised into the keeper (T2)
             self.counters.staged_kv_cleanup_failures += 1
             logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+def _is_bootstrap(item: Item) -> bool:
+    return item.data is not None and is_bootstrap_params(item.data.disaggregated_params)
 
 
 def _cancelled(owner: HandoffOwner) -> PrefillCancelled:

@@ -354,10 +354,11 @@ class HttpEngine:
         """Read an accepted answer to ``body``: one JSON object if it did not stream, else
         server-sent events (or one JSON object from a worker that will not stream)."""
         parser = self._parser(request, path)
-        if self.role == "prefill":
+        if self.role == "prefill" and self.handoff_style is not HandoffStyle.BOOTSTRAP:
             # The prefill answers: its KV is staged. A stop from here on (the router
             # ending a prefill it no longer needs, B10) must not drop the answer, whose KV
-            # the router then consumes (B1); only a kill still closes the response.
+            # the router then consumes (B1); only a kill still closes the response. (A
+            # bootstrap prefill's KV goes to the decode in its room, not to the answer.)
             stopper.disarm()
         if body.get("stream") is True:
             await self._relay_any(response, request, body, parser, send)
