@@ -2,7 +2,7 @@
 
 Run it with ``uv run python examples/01_request_nursery.py``.
 
-Three lessons, each printed as it happens (SEMANTICS.md C1-C5):
+Three lessons, each printed as it happens (rules C1-C5):
 
 1. Each request runs in a nursery of its own, which holds the decode producer and the
    client writer. A client that disconnects cancels *that* nursery and nothing else: the
@@ -13,8 +13,10 @@ Three lessons, each printed as it happens (SEMANTICS.md C1-C5):
    at once and sends nothing more. States only move forward (C1-C3).
 3. The decode leg's context is a linked child of the client's, so stopping the client
    stops the decode (C4). The prefill leg runs on a *detached* copy: same id and metadata,
-   but stopping or killing the client never reaches it (C5), because its KV cache may
-   still be on its way to the decode worker (see tutorial 2).
+   but stopping or killing the client's context never reaches it (C5), because its KV
+   cache may still be on its way to the decode worker (see tutorial 2). (A client that
+   disconnects does not stop or kill its context: the server cancels its nursery, as in
+   lesson 1.)
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ async def serve_request(name: str, disconnect_after: float | None) -> None:
         request.start_soon(client_writer, name, receive)
         if disconnect_after is not None:
             await trio.sleep(disconnect_after)
-            # What the server's disconnect listener does when the socket closes. (The
-            # router also kills the request's context, so a *remote* worker hears of it.)
+            # What the server's disconnect listener does when the socket closes, and all
+            # it does: it leaves the client's context alone. A *remote* worker hears of it
+            # because its adapter's task is cancelled with the nursery, which closes the
+            # connection to the worker: the worker takes that as an abort.
             print(f"  [{name}] client disconnected: cancel {name}'s nursery")
             request.cancel_scope.cancel()
     how = "cancelled" if request.cancel_scope.cancelled_caught else "completed"
@@ -148,7 +152,7 @@ async def lesson_stop_versus_kill() -> None:
 
 
 async def lesson_linked_and_detached() -> None:
-    print("3. The client is killed while its prefill leg is still streaming.")
+    print("3. The client's context is killed while its prefill leg is still streaming.")
     client = td.RequestContext("req-42", {"session": "s-7"})
     decode = td.RequestContext(client.id, client.metadata)
     client.link_child(decode)  # C4: stopping the client stops the decode leg, child first
@@ -162,10 +166,10 @@ async def lesson_linked_and_detached() -> None:
         async with receive:
             async for item in receive:
                 items.append(describe(item))
-                client.kill()  # the client goes away after the first prefill item
+                client.kill()  # the caller kills the client's context after one item
     print(f"   client={client!r} decode={decode!r} prefill={prefill!r}")
     print(f"   the prefill leg still sent all {len(items)} items, ending {items[-1]}: "
-          "killing the client never reaches it (C5).")
+          "killing the client's context never reaches it (C5).")
 
 
 async def main() -> None:

@@ -10,7 +10,7 @@ come and the prefill worker holding blocks nobody frees.
 
 So the drain belongs to a :class:`~trio_disagg.TransferKeeper`: a nursery opened once for
 the service's lifetime, *outside* every request. The request only observes the drain
-through a :class:`~trio_disagg.PrefillTask` (SEMANTICS.md T1-T3, G9):
+through a :class:`~trio_disagg.PrefillTask` (rules T1-T3, G9):
 
 1. The client goes away mid-transfer: the request is cancelled, the drain completes, and
    the KV lease (a teardown guard) is released when the drain ends, not when the client

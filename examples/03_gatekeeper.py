@@ -6,7 +6,7 @@ The decode worker may start streaming before the prefill drain has ended (the KV
 arrives in layers; SGLang even runs both legs at once). Tokens must not wait for the
 prefill, yet a request whose prefill failed must not end in a *success*. The
 :class:`~trio_disagg.Gatekeeper` sits between the decode stream and the client and keeps
-both promises (SEMANTICS.md G3-G5):
+both promises (rules G3-G5):
 
 1. Tokens flow at once while the prefill is still pending (G3); the success terminal is
    held until the prefill succeeds (G5).

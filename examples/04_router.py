@@ -18,7 +18,8 @@ a prefill *stages* KV blocks, a decode *pulls* (frees) them, and blocks nobody p
    decode is dispatched (S7).
 4. A client that disconnects while its prefill computes: the prefill completes in the
    keeper, and the staged KV is consumed by a minimal decode at once, not left to its 30 s
-   lease (B1, G9).
+   lease (B1, G9). (The mock engines declare no cancel window, so it is ``never``: the
+   router does not cancel their prefill, B10.)
 5. A prefill failure reaches the client as a ``PrefillError`` (S1, T2).
 """
 
