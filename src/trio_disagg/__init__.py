@@ -22,6 +22,8 @@ from ._errors import WireFormatError as WireFormatError
 from ._errors import WorkerError as WorkerError
 from ._gate import Gatekeeper as Gatekeeper
 from ._gate import is_decode_failure as is_decode_failure
+from ._handoff import HandoffOwner as HandoffOwner
+from ._handoff import HandoffState as HandoffState
 from ._keeper import PrefillTask as PrefillTask
 from ._keeper import TransferKeeper as TransferKeeper
 from ._keeper import TransferLeg as TransferLeg

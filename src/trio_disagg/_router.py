@@ -65,12 +65,13 @@ class Deadlines:
     """Every bounded wait of a request, in seconds (SEMANTICS.md B2).
 
     Attributes:
-        prefill: prefill dispatch until its handoff is classified.
+        prefill: prefill dispatch until its handoff is classified (a bootstrap prefill:
+            until its answer, which comes after the KV transfer).
         handoff: handoff ready until the decode worker accepted the request.
         decode_idle: the longest gap between two decode outputs.
         terminal_hold: how long a success terminal waits for the prefill outcome.
-        transfer: the whole prefill leg in the keeper, including a bootstrap drain
-            and a B1 cleanup decode.
+        transfer: the whole prefill leg in the keeper, including a bootstrap drain. (A
+            B1 cleanup decode is bounded by ``handoff`` + ``decode_idle``.)
 
     Raises:
         ValueError: a deadline that is not a positive number of seconds (``inf`` is

@@ -174,9 +174,10 @@ class VllmEngine(HttpEngine):
     the request) and ends the stream with one ``cancelled`` item; ``context.kill()``
     closes it and ends the stream at once; a closed receiver or a cancelled caller closes
     it too. The router runs the prefill leg in its transfer keeper on a context of its
-    own (C5), so a client that goes away never closes a prefill connection early (which
-    would abort the prefill and lose its KV): only the prefill's own deadline or a kill
-    of its own context does.
+    own (C5), so a client that goes away never closes a prefill connection early by
+    accident: only the prefill's own deadline, a kill of its own context, or the router
+    ending a prefill inside its cancel window (B10, a stop: once the answer started it
+    is read to its end, and its KV consumed, B1) does.
 
     ``cancel_window`` is ``ANYTIME`` (B10): vLLM frees a request's blocks when its
     connection closes, so a prefill may be cancelled until it answers without stranding

@@ -141,18 +141,22 @@ class RouterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "trio_disagg_keeper_drains_in_flight",
-            "Prefill drains running in the transfer keeper.", value=keeper.in_flight,
+            "Keeper tasks running (prefill drains, kept decode legs, B1 cleanups).",
+            value=keeper.in_flight,
         )
         yield CounterMetricFamily(
-            "trio_disagg_keeper_drains_started", "Prefill drains started.",
+            "trio_disagg_keeper_drains_started",
+            "Keeper tasks started (prefill drains, kept decode legs, B1 cleanups).",
             value=keeper.started_total,
         )
         yield CounterMetricFamily(
-            "trio_disagg_keeper_drains_failed", "Prefill drains that failed.",
+            "trio_disagg_keeper_drains_failed",
+            "Keeper prefill drains and B1 cleanups that failed.",
             value=keeper.failed_total,
         )
         yield CounterMetricFamily(
-            "trio_disagg_keeper_drains_cancelled", "Prefill drains cancelled before completing.",
+            "trio_disagg_keeper_drains_cancelled",
+            "Keeper prefill drains and B1 cleanups cancelled before completing.",
             value=keeper.cancelled_total,
         )
         by_kind = keeper.in_flight_by_kind()
