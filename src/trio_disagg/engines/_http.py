@@ -274,6 +274,8 @@ class HttpEngine:
     #: When this protocol's prefill may be cancelled without stranding KV (B10); each
     #: adapter sets its own, an instance may override it (``cancel_window=``).
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.NEVER
+    #: How this protocol's prefill hands off (S5-S7); decode engines are SEQUENTIAL.
+    prefill_handoff_style: ClassVar[HandoffStyle] = HandoffStyle.SEQUENTIAL
 
     def __init__(
         self,
@@ -292,7 +294,8 @@ class HttpEngine:
         self.role: Role = role
         self.client = client
         self.name = name if name is not None else self.url
-        self.handoff_style = HandoffStyle.SEQUENTIAL
+        self.handoff_style = (self.prefill_handoff_style if role == "prefill"
+                              else HandoffStyle.SEQUENTIAL)
         self.cancel_window = (self.default_cancel_window if cancel_window is None
                               else cancel_window)
         self.bootstrap_host: str | None = None

@@ -34,7 +34,6 @@ from ._http import (
     FINISH,
     ChunkParser,
     HttpEngine,
-    Role,
     check_unique,
     check_worker_url,
     endpoint_for,
@@ -216,19 +215,8 @@ class TrtllmEngine(HttpEngine):
 
     protocol: ClassVar[str] = "TensorRT-LLM"
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
+    prefill_handoff_style: ClassVar[HandoffStyle] = HandoffStyle.CONTEXT_FIRST
 
-    def __init__(
-        self,
-        url: str,
-        role: Role,
-        *,
-        client: httpx.AsyncClient,
-        name: str | None = None,
-        cancel_window: CancelWindow | None = None,
-    ) -> None:
-        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
-        if role == "prefill":
-            self.handoff_style = HandoffStyle.CONTEXT_FIRST
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         if self.role == "prefill":

@@ -27,7 +27,6 @@ from ._http import (
     DEFAULT_TIMEOUT,
     ChunkParser,
     HttpEngine,
-    Role,
     check_unique,
     endpoint_for,
     handoff_problem,
@@ -197,17 +196,6 @@ class VllmEngine(HttpEngine):
 
     protocol: ClassVar[str] = "vLLM"
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.ANYTIME
-
-    def __init__(
-        self,
-        url: str,
-        role: Role,
-        *,
-        client: httpx.AsyncClient,
-        name: str | None = None,
-        cancel_window: CancelWindow | None = None,
-    ) -> None:
-        super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         body = prefill_body(request.body) if self.role == "prefill" else decode_body(request)
