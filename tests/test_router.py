@@ -465,25 +465,56 @@ async def test_B10_client_leaving_during_the_prefill(
             assert trio.current_time() - start < 0.1  # no prefill ran on
 
 
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("window", list(CancelWindow))
 async def test_B10_client_leaving_after_the_handoff_is_never_cancelled(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, window: CancelWindow
 ) -> None:
-    """Once the handoff arrived, a window allows nothing more: the KV is consumed (B1)."""
-    cluster = mock_cluster(style=SEQ, latency=LATENCY, kv_ttl=1000.0)
-    cluster.decode[0] = SlowAcceptDecode(cluster.decode[0], 1.0)  # type: ignore[call-overload]
+    """Once the handoff happened (sequential: the prefill answered; bootstrap: the decode
+    joined the room), no window allows a cancellation: the KV is consumed by a cleanup
+    decode (B1), or its transfer completes (G9)."""
+    cluster = mock_cluster(style=style, latency=LATENCY, kv_ttl=1000.0)
+    cluster.decode[0] = SlowAcceptDecode(cluster.decode[0], 0.2)  # type: ignore[call-overload]
     async with TransferKeeper() as keeper:
         router = DisaggRouter(
-            WorkerPool(cluster.prefill, cancel_windows={"prefill-0": CancelWindow.ANYTIME}),
+            WorkerPool(cluster.prefill, cancel_windows={"prefill-0": window}),
             WorkerPool(cluster.decode), keeper,
         )
         h = Harness(cluster, keeper, router)
-        with trio.move_on_after(0.5):  # the handoff came at 0.1 s; the decode accepts at 1.1
-            await h.run(make_request(words=10))
+        # Sequential: the handoff came at 0.1 s, the decode accepts at 0.3 s. Bootstrap: the
+        # decode joined at 0.2 s and the prefill answers after its transfer.
+        with trio.move_on_after(0.25 if style is SEQ else 0.21):
+            await h.run(make_request(words=10, max_tokens=20))
         await h.settle()
         h.assert_clean()
         assert router.counters.prefills_cancelled == 0
-        assert router.counters.staged_kv_cleanups == 1
+        assert router.counters.staged_kv_cleanups == (1 if style is SEQ else 0)
         assert cluster.counters().served == 1
+
+
+@pytest.mark.parametrize(
+    ("style", "fault", "error"),
+    [(SEQ, "prefill_fail_before_handoff", PrefillError),
+     (SEQ, "prefill_stall", PrefillDeadlineExceeded),
+     (SEQ, "decode_reject:503", WorkerError),
+     (BOOT, "decode_reject:503", WorkerError)],
+)
+async def test_stream_raises_its_documented_exceptions_bare(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, fault: str, error: type[Exception]
+) -> None:
+    """A caller's ``except PrefillError`` (or ``WorkerError``, ...) around ``router.stream``
+    works: the exception is raised as itself, never inside an exception group."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style, deadlines=Deadlines(prefill=1))
+        caught: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            try:
+                await h.router.stream(nursery, make_request(fault=fault), RequestContext("r"))
+            except error as exc:
+                caught = exc
+        assert isinstance(caught, error), caught
+        await h.settle()
+        h.assert_clean()
 
 
 # --- B2: every wait has a deadline -----------------------------------------------------------

@@ -205,7 +205,8 @@ class TransferKeeper:
         if guard is not None:
             held.enter_context(guard)  # S5: held from the handoff on, not from the first run
         self._enter(task, kind)
-        self._nursery.start_soon(self._run, task, async_fn, held, permit, name=f"{kind} {name}")
+        self._nursery.start_soon(self._run, task, async_fn, held, permit, kind,
+                                 name=f"{kind} {name}")
         return task
 
     async def _run(
@@ -214,6 +215,7 @@ class TransferKeeper:
         async_fn: Callable[[], Awaitable[T]],
         held: ExitStack,
         permit: PhasePermit | None,
+        kind: str,
     ) -> None:
         try:
             if permit is not None:
@@ -222,34 +224,34 @@ class TransferKeeper:
                 value = await async_fn()
         except trio.Cancelled:
             self.cancelled_total += 1
-            logger.warning("prefill drain %s cancelled before it completed", task.name)
+            logger.warning("%s %s cancelled before it completed", kind, task.name)
             task._finish(None, PrefillError(
                 f"Prefill background task did not complete: {task.name} was cancelled"))
             raise
         except PrefillCancelled as error:  # ended on purpose (B6, B10): not a failure
-            logger.info("prefill drain %s ended: %s", task.name, error)
+            logger.info("%s %s ended: %s", kind, task.name, error)
             task._finish(None, error)
         except PrefillError as error:
             self.failed_total += 1
-            logger.warning("prefill drain %s failed: %s", task.name, error)  # T2
+            logger.warning("%s %s failed: %s", kind, task.name, error)  # T2
             task._finish(None, error)
         except BaseException as exc:
             if isinstance(exc, BaseExceptionGroup) and exc.split(PrefillError)[1] is None:
                 # A PrefillError raised inside a nursery of the drain arrives wrapped.
                 leaf = _first_leaf(exc)
                 self.failed_total += 1
-                logger.warning("prefill drain %s failed: %s", task.name, leaf)  # T2
+                logger.warning("%s %s failed: %s", kind, task.name, leaf)  # T2
                 task._finish(None, leaf)
                 return
             if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None:
                 # only cancellation inside a nursery of the drain
                 self.cancelled_total += 1
-                logger.warning("prefill drain %s cancelled before it completed", task.name)
+                logger.warning("%s %s cancelled before it completed", kind, task.name)
                 task._finish(None, PrefillError(
                     f"Prefill background task did not complete: {task.name} was cancelled"))
                 raise
             self.failed_total += 1
-            logger.warning("prefill drain %s crashed", task.name, exc_info=exc)  # T2
+            logger.warning("%s %s crashed", kind, task.name, exc_info=exc)  # T2
             crash = PrefillError(f"Prefill background task did not complete: {exc!r}")
             crash.__cause__ = exc
             task._finish(None, crash)
