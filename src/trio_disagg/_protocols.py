@@ -132,6 +132,11 @@ class LLMEngineOutput:
     completion_usage: CompletionUsage | None = None
     worker_trace_link: TraceLink | None = None
     index: int | None = None
+    #: The worker's own OpenAI choice object for this item, as it sent it (a streamed
+    #: chunk's ``choices[0]`` with its ``delta``, or a whole answer's with its ``message``
+    #: or ``text``), when an HTTP adapter read one: the server relays it as sent (B8).
+    #: In process only: never on the wire.
+    choice: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def length(cls) -> LLMEngineOutput:
@@ -331,7 +336,13 @@ def _is_annotated(cls: Any) -> bool:
 
 def _make_converter() -> cattrs.Converter:
     conv = make_strict_converter()
-    # An item's exception lives in process only.
+    conv.register_unstructure_hook(FinishReason, _unstructure_finish)
+    conv.register_structure_hook(FinishReason, _structure_finish)
+    conv.register_structure_hook(
+        FinishReason | None, lambda v, t: None if v is None else _structure_finish(v, t)
+    )
+    # An item's exception and an output's worker choice live in process only (made
+    # lazily, so that they see the hooks above).
     conv.register_unstructure_hook_factory(
         _is_annotated,
         lambda cls, c: cattrs.gen.make_dict_unstructure_fn(
@@ -342,10 +353,15 @@ def _make_converter() -> cattrs.Converter:
         lambda cls, c: _strict_object(cattrs.gen.make_dict_structure_fn(
             cls, c, exception=cattrs.gen.override(omit=True))),
     )
-    conv.register_unstructure_hook(FinishReason, _unstructure_finish)
-    conv.register_structure_hook(FinishReason, _structure_finish)
-    conv.register_structure_hook(
-        FinishReason | None, lambda v, t: None if v is None else _structure_finish(v, t)
+    conv.register_unstructure_hook_factory(
+        lambda cls: cls is LLMEngineOutput,
+        lambda cls, c: cattrs.gen.make_dict_unstructure_fn(
+            cls, c, _cattrs_omit_if_default=True, choice=cattrs.gen.override(omit=True)),
+    )
+    conv.register_structure_hook_factory(
+        lambda cls: cls is LLMEngineOutput,
+        lambda cls, c: _strict_object(cattrs.gen.make_dict_structure_fn(
+            cls, c, choice=cattrs.gen.override(omit=True))),
     )
     return conv
 
