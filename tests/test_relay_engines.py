@@ -9,12 +9,17 @@ every wait is bounded.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import orjson
 import pytest
 import trio
+from e2e_support import PROTOCOLS, ProtocolName, cluster_factory
+from protocol_support import completion, run, texts
 
 from trio_disagg import (
     BootstrapInfo,
@@ -26,6 +31,7 @@ from trio_disagg import (
 )
 from trio_disagg._router import _one_token_body
 from trio_disagg.engines import (
+    LatencyModel,
     SglangEngine,
     TrtllmEngine,
     VllmEngine,
@@ -37,6 +43,7 @@ from trio_disagg.engines import (
     streaming_body,
 )
 from trio_disagg.engines._http import openai_output
+from trio_disagg.workers import Role, create_mock_worker, serve_worker
 
 MODEL = "mock-model"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -221,3 +228,230 @@ def test_prompt_fields_never_reach_a_decode(body: dict[str, Any]) -> None:
         assert "echo" not in wire and "prompt_logprobs" not in wire
         assert wire.get("logprobs") == body.get("logprobs")  # about the answer: kept
     assert "echo" in body or "prompt_logprobs" in body  # the client's body is untouched
+
+
+# --- the mock workers send the fields -------------------------------------------------------
+
+PROTOCOL_NAMES = list(PROTOCOLS)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+         {"type": "function", "function": {"name": "other", "parameters": {}}}]
+
+
+@asynccontextmanager
+async def worker(protocol: str, role: Role = "decode") -> AsyncIterator[str]:
+    """A mock ``protocol`` worker served on a free port, no latency; its URL."""
+    app = create_mock_worker(role, protocol, latency=LatencyModel.zero())
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_worker, app))
+        yield f"http://127.0.0.1:{port}"
+        nursery.cancel_scope.cancel()
+
+
+async def ask(url: str, body: dict[str, Any], rid: str = "rq") -> Any:
+    """The worker's answer: its chunks (streamed, without ``[DONE]``) or its JSON."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with trio.fail_after(10):
+        async with httpx.AsyncClient() as client:
+            response = await client.post(url + path, json={"model": MODEL, **body},
+                                         headers={"x-request-id": rid})
+    assert response.status_code == 200, response.text
+    if body.get("stream") is not True:
+        return response.json()
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [orjson.loads(event) for event in events[:-1]]
+
+
+def choices(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_mock_decode_streams_one_tool_call(protocol: str) -> None:
+    async with worker(protocol) as url:
+        body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}
+        chunks = await ask(url, body, "tc-1")
+        answer = await ask(url, {**body, "stream": False}, "tc-1")
+        plain = await ask(url, {**body, "tool_choice": "none", "stream": False}, "tc-1")
+    sent = choices(chunks)
+    assert sent[0]["delta"] == {"role": "assistant", "content": ""}
+    assert sent[1]["delta"] == {"tool_calls": [{
+        "index": 0, "id": "call_tc-1", "type": "function",
+        "function": {"name": "get_weather", "arguments": ""}}]}
+    fragments = sent[2:]
+    assert len(fragments) == 4  # one per token
+    assert all(set(c["delta"]) == {"tool_calls"} for c in sent[1:])  # no content
+    assert all(c["delta"]["tool_calls"][0]["index"] == 0 for c in fragments)
+    arguments = "".join(c["delta"]["tool_calls"][0]["function"]["arguments"]
+                        for c in fragments)
+    words = orjson.loads(arguments)
+    assert list(words) == ["arg0", "arg1", "arg2", "arg3"]
+    assert all(isinstance(w, str) and w for w in words.values())
+    assert [c["finish_reason"] for c in sent[1:]] == [None] * 4 + ["tool_calls"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    # answered whole: the same call, complete
+    (choice,) = answer["choices"]
+    assert choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"] == [{
+        "id": "call_tc-1", "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments}}]
+    assert choice["finish_reason"] == "tool_calls"
+    # tool_choice "none": plain content, as before
+    message = plain["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"].split() == list(words.values())
+    assert plain["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_mock_chat_logprobs(protocol: str) -> None:
+    async with worker(protocol) as url:
+        body = {"messages": CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 3,
+                "stream": True}
+        chunks = await ask(url, body, "lp-1")
+        again = await ask(url, body, "lp-1")
+        answer = await ask(url, {**body, "stream": False}, "lp-1")
+    assert choices(chunks) == choices(again)  # fixed by the seed and the request id
+    tokens = choices(chunks)[1:]
+    assert len(tokens) == 3
+    entries = []
+    for choice in tokens:
+        (entry,) = choice["logprobs"]["content"]
+        assert entry["token"] == choice["delta"]["content"]
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert isinstance(entry["logprob"], float) and entry["logprob"] < 0
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert set(entry["top_logprobs"][1]) == {"token", "logprob", "bytes"}
+        entries.append(entry)
+    assert answer["choices"][0]["logprobs"] == {"content": entries}
+    assert answer["choices"][0]["message"]["content"] == "".join(e["token"] for e in entries)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_mock_completion_logprobs(protocol: str) -> None:
+    async with worker(protocol) as url:
+        body = {"prompt": "a b c", "logprobs": 3, "max_tokens": 3, "stream": True}
+        chunks = await ask(url, body, "lp-2")
+        answer = await ask(url, {**body, "stream": False}, "lp-2")
+    offset = 0
+    whole: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                   "text_offset": []}
+    for choice in choices(chunks):
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [choice["text"]]
+        assert logprobs["text_offset"] == [offset]
+        (top,) = logprobs["top_logprobs"]
+        assert len(top) == 3 and top[choice["text"]] == logprobs["token_logprobs"][0]
+        offset += len(choice["text"])
+        for key, value in logprobs.items():
+            whole[key] += value
+    assert len(whole["tokens"]) == 3
+    assert answer["choices"][0]["logprobs"] == whole
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_mock_reasoning_tokens(protocol: str) -> None:
+    async with worker(protocol) as url:
+        body = {"messages": CHAT, "mock_reasoning_tokens": 2, "max_tokens": 5,
+                "stream": True}
+        chunks = await ask(url, body, "rs-1")
+        answer = await ask(url, {**body, "stream": False}, "rs-1")
+        with_tools = await ask(url, {**body, "tools": TOOLS}, "rs-1")
+    deltas = [c["delta"] for c in choices(chunks)[1:]]
+    assert [set(d) for d in deltas] == [{"reasoning_content"}] * 2 + [{"content"}] * 3
+    message = answer["choices"][0]["message"]
+    assert message["reasoning_content"] == "".join(d["reasoning_content"] for d in deltas[:2])
+    assert message["content"] == "".join(d["content"] for d in deltas[2:])
+    # reasoning first, then the tool call with the rest
+    deltas = [c["delta"] for c in choices(with_tools)[1:]]
+    assert [set(d) for d in deltas] == [{"reasoning_content"}] * 2 + [{"tool_calls"}] * 4
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas[2:])
+    assert list(orjson.loads(arguments)) == ["arg0", "arg1", "arg2"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_mock_decode_answer_faults(protocol: str) -> None:
+    body = {"messages": CHAT, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with worker(protocol) as url:
+        filtered = await ask(url, {**body, "fault": "decode_finish:content_filter"})
+        stopped = await ask(url, {**body, "fault": ["decode_stop_reason:128009",
+                                                    "decode_no_usage"]})
+        named = await ask(url, {**body, "stream": False,
+                                "fault": 'decode_stop_reason:"</s>",decode_error_at:9'})
+        async with worker(protocol, "prefill") as prefill_url:
+            if protocol == "vllm":  # a prefill ignores them
+                prefill = await ask(prefill_url, {
+                    **body, "stream": False, "fault": "decode_finish:content_filter",
+                    "kv_transfer_params": {"do_remote_decode": True}})
+                assert prefill["choices"][0]["finish_reason"] == "length"
+        async with httpx.AsyncClient() as client:
+            bad = await client.post(url + "/v1/chat/completions", json={
+                "model": MODEL, **body, "fault": "decode_finish"})
+    assert bad.status_code == 400 and "decode_finish" in bad.text
+    assert [c["finish_reason"] for c in choices(filtered)] == [None] * 3 + ["content_filter"]
+    assert "usage" in filtered[-1]
+    final = choices(stopped)[-1]
+    assert final["finish_reason"] == "length" and final["stop_reason"] == 128009
+    assert all(c["stop_reason"] is None for c in choices(stopped)[1:-1])
+    assert all(not c.get("usage") for c in stopped)  # no usage chunk
+    assert named["choices"][0]["stop_reason"] == "</s>"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_mock_min_tokens_holds_off_eos(protocol: str) -> None:
+    body = {"prompt": "a b c", "max_tokens": 16, "fault": "eos_first_token",
+            "stream": True}
+    async with worker(protocol) as url:
+        first = await ask(url, body, "mt-1")
+        held = await ask(url, {**body, "min_tokens": 10}, "mt-1")
+        budget = await ask(url, {**body, "min_tokens": 10, "max_tokens": 6}, "mt-1")
+    assert [c["finish_reason"] for c in choices(first)] == ["stop"]
+    assert [c["finish_reason"] for c in choices(held)] == [None] * 10 + ["stop"]
+    assert [c["finish_reason"] for c in choices(budget)] == [None] * 5 + ["length"]
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "trtllm"])
+async def test_a_prefill_given_min_tokens_does_not_end_on_eos(protocol: str) -> None:
+    """A sequential prefill with min_tokens 1 hands off instead of ending the request."""
+    body: dict[str, Any] = {"prompt": "a b c", "max_tokens": 1, "fault": "eos_first_token"}
+    if protocol == "vllm":
+        body["kv_transfer_params"] = {"do_remote_decode": True}
+    else:
+        body["disaggregated_params"] = {"request_type": "context_only"}
+    async with worker(protocol, "prefill") as url:
+        terminal = await ask(url, body, "mp-1")
+        handoff = await ask(url, {**body, "min_tokens": 1}, "mp-2")
+    assert terminal["choices"][0]["finish_reason"] == "stop"
+    assert handoff["choices"][0]["finish_reason"] == "length"
+    if protocol == "vllm":
+        assert terminal["kv_transfer_params"] is None
+        assert handoff["kv_transfer_params"]["do_remote_prefill"] is True
+    else:
+        assert type(handoff["choices"][0]["disaggregated_params"]["ctx_request_id"]) is int
+
+
+@pytest.mark.parametrize("protocol", PROTOCOL_NAMES)
+async def test_through_the_router_min_tokens_and_choices(protocol: ProtocolName) -> None:
+    """End to end on the engine side: a client min_tokens keeps EOS from making the
+    prefill terminal, and the decode's tool call reaches the router's outputs as sent."""
+    async with cluster_factory(protocol)() as cluster:
+        request = completion("rt-eos", max_tokens=6, min_tokens=2, fault="eos_first_token")
+        _, items = await run(cluster, request)
+        assert not any(item.is_error for item in items)
+        assert len(texts(items)) >= 2  # not ended on the prefill's token
+        body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 3}
+        chat = PreprocessedRequest(request_id="rt-tool", model=MODEL, body=body,
+                                   max_tokens=3)
+        _, items = await run(cluster, chat)
+        await cluster.settled()
+    outputs = [item.data for item in items if item.data is not None]
+    sent = [o.choice for o in outputs if o.choice is not None]
+    assert len(sent) == len(outputs)
+    assert sent[0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert sent[-1]["finish_reason"] == "tool_calls"
+    assert outputs[-1].finish_reason == FinishReason.STOP
+    arguments = "".join(c["delta"]["tool_calls"][0]["function"]["arguments"]
+                        for c in sent[1:])
+    assert list(orjson.loads(arguments)) == ["arg0", "arg1", "arg2"]
