@@ -124,7 +124,7 @@ def _bootstrap_info(request: PreprocessedRequest) -> BootstrapInfo | None:
 
 def sglang_body(request: PreprocessedRequest, *, decode: bool = True
                 ) -> tuple[str, dict[str, Any]]:
-    """The path and body of one leg of ``request`` (PROTOCOLS.md section 3): the decode's
+    """The path and body of one leg of ``request`` (SGLang's protocol): the decode's
     (``decode``) or the prefill's, which differ only in the fields a decode never gets.
 
     The client's body with the bootstrap triple of ``request.bootstrap_info``
