@@ -186,7 +186,7 @@ def test_one_body_with_the_bootstrap_triple_for_both_legs() -> None:
                                   bootstrap_info=info)
     path, wire = sglang_body(request)
     assert path == "/v1/chat/completions"
-    assert wire == {**body, "stream": True, "max_completion_tokens": 9,
+    assert wire == {**body, "stream": True,  # no budget invented (B8)
                     "stream_options": {"continuous_usage_stats": True, "include_usage": True},
                     "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998,
                     "bootstrap_room": (1 << 63) - 1}
@@ -194,7 +194,7 @@ def test_one_body_with_the_bootstrap_triple_for_both_legs() -> None:
     native = attrs.evolve(request, body={"text": "hello", "sampling_params": {"top_k": 2}})
     path, wire = sglang_body(native)
     assert path == "/generate"
-    assert wire["sampling_params"] == {"top_k": 2, "max_new_tokens": 9}
+    assert wire["sampling_params"] == {"top_k": 2}  # no budget invented (B8)
     assert wire["stream"] is True and wire["bootstrap_room"] == info.room
     # one room per request and per sample: never shared between samples
     for shared in ({"prompt": "x", "n": 2}, {"text": ["a", "b"]}, {"input_ids": [[1], [2]]}):

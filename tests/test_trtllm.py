@@ -128,7 +128,8 @@ def test_context_and_generation_bodies_follow_protocols_section_4() -> None:
                                                                      "content": "a b c"}]})
     chat_wire = generation_body(chat)
     assert chat_wire["prompt_token_ids"] == [1, 2, 3] and "prompt" not in chat_wire
-    assert chat_wire["max_completion_tokens"] == 9  # the router's budget
+    assert "max_completion_tokens" not in chat_wire  # no budget invented (B8)
+    assert "max_tokens" not in chat_wire
     assert "disaggregated_params" not in generation_body(attrs.evolve(
         request, body={**body, "disaggregated_params": {"x": 1}}, prefill_result=None))
     engines = trtllm_engines(["http://c:1"], ["http://g:1"], client=httpx.AsyncClient())

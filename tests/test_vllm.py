@@ -107,6 +107,7 @@ def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
     wire = prefill_body(body)
     assert wire == {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                     "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+                    "min_tokens": 1,  # capped, not removed: EOS may not end the prefill
                     "temperature": 0.5, "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS)}
     assert body["stream"] is True and "min_tokens" in body  # the client's body is untouched
     params = {"do_remote_prefill": True, "remote_request_id": "x", "tp_size": 1}
@@ -119,7 +120,9 @@ def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
     assert decode["min_tokens"] == 3 and decode["max_completion_tokens"] == 9
     bare = PreprocessedRequest(request_id="r", model=MODEL,
                                body={"model": MODEL, "prompt": "x"}, max_tokens=16)
-    assert decode_body(bare)["max_tokens"] == 16  # the router's budget, never the worker's
+    # B8: no budget invented; what the client sent, plus the handoff and the streaming
+    assert decode_body(bare) == {"model": MODEL, "prompt": "x", "stream": True,
+                                 "stream_options": {"include_usage": True}}
 
 
 def test_B10_a_vllm_prefill_may_be_cancelled_anytime() -> None:
@@ -167,7 +170,7 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         assert seen_prefill.request_id == "req-seq" == seen_decode.request_id
         assert seen_prefill.body == prefill_body(request.body)
         assert "stream_options" not in seen_prefill.body
-        assert "min_tokens" not in seen_prefill.body
+        assert seen_prefill.body["min_tokens"] == 1  # capped: vLLM refuses min > max
         params = seen_decode.body["kv_transfer_params"]
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert params["remote_request_id"] == "req-seq"

@@ -142,11 +142,23 @@ def endpoint_for(body: Mapping[str, Any]) -> str:
     return "/v1/chat/completions" if "messages" in body else "/v1/completions"
 
 
-def streaming_body(request: PreprocessedRequest) -> dict[str, Any]:
-    """The client's body, made to stream: ``stream: true``, ``stream_options.include_usage:
-    true``, and the router's resolved budget ``request.max_tokens`` if the body names
-    none (``max_tokens`` / ``max_completion_tokens``), so the worker's default never
-    overrides the router's.
+#: Body fields about the prompt, never sent to a decode (B8): the prompt's log
+#: probabilities (``prompt_logprobs``) and the prompt echoed back (``echo``) are the
+#: prefill's to compute. A decode that received the KV never ran the prompt, so it would
+#: answer them wrongly or not at all; the server refuses them (400) before routing, and
+#: the decode body builders drop them as a second line of defence.
+PROMPT_ONLY_FIELDS = ("prompt_logprobs", "echo")
+
+
+def streaming_body(request: PreprocessedRequest, *, decode: bool = True) -> dict[str, Any]:
+    """The client's body, made to stream: ``stream: true`` and
+    ``stream_options.include_usage: true``; for a decode leg (``decode``), without
+    :data:`PROMPT_ONLY_FIELDS`.
+
+    No budget is invented (B8): a body without ``max_tokens`` / ``max_completion_tokens``
+    goes without one, and the worker's own default applies, as it would for the client
+    talking to the worker directly. (``request.max_tokens`` is the router's reckoning of
+    the budget, for its own accounting only.)
 
     The decode legs always stream, whatever the client asked: the adapter then produces
     one output per token either way, a worker dying mid-answer is seen as such, and the
@@ -159,13 +171,9 @@ def streaming_body(request: PreprocessedRequest) -> dict[str, Any]:
     options = dict(options) if isinstance(options, Mapping) else {}
     options["include_usage"] = True
     wire["stream_options"] = options
-    if (
-        request.max_tokens is not None
-        and "max_tokens" not in wire
-        and "max_completion_tokens" not in wire
-    ):
-        key = "max_completion_tokens" if "messages" in wire else "max_tokens"
-        wire[key] = request.max_tokens
+    if decode:
+        for key in PROMPT_ONLY_FIELDS:
+            wire.pop(key, None)
     return wire
 
 
@@ -704,6 +712,23 @@ def first_choice(answer: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return choices[0]
 
 
+#: Choice keys that carry no content of their own (a role-only delta carries nothing).
+_BARE_DELTA_KEYS = frozenset({"role", "content"})
+
+
+def _carries_more(choice: Mapping[str, Any]) -> bool:
+    """Whether a chunk's choice carries something besides text (B8): a delta field other
+    than ``role`` / ``content`` (``tool_calls``, ``reasoning_content``, ...), ``logprobs``
+    or a ``stop_reason``."""
+    if choice.get("logprobs") or choice.get("stop_reason") is not None:
+        return True
+    delta = choice.get("delta")
+    if isinstance(delta, Mapping):
+        return any(key not in _BARE_DELTA_KEYS and value not in (None, "", [], {})
+                   for key, value in delta.items())
+    return False
+
+
 def openai_output(
     answer: Mapping[str, Any],
     *,
@@ -712,7 +737,14 @@ def openai_output(
 ) -> LLMEngineOutput | None:
     """The output of an OpenAI completion answer or chunk (``final``: a whole answer,
     whose usage is taken too); None for a chunk with nothing in it (a role-only delta, a
-    usage chunk)."""
+    usage chunk).
+
+    The output's :attr:`~trio_disagg.LLMEngineOutput.choice` is the worker's own
+    ``choices[0]``, untouched, for the server to relay as sent (B8); a chunk whose choice
+    carries anything besides text (tool calls, reasoning, logprobs, a ``stop_reason``) is
+    an output even without text. ``text`` is the choice's text or ``content``, and the
+    finish is mapped through ``finish_table`` (``tool_calls`` is a ``STOP``, ``abort``
+    a ``CANCELLED``), for the router's own use."""
     choice = first_choice(answer)
     if choice is None:
         return None
@@ -728,10 +760,12 @@ def openai_output(
     token_ids = ids if isinstance(ids, list) and all(type(i) is int for i in ids) else []
     finish = parse_finish(choice.get("finish_reason"), finish_table)
     usage = parse_usage(answer)
-    if not text and not token_ids and finish is None and not final:
+    if (not text and not token_ids and finish is None and not final
+            and not _carries_more(choice)):
         return None
     index = choice.get("index")
     return LLMEngineOutput(
         token_ids=token_ids, text=text or None, finish_reason=finish,
         completion_usage=usage, index=index if type(index) is int and index else None,
+        choice=choice,
     )

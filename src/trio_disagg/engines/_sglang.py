@@ -122,16 +122,21 @@ def _bootstrap_info(request: PreprocessedRequest) -> BootstrapInfo | None:
     return None
 
 
-def sglang_body(request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
-    """The path and body both legs of ``request`` get (PROTOCOLS.md section 3).
+def sglang_body(request: PreprocessedRequest, *, decode: bool = True
+                ) -> tuple[str, dict[str, Any]]:
+    """The path and body of one leg of ``request`` (SGLang's protocol): the decode's
+    (``decode``) or the prefill's, which differ only in the fields a decode never gets.
 
     The client's body with the bootstrap triple of ``request.bootstrap_info``
     (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``), always streamed
     (:func:`~trio_disagg.engines.streaming_body`: ``stream: true``,
-    ``stream_options.include_usage: true``, the router's budget if the body names none).
+    ``stream_options.include_usage: true``; for the decode without ``prompt_logprobs``
+    and ``echo``, which concern the prompt only the prefill computes). No budget is
+    invented (B8): a body without one goes without one. ``min_tokens`` goes as sent to
+    both legs: they get the client's own budget, which the client's ``min_tokens`` fits.
     A native body (``text`` or ``input_ids``, no ``prompt`` / ``messages``) goes to
-    ``POST /generate`` with ``stream: true`` and ``sampling_params.max_new_tokens`` set
-    to the router's budget if missing; any other to the OpenAI endpoint of its kind.
+    ``POST /generate`` with ``stream: true``; any other to the OpenAI endpoint of its
+    kind.
 
     Raises:
         WorkerError: status 400: the request has no bootstrap room, or would share one
@@ -161,14 +166,9 @@ def sglang_body(request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
                               "prompt per request", status=400)
         wire = dict(body)
         wire["stream"] = True
-        params = wire.get("sampling_params")
-        params = dict(params) if isinstance(params, Mapping) else {}
-        if request.max_tokens is not None and "max_new_tokens" not in params:
-            params["max_new_tokens"] = request.max_tokens
-        wire["sampling_params"] = params
         path = GENERATE_PATH
     else:
-        wire = streaming_body(request)
+        wire = streaming_body(request, decode=decode)
         path = endpoint_for(wire)
     wire.update(info.as_params())
     return path, wire
@@ -250,9 +250,9 @@ class SglangEngine(HttpEngine):
     Both roles have ``handoff_style = HandoffStyle.BOOTSTRAP``: the router picks a unique
     63-bit bootstrap room per request (``request.bootstrap_info``, with this prefill
     engine's :attr:`bootstrap_host` and :attr:`bootstrap_port`) and dispatches both legs
-    at once. Both ``POST`` the same :func:`sglang_body` (streamed) with
-    ``X-Request-Id: request.request_id``; ``task_status.started()`` is called once the
-    worker answered 2xx headers.
+    at once. Both ``POST`` :func:`sglang_body` (streamed; the decode's without the
+    prompt-only fields) with ``X-Request-Id: request.request_id``;
+    ``task_status.started()`` is called once the worker answered 2xx headers.
 
     **Prefill**: the bootstrap triple is validated first (B7, :func:`bootstrap_problem`):
     if it is not well typed, nothing is sent to the worker and the stream is ONE error
@@ -356,7 +356,7 @@ class SglangEngine(HttpEngine):
             await send_quietly(send_channel, self._invalid_handoff(*problem, sent=False))
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
-        return sglang_body(request)
+        return sglang_body(request, decode=self.role == "decode")
 
     def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
         return _NativeParser() if path == GENERATE_PATH else ChunkParser()

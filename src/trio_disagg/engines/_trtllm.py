@@ -113,7 +113,10 @@ def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, A
 
     The client's body with ``stream: false``, ``stream_options: null`` and
     ``disaggregated_params: {"request_type": "context_only", "disagg_request_id":
-    disagg_request_id}``.
+    disagg_request_id}``. Its budget and ``min_tokens`` go as the client sent them (a
+    context server computes one token whatever the budget, so the client's
+    ``min_tokens``, which fits the client's budget, is valid there, and keeps that token
+    from ending the request on EOS).
     """
     wire = dict(body)
     wire["stream"] = False
@@ -126,7 +129,9 @@ def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, A
 def generation_body(request: PreprocessedRequest) -> dict[str, Any]:
     """The generation request for ``request`` (PROTOCOLS.md section 4).
 
-    The client's body, always streamed (:func:`~trio_disagg.engines.streaming_body`), with
+    The client's body, always streamed (:func:`~trio_disagg.engines.streaming_body`;
+    without ``prompt_logprobs`` and ``echo``, which concern the prompt only the context
+    computed; no budget added), with
     ``disaggregated_params`` = the context's (``request.prefill_result``), ``request_type``
     set to ``"generation_only"``, and the prompt replaced by the context's
     ``prompt_token_ids`` (``prompt`` for a completion, ``prompt_token_ids`` beside the

@@ -90,8 +90,13 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The prefill request for a client's body (PROTOCOLS.md section 2).
 
     The client's body with ``stream: false``, ``max_tokens: 1`` (and
-    ``max_completion_tokens: 1`` if the body has it), ``stream_options`` and
-    ``min_tokens`` removed, and :data:`PREFILL_KV_TRANSFER_PARAMS`.
+    ``max_completion_tokens: 1`` if the body has it), ``stream_options`` removed,
+    ``min_tokens`` capped at 1, and :data:`PREFILL_KV_TRANSFER_PARAMS`.
+
+    ``min_tokens`` is capped, not removed: vLLM refuses ``min_tokens > max_tokens``, but
+    a client's ``min_tokens >= 1`` must still keep the prefill's one token from ending
+    the request on EOS (which would make it terminal, S7, and answer the client an empty
+    completion it asked not to get).
     """
     wire = dict(body)
     wire["stream"] = False
@@ -99,7 +104,9 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in wire:
         wire["max_completion_tokens"] = 1
     wire.pop("stream_options", None)
-    wire.pop("min_tokens", None)
+    min_tokens = wire.get("min_tokens")
+    if type(min_tokens) is int and min_tokens > 1:
+        wire["min_tokens"] = 1
     wire["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return wire
 
@@ -116,9 +123,12 @@ def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
       then produces one output per token either way, a worker dying mid-answer is seen
       as such, and the server layer collects the outputs into one JSON answer for a
       client that did not stream;
-    - a body that names no budget (``max_tokens`` / ``max_completion_tokens``) gets the
-      router's resolved ``request.max_tokens``, so the worker's default never overrides
-      the router's.
+    - ``prompt_logprobs`` and ``echo`` are dropped: they concern the prompt, which only
+      the prefill computed (the server refuses them before routing; this is the second
+      line of defence).
+
+    Nothing else is added (B8): a body that names no budget (``max_tokens`` /
+    ``max_completion_tokens``) goes without one.
     """
     wire = streaming_body(request)
     if request.prefill_result is not None:

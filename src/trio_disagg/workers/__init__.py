@@ -7,6 +7,7 @@ accounting. :class:`MockWorker` is what they share.
 """
 
 from ._common import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN
+from ._common import REASONING_HOOK as REASONING_HOOK
 from ._common import KVCollector as KVCollector
 from ._common import MockWorker as MockWorker
 from ._common import Role as Role

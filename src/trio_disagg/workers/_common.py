@@ -35,11 +35,13 @@ from ..engines._kv import (
 )
 from ..engines._latency import LatencyModel
 from ..engines._text import (
+    VOCAB_SIZE,
     WORDS,
     TokenStream,
     cached_prompt_tokens,
     count_prompt_tokens,
     resolve_max_tokens,
+    seeded_unit,
 )
 from ._asgi import (
     DONE_EVENT,
@@ -51,7 +53,14 @@ from ._asgi import (
     read_body,
     run_until_disconnect,
 )
-from ._faults import MockFault, MockFaultKind, split_mock_faults
+from ._faults import (
+    REMOVED,
+    AnswerFaults,
+    MockFault,
+    MockFaultKind,
+    answer_faults,
+    split_mock_faults,
+)
 
 logger = logging.getLogger("trio_disagg.workers")
 
@@ -355,8 +364,119 @@ class AnswerFormat:
         raise NotImplementedError
 
 
+#: A body field of the mock workers only (a test hook, like ``"fault"``): a chat's first N
+#: tokens go out as ``reasoning_content`` instead of ``content``.
+REASONING_HOOK = "mock_reasoning_tokens"
+
+
+@attrs.frozen(kw_only=True)
+class ChoiceShape:
+    """What a request asks of its answer's choices beyond plain text, as the mock workers
+    send it (B8: the relay must carry it as sent). Made by :func:`choice_shape`.
+
+    Attributes:
+        decode: the answer is a decode's (else a prefill's: its ``length`` finish stays,
+            the handoff needs it).
+        tool: a chat with ``tools`` (``tool_choice`` not ``"none"``): the name of the
+            function called, the first tool's. The tokens go out as the arguments of one
+            tool call, ``{"arg0": "word", ...}``, instead of content.
+        call_id: that call's ``id``, ``"call_<request id>"``.
+        logprobs: a chat's ``logprobs: true``, or a completion's ``logprobs: k``.
+        top_logprobs: alternatives per token: a chat's ``top_logprobs``, a completion's k.
+        reasoning_tokens: a chat's :data:`REASONING_HOOK`: its first N tokens go out as
+            ``reasoning_content``.
+        faults: the decode's answer faults (final ``finish_reason``, ``stop_reason``, no
+            usage chunk).
+    """
+
+    decode: bool
+    tool: str | None = None
+    call_id: str = ""
+    logprobs: bool = False
+    top_logprobs: int = 0
+    reasoning_tokens: int = 0
+    faults: AnswerFaults = attrs.field(factory=AnswerFaults)
+
+    def finish(self, finish: str) -> str:
+        """The ``finish_reason`` sent for the tokens' own ``finish``."""
+        if self.faults.finish is not None:
+            return self.faults.finish
+        if self.tool is not None and (finish == "stop" or (finish == "length" and self.decode)):
+            return "tool_calls"  # the mock's call is complete (its arguments closed)
+        return finish
+
+    def stop_reason(self) -> Any:
+        """The final choice's ``stop_reason``."""
+        value = self.faults.stop_reason
+        return None if value is REMOVED else value
+
+
+def choice_shape(body: Mapping[str, Any], *, chat: bool, decode: bool, request_id: str
+                 ) -> ChoiceShape | None:
+    """What ``body`` asks of its choices (:class:`ChoiceShape`); None for plain text.
+    The answer faults count for a decode only.
+
+    Raises:
+        ValueError: a malformed answer fault.
+    """
+    faults = answer_faults(body) if decode else AnswerFaults()
+    tool = None
+    logprobs = False
+    top = 0
+    reasoning = 0
+    if chat:
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools and body.get("tool_choice") != "none":
+            first = tools[0] if isinstance(tools[0], Mapping) else {}
+            function = first.get("function")
+            name = function.get("name") if isinstance(function, Mapping) else None
+            tool = name if isinstance(name, str) else "tool"
+        logprobs = body.get("logprobs") is True
+        value = body.get("top_logprobs")
+        top = value if type(value) is int and value > 0 else 0
+        value = body.get(REASONING_HOOK)
+        reasoning = value if type(value) is int and value > 0 else 0
+    else:
+        value = body.get("logprobs")
+        if type(value) is int and value >= 0:
+            logprobs, top = True, value
+    if tool is None and not logprobs and not reasoning and not faults:
+        return None
+    return ChoiceShape(decode=decode, tool=tool, call_id=f"call_{request_id}",
+                       logprobs=logprobs, top_logprobs=top, reasoning_tokens=reasoning,
+                       faults=faults)
+
+
+def _alternatives(token: int, text: str, logprob: float, k: int
+                  ) -> list[tuple[str, float]]:
+    """``k`` ``(text, logprob)`` candidates for a position, the sampled token first, then
+    other words, each less likely, all distinct."""
+    found = [(text, logprob)][:k]
+    seen = {text}
+    step = 0
+    while len(found) < k:
+        step += 1
+        alt = WORDS[(token + 131 * step) % VOCAB_SIZE]
+        if alt not in seen:
+            seen.add(alt)
+            found.append((alt, round(logprob - 0.5 * len(found), 4)))
+    return found
+
+
 class OpenAIFormat(AnswerFormat):
     """OpenAI completion and chat completion answers and chunks.
+
+    A plain request's chunks are written from bytes made once. A request with a
+    :class:`ChoiceShape` gets the fields it asks for, as vLLM sends them: a chat with
+    ``tools`` one tool call (a first delta ``{"tool_calls": [{"index": 0, "id", "type":
+    "function", "function": {"name", "arguments": ""}}]}``, then per token an argument
+    fragment ``{"tool_calls": [{"index": 0, "function": {"arguments"}}]}``, no
+    ``content``, finish ``tool_calls``; answered whole: ``message.tool_calls``,
+    ``content: null``); ``logprobs`` per token (chat ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}``, answered whole: all of them), fixed by ``seed``,
+    the request id and the token's position; the first tokens as
+    ``delta.reasoning_content`` (``message.reasoning_content``); and the answer faults.
 
     Args:
         chat: a chat completion.
@@ -364,12 +484,17 @@ class OpenAIFormat(AnswerFormat):
         model: echoed.
         with_ids: add ``token_ids`` to each choice (vLLM's ``return_token_ids``).
         top: fields added to every whole answer (vLLM's ``kv_transfer_params: null``).
+        shape: what the request asks of its choices, or None for plain text.
+        seed: with ``request_id``, fixes the logprobs.
+        request_id: the request's id.
     """
 
-    __slots__ = ("_chat", "_head", "_ids", "_model", "_response_id", "_top", "_usage_head")
+    __slots__ = ("_args", "_at", "_called", "_chat", "_head", "_ids", "_model", "_offset",
+                 "_request_id", "_response_id", "_seed", "_shape", "_top", "_usage_head")
 
     def __init__(self, *, chat: bool, response_id: str, model: Any, with_ids: bool,
-                 top: Mapping[str, Any] | None = None) -> None:
+                 top: Mapping[str, Any] | None = None, shape: ChoiceShape | None = None,
+                 seed: int = 0, request_id: str = "") -> None:
         kind = b"chat.completion.chunk" if chat else b"text_completion"
         head = (b'data: {"id":' + orjson.dumps(response_id) + b',"object":"' + kind
                 + b'","created":' + str(int(time.time())).encode() + b',"model":'
@@ -381,6 +506,13 @@ class OpenAIFormat(AnswerFormat):
         self._model = model
         self._response_id = response_id
         self._top = top
+        self._shape = shape
+        self._seed = seed
+        self._request_id = request_id
+        self._at = 0  # tokens sent
+        self._args = 0  # tool call arguments sent
+        self._offset = 0  # characters of text sent (a completion's text_offset)
+        self._called = False  # the tool call's first delta sent
 
     def start(self) -> bytes:
         if not self._chat:
@@ -389,6 +521,8 @@ class OpenAIFormat(AnswerFormat):
                 b'"finish_reason":null}]}\n\n')
 
     def token(self, text: str, token: int | None, finish: str | None) -> bytes:
+        if self._shape is not None:
+            return self._shaped_token(self._shape, text, token, finish)
         if self._chat:
             body = b'"delta":{"content":' + orjson.dumps(text) + b"}"
         else:
@@ -399,19 +533,152 @@ class OpenAIFormat(AnswerFormat):
                 + orjson.dumps(finish) + b',"stop_reason":null}]}\n\n')
 
     def usage(self, usage: dict[str, Any]) -> bytes:
+        if self._shape is not None and self._shape.faults.no_usage:
+            return b""
         return self._usage_head + orjson.dumps(usage) + b"}\n\n"
+
+    # --- shaped choices ------------------------------------------------------------------
+
+    def _logprob(self, position: int) -> float:
+        return -round(0.01 + 3.0 * seeded_unit(self._seed, "logprob", self._request_id,
+                                               position), 4)
+
+    def _chat_logprob(self, shape: ChoiceShape, position: int, text: str, token: int
+                      ) -> dict[str, Any]:
+        logprob = self._logprob(position)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": alt, "logprob": value, "bytes": list(alt.encode())}
+                    for alt, value in _alternatives(token, text, logprob,
+                                                    shape.top_logprobs)]}
+
+    def _completion_logprobs(self, shape: ChoiceShape, start: int, offset: int,
+                             tokens: list[tuple[str, int]]) -> dict[str, Any]:
+        result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                  "text_offset": []}
+        for position, (text, token) in enumerate(tokens, start):
+            logprob = self._logprob(position)
+            result["tokens"].append(text)
+            result["token_logprobs"].append(logprob)
+            result["top_logprobs"].append(
+                dict(_alternatives(token, text, logprob, shape.top_logprobs)))
+            result["text_offset"].append(offset)
+            offset += len(text)
+        return result
+
+    def _event(self, choice: dict[str, Any]) -> bytes:
+        return self._head[:-len(b'{"index":0,')] + orjson.dumps(choice) + b"]}\n\n"
+
+    def _shaped_token(self, shape: ChoiceShape, text: str, token: int | None,
+                      finish: str | None) -> bytes:
+        position = self._at
+        if token is not None:
+            self._at += 1
+        final = {"finish_reason": shape.finish(finish) if finish is not None else None,
+                 "stop_reason": shape.stop_reason() if finish is not None else None}
+        if not self._chat:
+            choice: dict[str, Any] = {"index": 0, "text": text}
+            if self._ids:
+                choice["token_ids"] = [] if token is None else [token]
+            choice["logprobs"] = (self._completion_logprobs(
+                shape, position, self._offset, [(text, token)])
+                if shape.logprobs and token is not None else None)
+            self._offset += len(text)
+            return self._event({**choice, **final})
+        # a chat: the deltas this token makes, the one carrying the token's logprobs
+        deltas: list[dict[str, Any]] = []
+        carrier = 0
+        reasoning = token is not None and position < shape.reasoning_tokens
+        if reasoning:
+            deltas.append({"reasoning_content": text})
+        elif shape.tool is None:
+            deltas.append({"content": text})
+        if shape.tool is not None and (not reasoning or finish is not None):
+            if not self._called:
+                self._called = True
+                deltas.append({"tool_calls": [{
+                    "index": 0, "id": shape.call_id, "type": "function",
+                    "function": {"name": shape.tool, "arguments": ""}}]})
+            fragment = ""
+            if token is not None and not reasoning:
+                carrier = len(deltas)
+                fragment = (("{" if self._args == 0 else ", ") + f'"arg{self._args}": '
+                            + orjson.dumps(text.strip()).decode())
+                self._args += 1
+            if finish is not None:
+                fragment += "}" if self._args else "{}"
+            if fragment:
+                deltas.append({"tool_calls": [{"index": 0,
+                                               "function": {"arguments": fragment}}]})
+        parts = []
+        for i, delta in enumerate(deltas):
+            carries = i == carrier and token is not None
+            choice = {"index": 0, "delta": delta}
+            if self._ids:
+                choice["token_ids"] = [token] if carries else []
+            choice["logprobs"] = ({"content": [self._chat_logprob(shape, position, text,
+                                                                  token)]}
+                                  if carries and shape.logprobs and token is not None
+                                  else None)
+            if i == len(deltas) - 1:
+                choice.update(final)
+            else:
+                choice.update(finish_reason=None, stop_reason=None)
+            parts.append(self._event(choice))
+        return b"".join(parts)
+
+    def _shaped_entry(self, shape: ChoiceShape, text: str, token_ids: list[int],
+                      finish: str) -> dict[str, Any]:
+        """A whole answer's choice: the concatenation of what its chunks would carry."""
+        tokens = [(WORDS[t], t) for t in token_ids if 0 <= t < VOCAB_SIZE]
+        if "".join(word for word, _ in tokens) != text:
+            tokens = []  # not this mock's tokens: no per-token fields
+        entry: dict[str, Any] = {"index": 0}
+        logprobs: Any = None
+        if self._chat:
+            cut = min(shape.reasoning_tokens, len(tokens))
+            message: dict[str, Any] = {"role": "assistant"}
+            rest = tokens[cut:]
+            if shape.tool is not None:
+                arguments = "{" + ", ".join(
+                    f'"arg{j}": ' + orjson.dumps(word.strip()).decode()
+                    for j, (word, _) in enumerate(rest)) + "}"
+                message["content"] = None
+                message["tool_calls"] = [{"id": shape.call_id, "type": "function",
+                                          "function": {"name": shape.tool,
+                                                       "arguments": arguments}}]
+            else:
+                message["content"] = "".join(word for word, _ in rest) if tokens else text
+            if shape.reasoning_tokens:
+                message["reasoning_content"] = "".join(word for word, _ in tokens[:cut])
+            entry["message"] = message
+            if shape.logprobs:
+                logprobs = {"content": [self._chat_logprob(shape, i, word, t)
+                                        for i, (word, t) in enumerate(tokens)]}
+        else:
+            entry["text"] = text
+            if shape.logprobs:
+                logprobs = self._completion_logprobs(shape, 0, 0, tokens)
+        entry["logprobs"] = logprobs
+        entry["finish_reason"] = shape.finish(finish)
+        entry["stop_reason"] = shape.stop_reason()
+        return entry
 
     def answer(self, *, text: str, token_ids: list[int], finish: str,
                usage: dict[str, Any], top: Mapping[str, Any] | None = None,
                choice: Mapping[str, Any] | None = None) -> bytes:
-        entry: dict[str, Any] = {"index": 0}
-        if self._chat:
-            entry["message"] = {"role": "assistant", "content": text}
+        entry: dict[str, Any]
+        if self._shape is not None:
+            entry = self._shaped_entry(self._shape, text, token_ids, finish)
         else:
-            entry["text"] = text
-        entry["logprobs"] = None
-        entry["finish_reason"] = finish
-        entry["stop_reason"] = None
+            entry = {"index": 0}
+            if self._chat:
+                entry["message"] = {"role": "assistant", "content": text}
+            else:
+                entry["text"] = text
+            entry["logprobs"] = None
+            entry["finish_reason"] = finish
+            entry["stop_reason"] = None
         if self._ids:
             entry["token_ids"] = token_ids
         if choice:
@@ -719,20 +986,37 @@ class MockWorker:
             return 400, "'prompt' is required"
         if self.model is not None and body.get("model") != self.model:
             return 404, f"The model `{body.get('model')}` does not exist."
+        hook = body.get(REASONING_HOOK)
+        if hook is not None and (type(hook) is not int or hook < 0):
+            return 400, f"'{REASONING_HOOK}' must be a non-negative integer, got {hook!r:.40}"
         return None
 
     def _max_tokens(self, body: Mapping[str, Any]) -> int:
         """The completion budget of a body, in tokens."""
         return resolve_max_tokens(None, body, self.default_max_tokens)
 
+    def _min_tokens(self, body: Mapping[str, Any]) -> int:
+        """The tokens a body asks before EOS may end it (``min_tokens``), at least 0."""
+        value = body.get("min_tokens")
+        return value if type(value) is int and value > 0 else 0
+
+    def ends_on_first_token(self, body: Mapping[str, Any], fault: Fault | None) -> bool:
+        """Whether a prefill's first token ends the request on EOS (``eos_first_token``):
+        not when the body asks ``min_tokens >= 1`` (EOS may not come before them)."""
+        return (fault is not None and fault.kind is FaultKind.EOS_FIRST_TOKEN
+                and self._min_tokens(body) == 0)
+
     def openai_format(self, exchange: Exchange, body: Mapping[str, Any], path: str,
                       top: Mapping[str, Any] | None = None) -> OpenAIFormat:
         chat = path == "/v1/chat/completions"
+        request_id = exchange.request_id or ""
+        shape = choice_shape(body, chat=chat, decode=self.role == "decode",
+                             request_id=request_id)
         return OpenAIFormat(chat=chat,
-                            response_id=("chatcmpl-" if chat else "cmpl-")
-                            + (exchange.request_id or ""),
+                            response_id=("chatcmpl-" if chat else "cmpl-") + request_id,
                             model=body.get("model"),
-                            with_ids=body.get("return_token_ids") is True, top=top)
+                            with_ids=body.get("return_token_ids") is True, top=top,
+                            shape=shape, seed=self.seed, request_id=request_id)
 
     async def _decode(self, exchange: Exchange, body: Mapping[str, Any], fmt: AnswerFormat,
                       fault: Fault | None, source: KVSource | str | None, *,
@@ -746,7 +1030,9 @@ class MockWorker:
         pull is a decode error: an error event and ``[DONE]`` in a stream, a 500 answer
         otherwise. KV not pulled (aborted, failed before the first token) is released.
         ``eos_with_handoff``: honour ``eos_first_token`` after a handoff too (SGLang's
-        decode receives the prefill's first token with the KV). ``mock``:
+        decode receives the prefill's first token with the KV). ``eos_first_token``
+        ends the tokens on EOS after ``min_tokens`` of them (the first with none), as a
+        stop; past the budget it is a ``length`` finish as usual. ``mock``:
         ``decode_kv_lost`` lets go of the KV and answers 500 before any byte;
         ``decode_queue:SECONDS`` waits that long, accepted, before the pull;
         ``decode_accept_delay:SECONDS`` waits that long before accepting. A worker
@@ -806,8 +1092,10 @@ class MockWorker:
                 cached = cached_prompt_tokens(self.seed, body, prompt_tokens,
                                               self.kv.block_size)
                 eos_first = kind is FaultKind.EOS_FIRST_TOKEN
-            if eos_first and max_tokens > 0:
-                max_tokens = 1
+            # EOS comes first of all, or right after the min_tokens it may not cut short
+            eos_at = self._min_tokens(body) + 1
+            if eos_first and 0 < eos_at <= max_tokens:
+                max_tokens = eos_at
             else:
                 eos_first = False
             await self._tokens(exchange, fmt, stream=stream, include_usage=include_usage,
@@ -826,7 +1114,7 @@ class MockWorker:
                       usage: Callable[[int], dict[str, Any]]) -> None:
         """Generate ``max_tokens`` tokens, ``latency.inter_token_latency`` seconds apart,
         fixed by ``seed`` and the request id; the last one finishes ``length`` (``stop``
-        with ``eos_first``)."""
+        with ``eos_first``: EOS, counted as a token, as the mock always has)."""
         request_id = exchange.request_id or ""
         tokens = TokenStream(self.seed, request_id)
         itl = self.latency.inter_token_latency

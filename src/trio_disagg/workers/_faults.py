@@ -25,6 +25,17 @@ Wire strings:
   handoff, or set to ``VALUE`` (JSON, else the raw text: ``ctx_request_id=1.5``,
   ``ctx_request_id=""``, ``ctx_request_id=abc``). ``prefill_bad_handoff:choices``
   answers two choices instead of one.
+
+Answer faults (:class:`AnswerFaults`) change only the fields of the decode's OpenAI answer,
+for the relay to carry as sent (B8). They mix with each other and with one other decode
+fault (at most one of each kind); the prefill ignores them:
+
+- ``decode_finish:REASON``: the final choice's ``finish_reason`` is ``REASON`` (such as
+  ``content_filter``), whatever ended the tokens.
+- ``decode_stop_reason:VALUE``: the final choice has ``"stop_reason": VALUE`` (JSON, such as
+  ``128009`` or ``"</s>"``; else the raw text), as vLLM says which stop ended it.
+- ``decode_no_usage``: the stream has no usage chunk, even when
+  ``stream_options.include_usage`` asks for one.
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ from typing import Any
 import attrs
 import orjson
 
-__all__ = ["REMOVED", "MockFault", "MockFaultKind", "parse_mock_fault", "split_mock_faults"]
+__all__ = ["REMOVED", "AnswerFaults", "MockFault", "MockFaultKind", "answer_faults",
+           "parse_mock_fault", "split_mock_faults"]
 
 
 class _Removed(enum.Enum):
@@ -121,9 +133,81 @@ def parse_mock_fault(text: str) -> MockFault:
     return MockFault(kind=kind, field=field, value=value)
 
 
+#: The answer faults' wire names (before ``:ARG``).
+DECODE_FINISH = "decode_finish"
+DECODE_STOP_REASON = "decode_stop_reason"
+DECODE_NO_USAGE = "decode_no_usage"
+_ANSWER_NAMES = frozenset({DECODE_FINISH, DECODE_STOP_REASON, DECODE_NO_USAGE})
+
+
+@attrs.frozen(kw_only=True)
+class AnswerFaults:
+    """A decode's answer faults (see the module docstring).
+
+    Attributes:
+        finish: ``decode_finish``'s reason, or None.
+        stop_reason: ``decode_stop_reason``'s value, or :data:`REMOVED` (none asked).
+        no_usage: ``decode_no_usage``.
+    """
+
+    finish: str | None = None
+    stop_reason: Any = REMOVED
+    no_usage: bool = False
+
+    def __bool__(self) -> bool:
+        return self.finish is not None or self.stop_reason is not REMOVED or self.no_usage
+
+
+def _fault_texts(value: Any) -> list[Any] | None:
+    if isinstance(value, str):
+        return [t for t in value.split(",") if t.strip()]
+    if isinstance(value, list):
+        return value
+    return None  # none, or malformed: the engines' parser reports it
+
+
+def answer_faults(body: Mapping[str, Any]) -> AnswerFaults:
+    """The answer faults named in ``body["fault"]`` (none: an empty :class:`AnswerFaults`).
+
+    Raises:
+        ValueError: a malformed answer fault, or one kind twice.
+    """
+    texts = _fault_texts(body.get("fault")) or []
+    fields: dict[str, Any] = {}
+    for text in texts:
+        if not isinstance(text, str):
+            continue
+        name, sep, arg = text.strip().partition(":")
+        if name not in _ANSWER_NAMES:
+            continue
+        key = {DECODE_FINISH: "finish", DECODE_STOP_REASON: "stop_reason",
+               DECODE_NO_USAGE: "no_usage"}[name]
+        if key in fields:
+            raise ValueError(f"at most one {name} fault per request; got {text!r} too")
+        if name == DECODE_NO_USAGE:
+            if sep:
+                raise ValueError(f"fault {name!r} takes no argument; got {text!r}")
+            fields[key] = True
+        elif not sep or not arg:
+            example = "content_filter" if name == DECODE_FINISH else "128009"
+            raise ValueError(f"fault {name!r} needs a value, as in '{name}:{example}'; "
+                             f"got {text!r}")
+        elif name == DECODE_FINISH:
+            fields[key] = arg
+        else:
+            try:
+                fields[key] = orjson.loads(arg)
+            except orjson.JSONDecodeError:
+                fields[key] = arg
+    return AnswerFaults(**fields)
+
+
 def split_mock_faults(body: Mapping[str, Any], role: str
                       ) -> tuple[MockFault | None, Mapping[str, Any]]:
     """Take the mock-only faults out of ``body["fault"]``.
+
+    Answer faults (:func:`answer_faults`) are checked and taken out too; they count
+    against no other fault.
 
     Returns:
         The mock-only fault for ``role`` (or None), and the body the engines' faults are
@@ -132,22 +216,23 @@ def split_mock_faults(body: Mapping[str, Any], role: str
     Raises:
         ValueError: a malformed mock-only fault, or two mock-only faults for one role.
     """
-    value = body.get("fault")
-    if isinstance(value, str):
-        texts: list[Any] = [t for t in value.split(",") if t.strip()]
-    elif isinstance(value, list):
-        texts = value
-    else:
-        return None, body  # none, or malformed: the engines' parser reports it
+    texts = _fault_texts(body.get("fault"))
+    if texts is None:
+        return None, body
+    answer_faults(body)  # checked here, read where the answer is written
     mine: list[MockFault] = []
     rest: list[Any] = []
+    answers = 0
     for text in texts:
-        if isinstance(text, str) and text.strip().partition(":")[0] in _BY_NAME:
+        name = text.strip().partition(":")[0] if isinstance(text, str) else None
+        if name in _BY_NAME:
             mine.append(parse_mock_fault(text))
+        elif name in _ANSWER_NAMES:
+            answers += 1
         else:
             rest.append(text)
     if not mine:
-        return None, body
+        return None, ({**body, "fault": rest} if answers else body)
     roles: dict[str, MockFault] = {}
     for fault in mine:
         if fault.role in roles:

@@ -373,6 +373,13 @@ class MockSglangWorker(MockWorker):
             return resolve_max_tokens(None, params, self.default_max_tokens)
         return super()._max_tokens(body)
 
+    def _min_tokens(self, body: Mapping[str, Any]) -> int:
+        params = body.get("sampling_params")
+        if isinstance(params, Mapping):
+            value = params.get("min_new_tokens")
+            return value if type(value) is int and value > 0 else 0
+        return super()._min_tokens(body)
+
     def _format(self, exchange: Exchange, body: Mapping[str, Any], path: str
                 ) -> tuple[AnswerFormat, bool]:
         """The answer format, and whether a stream carries usage."""
@@ -491,7 +498,7 @@ class MockSglangWorker(MockWorker):
                 await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
                                            f"request {request_id!r} (after the KV transfer)")
                 return
-            eos = kind is FaultKind.EOS_FIRST_TOKEN
+            eos = self.ends_on_first_token(body, fault)
             token = TokenStream(self.seed, request_id).next_id() if eos else None
             await self._answer(exchange, fmt, stream=stream, include_usage=include_usage,
                                token=token, finish="stop" if eos else "length",

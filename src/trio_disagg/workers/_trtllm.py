@@ -220,8 +220,9 @@ class MockTrtllmWorker(MockWorker):
                 "disagg_request_id": disagg_id,
             }
             top = {"prompt_token_ids": prompt_token_ids(self.seed, body)}
-            if kind in _TERMINAL_FINISH:  # S7: the context is the final answer
-                assert kind is not None
+            if kind in _TERMINAL_FINISH and (kind is not FaultKind.EOS_FIRST_TOKEN
+                                             or self.ends_on_first_token(body, fault)):
+                assert kind is not None  # S7: the context is the final answer
                 answered = True
                 eos = kind is FaultKind.EOS_FIRST_TOKEN
                 await exchange.respond(200, fmt.answer(

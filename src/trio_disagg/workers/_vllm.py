@@ -99,7 +99,17 @@ class MockVllmWorker(MockWorker):
     ``X-Request-Id`` (so a prefill's token equals its decode's first token),
     ``latency.inter_token_latency`` seconds apart, ``finish_reason: "length"``; a usage
     chunk if ``stream_options.include_usage``; ``token_ids`` in each choice if the body
-    asks ``return_token_ids``.
+    asks ``return_token_ids``. ``min_tokens`` holds ``eos_first_token``'s EOS off until
+    that many tokens went out (a prefill given ``min_tokens >= 1`` hands off as usual).
+
+    Choices beyond text (B8), on every protocol's OpenAI endpoints (the shared OpenAI
+    answer format): a chat with ``tools`` (``tool_choice`` not ``"none"``)
+    answers one call of the first tool, ``id`` ``"call_<X-Request-Id>"``, its arguments
+    ``{"arg0": "word", ...}`` one fragment per token, no content, finish
+    ``tool_calls``; a chat's ``logprobs: true`` (``top_logprobs: k``) or a completion's
+    ``logprobs: k`` gets seeded log probabilities per token; a chat's
+    ``"mock_reasoning_tokens": N`` (:data:`~trio_disagg.workers.REASONING_HOOK`, a body
+    field of the mock only) sends its first N tokens as ``reasoning_content``.
 
     KV pull protocol (between mock workers, :class:`~trio_disagg.workers.MockWorker`):
     ``GET /kv/{remote_request_id}``; ``POST /kv/{remote_request_id}/release`` frees KV
@@ -126,6 +136,10 @@ class MockVllmWorker(MockWorker):
     ``decode_accept_delay:SECONDS`` waits before accepting, its handoff untouched;
     ``prefill_bad_handoff:FIELD[=VALUE]`` answers ``kv_transfer_params`` without
     ``FIELD`` (or with that JSON value), or two choices (``choices``), staging nothing.
+    Answer faults (a decode's, mixing with one other fault): ``decode_finish:REASON``
+    makes the final ``finish_reason`` ``REASON``; ``decode_stop_reason:VALUE`` puts
+    ``"stop_reason": VALUE`` (JSON) in the final choice; ``decode_no_usage`` leaves the
+    usage chunk out even when ``stream_options.include_usage`` asks for it.
 
     Args:
         role: ``"prefill"`` or ``"decode"``: which faults it acts on, and its name.
@@ -199,7 +213,8 @@ class MockVllmWorker(MockWorker):
                 return
             cached = cached_prompt_tokens(self.seed, body, prompt_tokens, kv.block_size)
             token = TokenStream(self.seed, request_id).next_id()
-            if kind in _PREFILL_FIRST_FINISH:
+            if kind in _PREFILL_FIRST_FINISH and (kind is not FaultKind.EOS_FIRST_TOKEN
+                                                  or self.ends_on_first_token(body, fault)):
                 assert kind is not None
                 answered = True
                 eos = kind is FaultKind.EOS_FIRST_TOKEN
