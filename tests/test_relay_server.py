@@ -526,6 +526,37 @@ async def test_a_terminal_prefill_answer_with_a_message_is_a_delta_when_streamed
         await server.settled()
 
 
+# --- refused at the edge ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "field", "value"), [
+    (COMPLETIONS, "prompt_logprobs", 1),
+    (COMPLETIONS, "prompt_logprobs", 0),
+    (CHAT, "prompt_logprobs", 2),
+    (COMPLETIONS, "echo", True),
+    (CHAT, "echo", True),
+])
+async def test_prompt_fields_are_refused(path: str, field: str, value: Any) -> None:
+    body: dict[str, Any] = (
+        {"model": MODEL, "prompt": PROMPT} if path == COMPLETIONS
+        else {"model": MODEL, "messages": MESSAGES})
+    async with running() as server, server.http() as http:
+        for stream in (False, True):
+            response = await http.post(path, json={**body, field: value, "stream": stream})
+            assert response.status_code == 400, response.text
+            assert response.json()["error"] == {
+                "message": response.json()["error"]["message"],
+                "type": "invalid_request_error", "param": field,
+                "code": "unsupported_parameter"}
+            assert field in response.json()["error"]["message"]
+        assert server.decode.requests == []
+        assert server.cluster.counters().held_blocks == 0
+        # null and false are no request at all: served.
+        allowed = {**body, field: None if field == "prompt_logprobs" else False}
+        assert (await http.post(path, json=allowed)).status_code == 200
+        await server.settled()
+
+
 # --- an abort is an error --------------------------------------------------------------------
 
 ABORT_CHOICES: list[Choice] = [

@@ -35,6 +35,7 @@ from ._openai import (
     check_common,
     check_completion,
     check_max_tokens,
+    check_prompt_fields,
     completion_response,
     counted_tokens,
     error_for_exception,
@@ -510,7 +511,8 @@ class OpenAIApp:
 
         Raises:
             ApiError: 400 for malformed JSON, wrong types, missing fields, out-of-range
-                values, ``n`` > 1; 404 for an unknown model.
+                values, ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an
+                unknown model.
         """
         raw = parse_json(data)
         if not isinstance(raw, dict):
@@ -536,6 +538,7 @@ class OpenAIApp:
         else:
             check_max_tokens(budget_name, budget, self.max_tokens_limit)
         check_common(parsed, budget, param=budget_name)
+        check_prompt_fields(raw)  # B8: what only the prefill computed is not served
         if parsed.model not in self._model_set:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.",
                            param="model", code="model_not_found")

@@ -279,6 +279,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    echo: bool | None = None
 
 
 def _is_token_list(value: Any) -> bool:
@@ -440,6 +441,32 @@ def check_chat(request: ChatCompletionRequest) -> None:
                 400, f"messages[{index}].role: unknown role {message.role!r} "
                 f"(expected one of {', '.join(sorted(CHAT_ROLES))})",
                 param=f"messages[{index}].role", code="invalid_value",
+            )
+
+
+#: Request fields about the prompt, which only the prefill computed: a decode never sees
+#: the prompt's logprobs, and echoing the prompt is the prefill's to do. The value each
+#: may keep (anything else is refused, B8).
+PROMPT_ONLY_FIELDS: dict[str, object] = {"prompt_logprobs": None, "echo": False}
+
+
+def check_prompt_fields(body: Mapping[str, Any]) -> None:
+    """Refuse what concerns the prompt (B8): ``prompt_logprobs`` (any value but null) and
+    ``echo: true``. They are never sent to a decode worker, which did not compute the
+    prompt.
+
+    Raises:
+        ApiError: 400 ``invalid_request_error``, code ``unsupported_parameter``, ``param``
+            the field.
+    """
+    for name, allowed in PROMPT_ONLY_FIELDS.items():
+        value = body.get(name)
+        if value is not None and value is not allowed:
+            raise ApiError(
+                400, f"{name} is not supported: it concerns the prompt, which this "
+                f"disaggregated server's decode workers never computed (got {name}="
+                f"{orjson.dumps(value).decode()[:40]})",
+                param=name, code="unsupported_parameter",
             )
 
 
