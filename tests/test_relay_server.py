@@ -625,3 +625,28 @@ async def test_the_in_process_path_is_byte_identical(chat: bool) -> None:
             assert answer["choices"][0]["message"] == {
                 "role": "assistant", "content": answer["choices"][0]["message"]["content"]}
         await server.settled()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_outputs_with_and_without_a_choice_keep_their_order(stream: bool) -> None:
+    """An adapter may make an output of its own (no choice) among the worker's: the answer
+    keeps the order they came in."""
+    def plain(text: str, finish: FinishReason | None = None) -> Item:
+        return Annotated(data=LLMEngineOutput(token_ids=[7], text=text, finish_reason=finish))
+
+    async with running() as server, server.http() as http:
+        server.decode.script = [
+            plain("A"), out({"index": 0, "delta": {"content": "B"}, "finish_reason": None}),
+            plain("C"), plain("D", FinishReason.STOP)]
+        response = await http.post(CHAT, json={"model": MODEL, "messages": MESSAGES,
+                                               "stream": stream})
+        if stream:
+            chunks = events(response.content)[:-1]
+            assert [chunk["choices"][0]["delta"].get("content") for chunk in chunks] == [
+                "A", "B", "C", "D"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            (choice,) = response.json()["choices"]
+            assert choice["message"] == {"role": "assistant", "content": "ABCD"}
+            assert choice["finish_reason"] == "stop"
+        await server.settled()

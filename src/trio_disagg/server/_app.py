@@ -681,7 +681,7 @@ class OpenAIApp:
         status and error body (PROTOCOLS.md section 1), not a 200 with an error event.
         """
         observe_itl = self.metrics.itl.observe
-        now = trio.current_time
+        now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
         outputs = stream.outputs
         parts: list[bytes] = []
         tokens = 0
@@ -815,17 +815,15 @@ class OpenAIApp:
                 if choice is None:  # an in-process engine: its text
                     text = data.text
                     if text:
-                        if collector is None:
-                            texts.append(text)
-                        else:
-                            collector.add_text(text)
+                        texts.append(text)
                 else:  # the worker's own choice, as sent (B8)
                     if not data.token_ids:
                         tokens += counted_tokens(choice)  # a chunk with no ids is one token
                     if collector is None:
                         collector = ChoiceCollector(chat=chat)
-                        if texts:
-                            collector.add_text("".join(texts))
+                    if texts:  # text of outputs without a choice came first: in order
+                        collector.add_text("".join(texts))
+                        texts.clear()
                     collector.add(choice)
                 if data.completion_usage is not None:
                     usage = data.completion_usage
@@ -838,6 +836,8 @@ class OpenAIApp:
                     break
                 answer = None
                 if collector is not None:
+                    if texts:
+                        collector.add_text("".join(texts))
                     sent = choice.get("finish_reason") if choice is not None else None
                     answer = collector.choice(name if sent is None else sent)
                 body = completion_response(
