@@ -16,6 +16,7 @@ from .._context import RequestContext
 from .._protocols import (
     Annotated,
     CompletionUsage,
+    FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
     RoutingHints,
@@ -27,18 +28,23 @@ from ._openai import (
     OPENAI_FINISH,
     ApiError,
     ChatCompletionRequest,
+    ChoiceCollector,
     ChunkEncoder,
     CompletionRequest,
     check_chat,
     check_common,
     check_completion,
     check_max_tokens,
+    check_prompt_fields,
     completion_response,
+    counted_tokens,
     error_for_exception,
     failure_error,
+    has_content,
     parse_json,
     structure_body,
     usage_dict,
+    worker_aborted,
 )
 
 logger = logging.getLogger("trio_disagg.server")
@@ -505,7 +511,8 @@ class OpenAIApp:
 
         Raises:
             ApiError: 400 for malformed JSON, wrong types, missing fields, out-of-range
-                values, ``n`` > 1; 404 for an unknown model.
+                values, ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an
+                unknown model.
         """
         raw = parse_json(data)
         if not isinstance(raw, dict):
@@ -531,6 +538,7 @@ class OpenAIApp:
         else:
             check_max_tokens(budget_name, budget, self.max_tokens_limit)
         check_common(parsed, budget, param=budget_name)
+        check_prompt_fields(raw)  # B8: what only the prefill computed is not served
         if parsed.model not in self._model_set:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.",
                            param="model", code="model_not_found")
@@ -663,13 +671,17 @@ class OpenAIApp:
     ) -> str:
         """Forward ``stream.outputs`` as server-sent events; exactly one ``[DONE]`` (B4).
 
+        An output that carries the worker's own choice is relayed as sent, in this
+        response's envelope (B8); one without (an in-process engine) is encoded from its
+        text. A worker's ``abort`` is an error, never a success.
+
         Outputs already waiting in the channel are sent in one write. The response starts
         with the first token, not before: a request that fails before producing anything
         (a bootstrap prefill that failed, a decode that never started) gets a real HTTP
         status and error body (PROTOCOLS.md section 1), not a 200 with an error event.
         """
         observe_itl = self.metrics.itl.observe
-        now = trio.current_time
+        now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
         outputs = stream.outputs
         parts: list[bytes] = []
         tokens = 0
@@ -712,17 +724,32 @@ class OpenAIApp:
                 if data.completion_usage is not None:
                     usage = data.completion_usage
                 finish = data.finish_reason
+                choice = data.choice
                 if finish is None:
-                    if data.text:
-                        parts.append(encoder.token(data.text))
+                    if choice is None:  # an in-process engine: its text
+                        text = data.text
+                        if text:
+                            parts.append(encoder.token(text))
+                        continue
+                    if not data.token_ids:
+                        tokens += counted_tokens(choice)  # a chunk with no ids is one token
+                    parts.append(encoder.choice(choice))  # the worker's own choice, as sent (B8)
                     continue
+                if choice is not None and not data.token_ids:
+                    tokens += counted_tokens(choice)
                 name = OPENAI_FINISH.get(finish.kind)
-                if name is None:  # error or cancelled: the request did not complete
-                    if data.text:
+                if name is None or worker_aborted(choice):  # the request did not complete
+                    if choice is not None:
+                        if has_content(choice):
+                            parts.append(encoder.choice({**choice, "finish_reason": None}))
+                    elif data.text:
                         parts.append(encoder.token(data.text))
                     failure = _failure(item)
                     break
-                parts.append(encoder.final(data.text, name))
+                if choice is not None:
+                    parts.append(encoder.choice(choice, name))
+                else:
+                    parts.append(encoder.final(data.text, name))
                 if include_usage:
                     parts.append(encoder.usage(usage_dict(usage, tokens, _cached(stream))))
                 parts.append(DONE_EVENT)
@@ -755,8 +782,14 @@ class OpenAIApp:
         model: str,
         created: int,
     ) -> str:
-        """Collect ``stream.outputs`` into one JSON answer, or an error response."""
+        """Collect ``stream.outputs`` into one JSON answer, or an error response.
+
+        Outputs that carry the worker's own choice are collected by a
+        :class:`ChoiceCollector` (B8); the text of outputs without one (the in-process
+        engines) makes the answer as before.
+        """
         texts: list[str] = []
+        collector: ChoiceCollector | None = None
         tokens = 0
         usage: CompletionUsage | None = None
         failure: ApiError
@@ -778,21 +811,39 @@ class OpenAIApp:
                     first = False
                     self._first_token(stream)
                 tokens += len(data.token_ids)
-                if data.text:
-                    texts.append(data.text)
+                choice = data.choice
+                if choice is None:  # an in-process engine: its text
+                    text = data.text
+                    if text:
+                        texts.append(text)
+                else:  # the worker's own choice, as sent (B8)
+                    if not data.token_ids:
+                        tokens += counted_tokens(choice)  # a chunk with no ids is one token
+                    if collector is None:
+                        collector = ChoiceCollector(chat=chat)
+                    if texts:  # text of outputs without a choice came first: in order
+                        collector.add_text("".join(texts))
+                        texts.clear()
+                    collector.add(choice)
                 if data.completion_usage is not None:
                     usage = data.completion_usage
                 finish = data.finish_reason
                 if finish is None:
                     continue
                 name = OPENAI_FINISH.get(finish.kind)
-                if name is None:
+                if name is None or worker_aborted(choice):
                     failure = _failure(item)
                     break
+                answer = None
+                if collector is not None:
+                    if texts:
+                        collector.add_text("".join(texts))
+                    sent = choice.get("finish_reason") if choice is not None else None
+                    answer = collector.choice(name if sent is None else sent)
                 body = completion_response(
                     chat=chat, response_id=response_id, model=model, created=created,
                     text="".join(texts), finish_reason=name,
-                    usage=usage_dict(usage, tokens, _cached(stream)),
+                    usage=usage_dict(usage, tokens, _cached(stream)), choice=answer,
                 )
                 await responder.respond(200, body)
                 return "success"
@@ -819,7 +870,10 @@ def _failure(item: Item | None) -> ApiError:
         return failure_error(None)
     if item.exception is not None:
         return error_for_exception(item.exception)
-    finish = item.data.finish_reason if item.data is not None else None
+    data = item.data
+    if data is not None and worker_aborted(data.choice):
+        return failure_error(FinishReason.CANCELLED)  # an abort is an error (B8)
+    finish = data.finish_reason if data is not None else None
     return failure_error(finish, item.error_message())
 
 
