@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -13,6 +14,7 @@ from ._errors import NoDisaggregatedParams, PrefillError
 from ._keeper import PrefillTask, TransferKeeper
 from ._protocols import (
     Annotated,
+    CompletionUsage,
     FinishKind,
     LLMEngineOutput,
     PrefillResult,
@@ -134,6 +136,7 @@ def classify_first_output(
         result=PrefillResult(
             disaggregated_params=params,
             prompt_tokens_details=usage.prompt_tokens_details if usage else None,
+            prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else None,
         ),
         worker_link=data.worker_trace_link,
         bootstrap=is_bootstrap_params(params),
@@ -151,13 +154,24 @@ async def drain_prefill_outputs(
     Raises:
         PrefillError: on the first failed output (T4); the channel is closed either way.
     """
-    details: PromptTokensDetails | None = None
+    usage = await _drain(outputs)
+    return usage.prompt_tokens_details if usage is not None else None
+
+
+async def _drain(
+    outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
+) -> CompletionUsage | None:
+    """:func:`drain_prefill_outputs`, returning the first usage seen that has
+    ``prompt_tokens_details`` (else the first usage seen)."""
+    first_usage: CompletionUsage | None = None
     with outputs:
         async for item in outputs:
             check_prefill_output(item)
-            if details is None and item.data is not None and item.data.completion_usage:
-                details = item.data.completion_usage.prompt_tokens_details
-    return details
+            usage = item.data.completion_usage if item.data is not None else None
+            if usage is not None and (first_usage is None
+                                      or first_usage.prompt_tokens_details is None):
+                first_usage = usage
+    return first_usage
 
 
 async def consume_prefill_stream(
@@ -215,17 +229,14 @@ async def consume_prefill_stream(
 
         task = keeper.start(drain_rest, name=_task_name(first), guard=guard)
         return attrs.evolve(completion, drain=task)
-    if guard is not None:
-        with guard:
-            later_details = await drain_prefill_outputs(outputs)
-    else:
-        later_details = await drain_prefill_outputs(outputs)
-    if (
-        isinstance(completion, Handoff)
-        and completion.result.prompt_tokens_details is None
-        and later_details is not None
-    ):  # S4
-        result = attrs.evolve(completion.result, prompt_tokens_details=later_details)
+    with guard if guard is not None else contextlib.nullcontext():
+        later = await _drain(outputs)
+    if isinstance(completion, Handoff) and later is not None:  # S4
+        result = completion.result
+        if result.prompt_tokens_details is None and later.prompt_tokens_details is not None:
+            result = attrs.evolve(result, prompt_tokens_details=later.prompt_tokens_details)
+        if result.prompt_tokens is None and later.prompt_tokens:
+            result = attrs.evolve(result, prompt_tokens=later.prompt_tokens)
         completion = attrs.evolve(completion, result=result)
     return completion
 

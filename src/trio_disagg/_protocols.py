@@ -192,10 +192,13 @@ class Annotated(Generic[T]):
 
 @attrs.frozen(slots=True, kw_only=True)
 class PrefillResult:
-    """What a prefill hands to the decode request (S10)."""
+    """What a prefill hands to the decode request (S10), and what the router reports
+    from it: the prompt's token count and its cached tokens (the decode sees the whole
+    prompt as cached after the transfer)."""
 
     disaggregated_params: JSON
     prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens: int | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)

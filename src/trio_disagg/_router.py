@@ -114,6 +114,18 @@ class RequestStream:
     handoff: HandoffOwner | None = None
 
     @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's token count as the prefill worker reported it, once the prefill
+        succeeded (the client's ``usage.prompt_tokens``, B8)."""
+        completion = self.prefill.value
+        if isinstance(completion, Handoff):
+            return completion.result.prompt_tokens
+        if isinstance(completion, Terminal) and completion.output.data is not None:
+            usage = completion.output.data.completion_usage
+            return usage.prompt_tokens if usage is not None and usage.prompt_tokens else None
+        return None
+
+    @property
     def prompt_tokens_details(self) -> PromptTokensDetails | None:
         """The prefill worker's ``prompt_tokens_details`` (its ``cached_tokens`` is the one
         to report: PROTOCOLS.md section 1), once the prefill succeeded."""

@@ -751,7 +751,8 @@ class OpenAIApp:
                 else:
                     parts.append(encoder.final(data.text, name))
                 if include_usage:
-                    parts.append(encoder.usage(usage_dict(usage, tokens, _cached(stream))))
+                    parts.append(encoder.usage(usage_dict(usage, tokens, _cached(stream),
+                                                          stream.prompt_tokens)))
                 parts.append(DONE_EVENT)
                 if not responder.started:
                     await responder.start_stream()
@@ -843,7 +844,8 @@ class OpenAIApp:
                 body = completion_response(
                     chat=chat, response_id=response_id, model=model, created=created,
                     text="".join(texts), finish_reason=name,
-                    usage=usage_dict(usage, tokens, _cached(stream)), choice=answer,
+                    usage=usage_dict(usage, tokens, _cached(stream), stream.prompt_tokens),
+                    choice=answer,
                 )
                 await responder.respond(200, body)
                 return "success"

@@ -518,17 +518,24 @@ def failure_error(finish: FinishReason | None, message: str | None = None) -> Ap
 
 
 def usage_dict(
-    usage: CompletionUsage | None, completion_tokens: int, cached_tokens: int | None
+    usage: CompletionUsage | None,
+    completion_tokens: int,
+    cached_tokens: int | None,
+    prompt_tokens: int | None = None,
 ) -> dict[str, Any]:
     """OpenAI's ``usage`` object.
 
     Args:
-        usage: the last usage a worker reported, if any; its counts win.
+        usage: the last usage a worker reported, if any; its completion count wins.
         completion_tokens: tokens counted on the stream, used when ``usage`` has none.
         cached_tokens: the **prefill** worker's ``cached_tokens`` (PROTOCOLS.md section 1);
             the decode worker's is ignored.
+        prompt_tokens: the **prefill** worker's prompt token count, if it reported one;
+            else the decode worker's.
     """
-    prompt = usage.prompt_tokens if usage is not None else 0
+    if prompt_tokens is None:
+        prompt_tokens = usage.prompt_tokens if usage is not None else 0
+    prompt = prompt_tokens
     completion = (
         usage.completion_tokens if usage is not None and usage.completion_tokens
         else completion_tokens
