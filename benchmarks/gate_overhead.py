@@ -1,4 +1,4 @@
-"""P1 (DESIGN.md): the per-token cost of the gatekeeper pipeline against bare trio.
+"""P1 (docs/design.md): the per-token cost of the gatekeeper pipeline against bare trio.
 
 Run it with ``uv run python benchmarks/gate_overhead.py [--tokens N] [--repeat R] [--quick]``.
 

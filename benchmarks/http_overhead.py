@@ -1,4 +1,4 @@
-"""P4 and P5 (DESIGN.md): the HTTP router against a direct connection to the decode worker,
+"""P4 and P5 (docs/design.md): the HTTP router against a direct connection to the decode worker,
 and the time from a client's disconnect to the decode worker's abort.
 
 Run it with ``uv run python benchmarks/http_overhead.py [--quick]`` (see ``--help`` for
@@ -436,7 +436,7 @@ def cores() -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    print("trio-disagg HTTP router benchmarks: P4 and P5 (DESIGN.md)")
+    print("trio-disagg HTTP router benchmarks: P4 and P5 (docs/design.md)")
     print(f"machine: {cores()}; the servers (router + mock workers, one trio process) run "
           "in a subprocess, the load generator (httpx on trio) in this one, so each gets "
           "about one core")

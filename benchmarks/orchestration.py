@@ -1,4 +1,4 @@
-"""P2 and P3 (DESIGN.md): orchestrated requests/s, and concurrent streams per process.
+"""P2 and P3 (docs/design.md): orchestrated requests/s, and concurrent streams per process.
 
 Run it with ``uv run python benchmarks/orchestration.py [--quick]`` (see ``--help`` for
 the sizes and ``--only p2|p3``).

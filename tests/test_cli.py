@@ -84,7 +84,8 @@ async def test_serve_embedded_default_answers_and_stops_on_sigterm() -> None:
                 return answer.choices[0].finish_reason
 
             assert await trio.to_thread.run_sync(ask) == "length"
-            # The embedded mocks' KV accounting is on /metrics too (PROTOCOLS.md 5, B5).
+            # The embedded mocks' KV accounting is on /metrics too (docs/protocols.md
+            # section 5, B5).
             async with httpx.AsyncClient() as http:
                 metrics = (await http.get(base_url.removesuffix("/v1") + "/metrics")).text
             assert 'trio_disagg_mock_kv_held_blocks{role="prefill"} 0.0' in metrics

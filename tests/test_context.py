@@ -1,4 +1,4 @@
-"""RequestContext: SEMANTICS.md C1-C5."""
+"""RequestContext: rules C1-C5 in docs/semantics.md."""
 
 from __future__ import annotations
 

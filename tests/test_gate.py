@@ -1,4 +1,5 @@
-"""The gatekeeper between the decode stream and the client: SEMANTICS.md G1-G9 (and B2).
+"""The gatekeeper between the decode stream and the client: rules G1-G9 in docs/semantics.md
+(and B2).
 
 Ports every test of the 1.6.2 reference (``dynamo-llm-1.6.2-handoff.rs.txt``). A decode leg
 is a memory channel the test feeds; the prefill is a real drain in a real

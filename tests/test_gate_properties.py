@@ -1,4 +1,4 @@
-"""The gatekeeper under generated interleavings (SEMANTICS.md G1-G9, B4, B5).
+"""The gatekeeper under generated interleavings (rules G1-G9, B4, B5 in docs/semantics.md).
 
 Hypothesis generates a decode stream (tokens, decode errors, success terminals, items after
 a terminal, or an early end with no terminal), the times at which each item arrives, when

@@ -1,4 +1,5 @@
-"""The transfer keeper and its prefill tasks: SEMANTICS.md T1-T3, with B3/B5 exit behaviour."""
+"""The transfer keeper and its prefill tasks: rules T1-T3 in docs/semantics.md, with B3/B5
+exit behaviour."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The in-process mock engines: handoff styles, KV lifetime, faults, cancellation, determinism.
 
-PROTOCOLS.md sections 2, 3 and 5. Every test runs on trio's autojump clock, so latencies
+docs/protocols.md sections 2, 3 and 5. Every test runs on trio's autojump clock, so latencies
 are exact and nothing waits for real.
 """
 

@@ -1,4 +1,4 @@
-"""Worker selection (SEMANTICS.md S12; DESIGN.md "Beyond one machine")."""
+"""Worker selection (rule S12 in docs/semantics.md; docs/design.md "Beyond one machine")."""
 
 from __future__ import annotations
 

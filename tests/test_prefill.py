@@ -1,4 +1,4 @@
-"""Classifying a prefill stream: SEMANTICS.md S1-S10 and T4.
+"""Classifying a prefill stream: rules S1-S10 and T4 in docs/semantics.md.
 
 Ports every test of the 1.4.0 reference (``dynamo-llm-1.4.0-admission.rs.txt``).
 """

@@ -23,7 +23,7 @@ from protocol_support import Cluster, completion, gating
 
 from trio_disagg import CancelWindow, FinishKind, RequestContext
 
-#: The sequential-handoff protocols (PROTOCOLS.md sections 2 and 4).
+#: The sequential-handoff protocols (docs/protocols.md sections 2 and 4).
 SEQUENTIAL: tuple[ProtocolName, ...] = ("vllm", "trtllm")
 
 

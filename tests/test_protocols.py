@@ -1,4 +1,4 @@
-"""The wire form of the protocol types (SEMANTICS.md "Vocabulary").
+"""The wire form of the protocol types (docs/semantics.md "Vocabulary").
 
 ``to_wire`` / ``from_wire`` (and ``dumps`` / ``loads`` through orjson) must round-trip every
 protocol type, read and write the ``FinishReason`` wire forms Dynamo uses, and turn bad input

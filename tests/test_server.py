@@ -1,8 +1,8 @@
 """The OpenAI-compatible server end to end: real hypercorn on 127.0.0.1, the official
 ``openai`` client and raw httpx, the in-process mock engines, the real clock.
 
-PROTOCOLS.md section 1 (SSE framing, errors, cached_tokens, X-Request-Id), SEMANTICS.md
-B1-B5 through HTTP, and the disconnect listener's regression test.
+docs/protocols.md section 1 (SSE framing, errors, cached_tokens, X-Request-Id), rules
+B1-B5 in docs/semantics.md through HTTP, and the disconnect listener's regression test.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The SGLang adapter against the mock SGLang workers over real sockets (PROTOCOLS.md
+"""The SGLang adapter against the mock SGLang workers over real sockets (docs/protocols.md
 sections 1, 3 and 5): the bootstrap handoff (S5) with prefill and decode dispatched at once
 and meeting in a room on the prefill's bootstrap port, the drain of the prefill by the
 transfer keeper (T1-T4), the gatekeeper's late-failure rules for real (G1-G9), client
@@ -241,7 +241,7 @@ async def test_S5_bootstrap_handoff_with_cached_tokens_from_the_prefill() -> Non
         assert 0 < cached < PROMPT_TOKENS
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == cached
-        # PROTOCOLS.md section 3: the same body, with the triple, to both at once
+        # docs/protocols.md section 3: the same body, with the triple, to both at once
         (seen_prefill,) = cluster.prefill.seen
         (seen_decode,) = cluster.decode.seen
         assert seen_prefill.body == seen_decode.body

@@ -1,5 +1,5 @@
 """The TensorRT-LLM adapter against the mock TensorRT-LLM workers over real sockets
-(PROTOCOLS.md sections 1, 4 and 5): the context-first handoff with ``ctx_request_id``
+(docs/protocols.md sections 1, 4 and 5): the context-first handoff with ``ctx_request_id``
 bookkeeping and a KV pull by ``ctx_request_id``, the terminal context (S7), the refusal of
 a context without a usable ``ctx_request_id`` before any generation request (S9), errors
 before and after the first token, a context leg never aborted after its handoff, and end
@@ -174,7 +174,7 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         assert 0 < cached < PROMPT_TOKENS
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == cached
-        # what each server received: PROTOCOLS.md section 4, one X-Request-Id
+        # what each server received: docs/protocols.md section 4, one X-Request-Id
         (seen_context,) = cluster.prefill.seen
         (seen_generation,) = cluster.decode.seen
         assert seen_context.request_id == "req-ctx" == seen_generation.request_id

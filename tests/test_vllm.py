@@ -1,4 +1,4 @@
-"""The vLLM adapter against the mock vLLM workers over real sockets (PROTOCOLS.md sections
+"""The vLLM adapter against the mock vLLM workers over real sockets (docs/protocols.md sections
 1, 2 and 5): the sequential handoff, the terminal first token (S7), errors before and
 after the first token, worker death, cached_tokens from the prefill (S4, S10),
 concurrency, and end to end with the official ``openai`` client through the router's HTTP
@@ -163,7 +163,7 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         assert 0 < cached < PROMPT_TOKENS
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == cached
-        # what each worker received: PROTOCOLS.md section 2, one X-Request-Id
+        # what each worker received: docs/protocols.md section 2, one X-Request-Id
         (seen_prefill,) = cluster.prefill.seen
         (seen_decode,) = cluster.decode.seen
         assert seen_prefill.path == "/v1/completions" == seen_decode.path

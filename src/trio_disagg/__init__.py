@@ -1,7 +1,8 @@
 """trio-disagg: disaggregated (prefill/decode) LLM serving on trio.
 
 The core: :class:`RequestContext`, :class:`RequestTracker`, prefill classification,
-the :class:`TransferKeeper` and the :class:`Gatekeeper` (SEMANTICS.md C, S, T, G).
+the :class:`TransferKeeper` and the :class:`Gatekeeper` (the C, S, T and G rules in
+docs/semantics.md).
 """
 
 from ._context import RequestContext as RequestContext

@@ -202,11 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in attrs_defaults(Deadlines()).items():
         serve_cmd.add_argument(f"--{name.replace('_', '-')}-deadline", type=positive_seconds,
                                default=default, dest=f"deadline_{name}",
-                               help=f"seconds (default {default:g}; SEMANTICS.md B2)")
+                               help=f"seconds (default {default:g}; rule B2 in docs/semantics.md)")
 
     worker_cmd = commands.add_parser(
         "mock-worker", help="run one mock prefill or decode worker over HTTP",
-        description="A mock worker speaking a real worker's wire protocol (PROTOCOLS.md "
+        description="A mock worker speaking a real worker's wire protocol (docs/protocols.md "
                     "section 5): KV block accounting with a lease, a real KV pull over "
                     "loopback, abort on connection close, faults from the request body's "
                     "\"fault\" field, and GET /metrics.")
@@ -273,7 +273,7 @@ async def serve_command(args: argparse.Namespace) -> int:
                 app = create_app(router, models=[args.model])
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-            if cluster is not None:  # the embedded mocks' KV blocks (PROTOCOLS.md section 5)
+            if cluster is not None:  # the embedded mocks' KV blocks (docs/protocols.md section 5)
                 app.metrics.registry.register(KVCollector(cluster.counters))
             async with trio.open_nursery() as nursery:
                 try:

@@ -12,7 +12,7 @@ _LIVE, _STOPPED, _KILLED = 0, 1, 2
 
 
 class RequestContext:
-    """The live / stopped / killed state of one request (SEMANTICS.md C1-C5).
+    """The live / stopped / killed state of one request (rules C1-C5 in docs/semantics.md).
 
     A producer (an engine leg) watches its context: ``stop_generating()`` asks it to stop
     and finish with ``cancelled`` (items already sent stay valid); ``kill()`` asks it to
@@ -36,7 +36,7 @@ class RequestContext:
         self.metadata: Mapping[str, Any] = MappingProxyType(dict(metadata or {}))
         self._state = _LIVE
         # Made only when somebody waits: most contexts are never awaited, and a request in
-        # flight should cost as little memory as it can (DESIGN.md P3).
+        # flight should cost as little memory as it can (docs/design.md P3).
         self._stopped: trio.Event | None = None
         self._killed: trio.Event | None = None
         self._children: list[RequestContext] = []

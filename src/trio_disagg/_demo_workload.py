@@ -24,7 +24,7 @@ class Outcome(enum.Enum):
 
     OK = "ok"
     ERROR = "error"
-    TIMEOUT = "timeout"  # the router answered 504: a deadline of SEMANTICS.md B2
+    TIMEOUT = "timeout"  # the router answered 504: a deadline of rule B2 in docs/semantics.md
     ABORTED = "aborted"  # finish_reason "abort": the worker cancelled the request
     DISCONNECTED = "disconnected"  # the client went away on purpose
 

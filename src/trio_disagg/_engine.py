@@ -12,7 +12,7 @@ from ._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 
 
 class HandoffStyle(enum.Enum):
-    """How a prefill worker hands KV to a decode worker (SEMANTICS.md S5-S7)."""
+    """How a prefill worker hands KV to a decode worker (rules S5-S7 in docs/semantics.md)."""
 
     #: vLLM and TRT-LLM style; prefill first, its ``disaggregated_params`` go into the decode
     #: request.
@@ -27,9 +27,9 @@ class HandoffStyle(enum.Enum):
 
 
 class CancelWindow(enum.Enum):
-    """When a prefill engine's prefill may be cancelled without stranding KV (SEMANTICS.md
-    B10). A client that leaves inside the window cancels the prefill (and its paired legs,
-    B6) instead of letting the keeper drain it; outside it the keeper drains and the
+    """When a prefill engine's prefill may be cancelled without stranding KV (rule B10 in
+    docs/semantics.md). A client that leaves inside the window cancels the prefill (and its
+    paired legs, B6) instead of letting the keeper drain it; outside it the keeper drains and the
     staged KV is consumed (B1).
     """
 
@@ -68,7 +68,7 @@ class Engine(Protocol):
         name: unique within its pool; shown in metrics and logs.
         handoff_style: for prefill engines, how they hand off.
         bootstrap_host, bootstrap_port: for BOOTSTRAP prefill engines, where the decode
-            worker meets them (PROTOCOLS.md section 3).
+            worker meets them (docs/protocols.md section 3).
         cancel_window: optional, for prefill engines: a :class:`CancelWindow` (read with
             :func:`cancel_window_of`; :attr:`CancelWindow.NEVER` if absent).
     """

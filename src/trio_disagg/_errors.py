@@ -12,7 +12,8 @@ class WireFormatError(TrioDisaggError, ValueError):
 
 
 class PrefillError(TrioDisaggError):
-    """The prefill leg failed, so the request cannot be decoded (SEMANTICS.md S1-S9, T3, T4).
+    """The prefill leg failed, so the request cannot be decoded (rules S1-S9, T3, T4 in
+    docs/semantics.md).
 
     The message carries the prefill worker's own error text where there is one.
     """
@@ -37,7 +38,7 @@ class InvalidPrefillHandoff(NoDisaggregatedParams):
 
 
 class DeadlineExceeded(TrioDisaggError, TimeoutError):
-    """A bounded wait ran out (SEMANTICS.md B2).
+    """A bounded wait ran out (rule B2 in docs/semantics.md).
 
     Attributes:
         what: which wait: ``"prefill"``, ``"handoff"``, ``"decode idle"``,
@@ -60,7 +61,7 @@ class WorkerError(TrioDisaggError):
 
     Attributes:
         status: the HTTP-like status to show the client: the worker's own 4xx, or 502
-            for a worker's 5xx or a transport failure (PROTOCOLS.md section 1).
+            for a worker's 5xx or a transport failure (docs/protocols.md section 1).
         worker: the worker's name or URL, if known.
         worker_status: the status the worker itself answered, or None if it never
             answered (a transport failure) or is not an HTTP worker.
@@ -98,4 +99,4 @@ class PrefillDeadlineExceeded(DeadlineExceeded, PrefillError):
 
 
 class RouterClosed(TrioDisaggError):
-    """The router is shutting down and admits no new requests (SEMANTICS.md B3)."""
+    """The router is shutting down and admits no new requests (rule B3 in docs/semantics.md)."""

@@ -1,4 +1,4 @@
-"""The gatekeeper between the decode stream and the client (SEMANTICS.md G1-G9)."""
+"""The gatekeeper between the decode stream and the client (rules G1-G9 in docs/semantics.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One owner per request for its handoff: what becomes of the staged KV or the bootstrap room
-however the request ends (SEMANTICS.md B1, B6, B10).
+however the request ends (rules B1, B6, B10 in docs/semantics.md).
 
 A request's handoff is decided in one place, :class:`HandoffOwner`, by synchronous methods
 that the request side and the prefill leg (in the keeper) call as facts arrive: the prefill

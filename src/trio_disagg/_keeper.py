@@ -1,4 +1,5 @@
-"""The transfer keeper: the service-lifetime owner of prefill drains (SEMANTICS.md T1-T4)."""
+"""The transfer keeper: the service-lifetime owner of prefill drains (rules T1-T4 in
+docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ class TransferKeeper:
 
     On exit the keeper stops accepting drains, waits up to ``drain_window`` seconds for the
     in-flight ones to end, then cancels what is left, logging each one it cancelled
-    (SEMANTICS.md B3). If the code around the keeper is itself cancelled, the drains are
-    cancelled with it: that is a hard stop, not a graceful one.
+    (rule B3 in docs/semantics.md). If the code around the keeper is itself cancelled, the
+    drains are cancelled with it: that is a hard stop, not a graceful one.
 
     Args:
         drain_window: seconds to let in-flight drains finish on exit.
@@ -128,7 +129,7 @@ class TransferKeeper:
 
     @property
     def in_flight(self) -> int:
-        """Drains and legs started and not yet ended (SEMANTICS.md B5)."""
+        """Drains and legs started and not yet ended (rule B5 in docs/semantics.md)."""
         return len(self._in_flight)
 
     def in_flight_by_kind(self) -> Counter[str]:

@@ -1,4 +1,5 @@
-"""Worker pools and worker selection (SEMANTICS.md S12; DESIGN.md "Beyond one machine")."""
+"""Worker pools and worker selection (rule S12 in docs/semantics.md; docs/design.md "Beyond
+one machine")."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Worker:
 
     Attributes:
         engine: the engine itself.
-        outstanding: requests dispatched to it and not yet finished (SEMANTICS.md B5).
+        outstanding: requests dispatched to it and not yet finished (rule B5 in docs/semantics.md).
         consecutive_failures: failures since its last success.
         unhealthy_until: ``trio.current_time()`` before which it is skipped.
         served_total, failures_total: lifetime counts.

@@ -1,4 +1,5 @@
-"""Classifying a prefill stream: handoff, terminal answer, or error (SEMANTICS.md S1-S10, T4)."""
+"""Classifying a prefill stream: handoff, terminal answer, or error (rules S1-S10, T4 in
+docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ async def consume_prefill_stream(
         keeper: drains the rest of a bootstrap stream in the background.
         guard: a teardown guard to hold until the stream is fully read.
         first: the first output, if the caller already read it from ``outputs`` (to
-            bound that wait by a deadline of its own, SEMANTICS.md B2, without closing
+            bound that wait by a deadline of its own, rule B2 in docs/semantics.md, without closing
             the stream when the deadline expires).
 
     Returns:

@@ -1,7 +1,7 @@
 """The engine protocol types and their JSON wire form.
 
 These mirror Dynamo's ``LLMEngineOutput``, ``FinishReason``, ``Annotated<T>`` and friends
-(SEMANTICS.md, "Vocabulary"). They are plain attrs classes so the per-token hot path costs a
+(docs/semantics.md, "Vocabulary"). They are plain attrs classes so the per-token hot path costs a
 slotted object and nothing more; :data:`converter` turns them into and out of JSON-ready
 Python values, and :func:`from_wire` raises :class:`~trio_disagg.WireFormatError` with a
 readable message on bad input.
@@ -203,7 +203,7 @@ class PrefillResult:
 
 @attrs.frozen(slots=True, kw_only=True)
 class BootstrapInfo:
-    """SGLang's bootstrap triple (PROTOCOLS.md section 3). ``room`` is in [0, 2**63 - 1]."""
+    """SGLang's bootstrap triple (docs/protocols.md section 3). ``room`` is in [0, 2**63 - 1]."""
 
     host: str
     port: int

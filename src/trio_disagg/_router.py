@@ -62,7 +62,7 @@ def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value
 
 @attrs.define(kw_only=True)
 class Deadlines:
-    """Every bounded wait of a request, in seconds (SEMANTICS.md B2).
+    """Every bounded wait of a request, in seconds (rule B2 in docs/semantics.md).
 
     Attributes:
         prefill: prefill dispatch until its handoff is classified (a bootstrap prefill:
@@ -128,7 +128,7 @@ class RequestStream:
     @property
     def prompt_tokens_details(self) -> PromptTokensDetails | None:
         """The prefill worker's ``prompt_tokens_details`` (its ``cached_tokens`` is the one
-        to report: PROTOCOLS.md section 1), once the prefill succeeded."""
+        to report: docs/protocols.md section 1), once the prefill succeeded."""
         completion = self.prefill.value
         if isinstance(completion, Handoff):
             return completion.result.prompt_tokens_details
@@ -140,7 +140,7 @@ class RequestStream:
 
 @attrs.define(kw_only=True)
 class RouterCounters:
-    """Lifetime counters for metrics (SEMANTICS.md B5, B6, B10).
+    """Lifetime counters for metrics (rules B5, B6, B10 in docs/semantics.md).
 
     Attributes:
         requests_total: requests admitted.

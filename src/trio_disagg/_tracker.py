@@ -1,4 +1,4 @@
-"""Per-request phases and timing (SEMANTICS.md S3, S11)."""
+"""Per-request phases and timing (rules S3, S11 in docs/semantics.md)."""
 
 from __future__ import annotations
 

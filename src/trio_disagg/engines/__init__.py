@@ -4,7 +4,7 @@ mock worker needs (latency model, fault injection, KV block accounting).
 The shared pieces live in small modules (``_latency``, ``_faults``, ``_kv``, ``_text``)
 that do not import the in-process engines, so an HTTP mock worker can reuse them.
 :class:`VllmEngine`, :class:`SglangEngine` and :class:`TrtllmEngine` drive real (or mock)
-vLLM, SGLang and TensorRT-LLM workers over HTTP (PROTOCOLS.md sections 2-4), on the
+vLLM, SGLang and TensorRT-LLM workers over HTTP (docs/protocols.md sections 2-4), on the
 skeleton they share, :class:`HttpEngine`.
 """
 

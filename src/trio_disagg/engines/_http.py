@@ -1,4 +1,4 @@
-"""What the HTTP engine adapters share (PROTOCOLS.md section 1): one request to one worker,
+"""What the HTTP engine adapters share (docs/protocols.md section 1): one request to one worker,
 its errors mapped for the client, its answer (one JSON object or server-sent events) turned
 into ``Annotated[LLMEngineOutput]`` items.
 

@@ -5,7 +5,7 @@ worker, from the handoff until the decode pulls them, the decode's abort release
 or their lease (TTL) expires and they are counted as *stranded*. Expiry is lazy: it
 happens against :func:`trio.current_time` whenever the pool is touched or its counters
 are read, so no background task is needed. SGLang-style transfers meet in a
-:class:`BootstrapRoom` of the prefill's pool instead (PROTOCOLS.md sections 2 and 3).
+:class:`BootstrapRoom` of the prefill's pool instead (docs/protocols.md sections 2 and 3).
 
 The pool only counts and signals; it never sleeps on its own. Every method is
 synchronous except the room waits, and may be called from any task of one trio run.
@@ -420,7 +420,7 @@ class BootstrapRoom:
 
         Raises:
             KVTransferError: that role already came to this room: rooms must not be
-                reused across requests (PROTOCOLS.md section 3).
+                reused across requests (docs/protocols.md section 3).
         """
         if role in self._seen:
             raise KVTransferError(

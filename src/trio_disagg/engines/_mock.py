@@ -1,4 +1,4 @@
-"""In-process mock prefill and decode engines (PROTOCOLS.md section 5).
+"""In-process mock prefill and decode engines (docs/protocols.md section 5).
 
 They implement :class:`~trio_disagg.Engine` over trio memory channels, with the latency,
 KV lifetime and failure behaviour of the real workers where it matters to the router:

@@ -1,5 +1,5 @@
 """The SGLang engine adapter: prefill and decode workers over HTTP, meeting in a bootstrap
-room (PROTOCOLS.md section 3).
+room (docs/protocols.md section 3).
 
 SGLang's disaggregated serving is *concurrent*: the router picks a bootstrap room, adds
 ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (its bootstrap port,
@@ -8,7 +8,7 @@ prefill worker and the decode worker at the same time. The decode worker joins t
 the prefill worker's bootstrap port and waits for the KV; the prefill worker computes it,
 waits for the decode to join, transfers it, and only then answers. The client sees the
 decode's stream; the prefill's answer is drained by the router's transfer keeper, and its
-failure reaches the client through the gatekeeper (SEMANTICS.md S5, T1-T4, G1-G9).
+failure reaches the client through the gatekeeper (rules S5, T1-T4, G1-G9 in docs/semantics.md).
 
 :class:`SglangEngine` implements :class:`~trio_disagg.Engine` for either role on the skeleton
 shared by every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`); the
@@ -245,7 +245,7 @@ class _NativeParser(ChunkParser):
 
 class SglangEngine(HttpEngine):
     """An SGLang worker, prefill or decode, as an :class:`~trio_disagg.Engine`
-    (PROTOCOLS.md sections 1 and 3).
+    (docs/protocols.md sections 1 and 3).
 
     Both roles have ``handoff_style = HandoffStyle.BOOTSTRAP``: the router picks a unique
     63-bit bootstrap room per request (``request.bootstrap_info``, with this prefill

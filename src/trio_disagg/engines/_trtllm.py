@@ -1,5 +1,5 @@
 """The TensorRT-LLM engine adapter: context (prefill) and generation (decode) servers of
-``trtllm-serve`` over HTTP (PROTOCOLS.md section 4).
+``trtllm-serve`` over HTTP (docs/protocols.md section 4).
 
 TensorRT-LLM's disaggregated serving is *sequential*, context first: the router sends the
 context server the client's body, not streamed, with ``disaggregated_params:
@@ -7,8 +7,8 @@ context server the client's body, not streamed, with ``disaggregated_params:
 once the prompt's KV is committed, with ``choices[0].disaggregated_params``
 (``ctx_request_id``, ``first_gen_tokens``, ``encoded_opaque_state``, ...) and
 ``prompt_token_ids``. A context that already finished the request (its ``finish_reason``
-is not ``length`` / ``not_finished``) is the final answer (SEMANTICS.md S7); a non-terminal
-one is validated as a handoff (B7: one choice, a usable ``ctx_request_id``, S9, and the
+is not ``length`` / ``not_finished``) is the final answer (rule S7 in docs/semantics.md); a
+non-terminal one is validated as a handoff (B7: one choice, a usable ``ctx_request_id``, S9, and the
 other fields well typed) and refused before any generation request if invalid.
 Otherwise the generation server gets the client's body with those
 ``disaggregated_params`` (``request_type: "generation_only"``) and the prompt replaced by
@@ -109,7 +109,7 @@ def context_problem(answer: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, Any]:
-    """The context request for a client's body (PROTOCOLS.md section 4).
+    """The context request for a client's body (docs/protocols.md section 4).
 
     The client's body with ``stream: false``, ``stream_options: null`` and
     ``disaggregated_params: {"request_type": "context_only", "disagg_request_id":
@@ -127,7 +127,7 @@ def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, A
 
 
 def generation_body(request: PreprocessedRequest) -> dict[str, Any]:
-    """The generation request for ``request`` (PROTOCOLS.md section 4).
+    """The generation request for ``request`` (docs/protocols.md section 4).
 
     The client's body, always streamed (:func:`~trio_disagg.engines.streaming_body`;
     without ``prompt_logprobs`` and ``echo``, which concern the prompt only the context
@@ -169,7 +169,7 @@ class _Parser(ChunkParser):
 
 class TrtllmEngine(HttpEngine):
     """A TensorRT-LLM server, context or generation, as an :class:`~trio_disagg.Engine`
-    (PROTOCOLS.md sections 1 and 4).
+    (docs/protocols.md sections 1 and 4).
 
     A context engine's ``handoff_style`` is ``CONTEXT_FIRST`` (a generation engine's is
     ``SEQUENTIAL``): the handoff is sequential, but a generation leg aborted before it

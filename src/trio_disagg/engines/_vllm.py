@@ -1,4 +1,4 @@
-"""The vLLM engine adapter: prefill and decode workers over HTTP (PROTOCOLS.md section 2).
+"""The vLLM engine adapter: prefill and decode workers over HTTP (docs/protocols.md section 2).
 
 vLLM's disaggregated serving with a NixlConnector-style KV connector is *sequential*: the
 router sends the prefill worker the client's request cut down to one token, with
@@ -40,7 +40,7 @@ __all__ = [
     "decode_body", "endpoint_for", "prefill_body", "vllm_client", "vllm_engines",
 ]
 
-#: The ``kv_transfer_params`` of every prefill request (PROTOCOLS.md section 2).
+#: The ``kv_transfer_params`` of every prefill request (docs/protocols.md section 2).
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -87,7 +87,7 @@ def vllm_client(
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill request for a client's body (PROTOCOLS.md section 2).
+    """The prefill request for a client's body (docs/protocols.md section 2).
 
     The client's body with ``stream: false``, ``max_tokens: 1`` (and
     ``max_completion_tokens: 1`` if the body has it), ``stream_options`` removed,
@@ -112,7 +112,7 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
-    """The decode request for ``request`` (PROTOCOLS.md section 2).
+    """The decode request for ``request`` (docs/protocols.md section 2).
 
     The client's original body plus the prefill's ``kv_transfer_params`` verbatim (from
     ``request.prefill_result.disaggregated_params``), with two changes, both invisible to
@@ -140,7 +140,7 @@ def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
 
 class VllmEngine(HttpEngine):
     """A vLLM worker, prefill or decode, as an :class:`~trio_disagg.Engine`
-    (PROTOCOLS.md sections 1 and 2).
+    (docs/protocols.md sections 1 and 2).
 
     **Prefill** (``role="prefill"``): ``POST`` :func:`prefill_body` to
     ``/v1/chat/completions`` if the body has ``messages``, else ``/v1/completions``, not

@@ -296,8 +296,9 @@ class OpenAIApp:
 
     @property
     def in_flight(self) -> int:
-        """Generation requests being handled, until their nursery closed (SEMANTICS.md B5);
-        a request's decode leg may outlive the response by up to ``linger`` seconds."""
+        """Generation requests being handled, until their nursery closed (rule B5 in
+        docs/semantics.md); a request's decode leg may outlive the response by up to
+        ``linger`` seconds."""
         return len(self._active)
 
     async def wait_idle(self) -> None:
@@ -307,8 +308,8 @@ class OpenAIApp:
         await trio.lowlevel.checkpoint()
 
     async def shutdown(self, window: float) -> int:
-        """End the generation requests in flight (SEMANTICS.md B3), as :func:`serve` does
-        once its shutdown trigger fired and the router is closed.
+        """End the generation requests in flight (rule B3 in docs/semantics.md), as
+        :func:`serve` does once its shutdown trigger fired and the router is closed.
 
         Requests get ``window`` seconds to finish. Those still running then are cancelled,
         each with a clean ending (B4): a 503 ``server_shutting_down`` error if its response
@@ -678,7 +679,7 @@ class OpenAIApp:
         Outputs already waiting in the channel are sent in one write. The response starts
         with the first token, not before: a request that fails before producing anything
         (a bootstrap prefill that failed, a decode that never started) gets a real HTTP
-        status and error body (PROTOCOLS.md section 1), not a 200 with an error event.
+        status and error body (docs/protocols.md section 1), not a 200 with an error event.
         """
         observe_itl = self.metrics.itl.observe
         now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token

@@ -7,7 +7,7 @@ goes to the workers. Every problem becomes an :class:`ApiError`, which renders a
 ``{"error": {"message", "type", "param", "code"}}``.
 
 Response chunks are built by :class:`ChunkEncoder` from prebuilt byte strings, so a token
-costs one ``orjson.dumps`` of its text (DESIGN.md P4), and a worker's own choice, relayed
+costs one ``orjson.dumps`` of its text (docs/design.md P4), and a worker's own choice, relayed
 as sent (B8), one ``orjson.dumps`` of that choice. :class:`ChoiceCollector` collects a
 worker's streamed choices into one answer for a client that did not stream.
 """
@@ -528,7 +528,7 @@ def usage_dict(
     Args:
         usage: the last usage a worker reported, if any; its completion count wins.
         completion_tokens: tokens counted on the stream, used when ``usage`` has none.
-        cached_tokens: the **prefill** worker's ``cached_tokens`` (PROTOCOLS.md section 1);
+        cached_tokens: the **prefill** worker's ``cached_tokens`` (docs/protocols.md section 1);
             the decode worker's is ignored.
         prompt_tokens: the **prefill** worker's prompt token count, if it reported one;
             else the decode worker's.

@@ -78,8 +78,8 @@ async def serve(
             app = create_app(router, models=["my-model"])
             await serve(app, port=8000, shutdown_trigger=wait_for_sigterm)
 
-    Graceful shutdown (SEMANTICS.md B3): when ``shutdown_trigger`` returns, the router is
-    closed (new requests get 503), hypercorn stops listening and closes idle connections,
+    Graceful shutdown (rule B3 in docs/semantics.md): when ``shutdown_trigger`` returns, the
+    router is closed (new requests get 503), hypercorn stops listening and closes idle connections,
     requests in flight get up to ``graceful_timeout`` seconds to finish, then the app
     cancels whatever is left (:meth:`OpenAIApp.shutdown`), each request with a clean ending
     (a 503 ``server_shutting_down``, or an error event and ``[DONE]``: B4), and logs how

@@ -1,7 +1,7 @@
-"""Mock LLM workers over HTTP, for tests, demos and benchmarks (PROTOCOLS.md section 5).
+"""Mock LLM workers over HTTP, for tests, demos and benchmarks (docs/protocols.md section 5).
 
 Each is a plain ASGI 3 application served by hypercorn's trio worker, speaking a real
-worker's wire protocol (vLLM's, SGLang's or TensorRT-LLM's: PROTOCOLS.md sections 2-4) and
+worker's wire protocol (vLLM's, SGLang's or TensorRT-LLM's: docs/protocols.md sections 2-4) and
 reusing the in-process mock engines' latency model, fault injection and KV block
 accounting. :class:`MockWorker` is what they share.
 """

@@ -1,4 +1,4 @@
-"""What the mock HTTP workers share (PROTOCOLS.md section 5): the ASGI routing of a worker,
+"""What the mock HTTP workers share (docs/protocols.md section 5): the ASGI routing of a worker,
 generation requests (body checks, faults, abort on close, counters), OpenAI answers and
 chunks, the decode's token loop, the KV pull over loopback (both ends) and ``/metrics``.
 
@@ -261,7 +261,7 @@ def _family(
 
 def kv_metric_families(kv: KVCounters, role: str) -> Iterator[Metric]:
     """A prefill worker's KV block accounting as Prometheus families
-    (``trio_disagg_mock_kv_*``, PROTOCOLS.md section 5)."""
+    (``trio_disagg_mock_kv_*``, docs/protocols.md section 5)."""
     yield _family(GaugeMetricFamily, "kv_held_blocks",
                   "KV blocks held for a decode (staged or in transfer).", role, kv.held_blocks)
     yield _family(GaugeMetricFamily, "kv_held_requests", "Requests holding KV blocks.", role,

@@ -1,4 +1,4 @@
-"""Serving a mock worker with hypercorn's trio worker (PROTOCOLS.md section 5)."""
+"""Serving a mock worker with hypercorn's trio worker (docs/protocols.md section 5)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ._sglang import MockSglangWorker
 from ._trtllm import MockTrtllmWorker
 from ._vllm import MockVllmWorker
 
-#: The wire protocols mock workers exist for (PROTOCOLS.md sections 2, 3 and 4).
+#: The wire protocols mock workers exist for (docs/protocols.md sections 2, 3 and 4).
 PROTOCOLS = ("vllm", "sglang", "trtllm")
 #: Seconds an idle keep-alive connection stays open: vLLM's (uvicorn's) default.
 KEEP_ALIVE_TIMEOUT = 5.0
@@ -77,7 +77,7 @@ def create_mock_worker(
 def create_mock_worker(
     role: Role, protocol: str = "vllm", **options: Unpack[MockWorkerOptions]
 ) -> MockWorker:
-    """Make a mock worker's ASGI app (PROTOCOLS.md section 5).
+    """Make a mock worker's ASGI app (docs/protocols.md section 5).
 
     Args:
         role: ``"prefill"`` or ``"decode"``.
@@ -197,11 +197,11 @@ async def serve_mock_worker(
 ) -> None:
     """Run one mock worker (``trio-disagg mock-worker``) until shut down or cancelled.
 
-    :func:`create_mock_worker` then :func:`serve_worker`: PROTOCOLS.md section 5.
+    :func:`create_mock_worker` then :func:`serve_worker`: docs/protocols.md section 5.
 
     Args:
         role: ``"prefill"`` or ``"decode"``.
-        protocol: ``"vllm"``, ``"sglang"`` or ``"trtllm"`` (PROTOCOLS.md sections 2-4).
+        protocol: ``"vllm"``, ``"sglang"`` or ``"trtllm"`` (docs/protocols.md sections 2-4).
         host, port: where to listen; port 0 picks a free one.
         name: the worker's engine id; default ``"{role}@host:port"``.
         model: the only model accepted; None accepts any.

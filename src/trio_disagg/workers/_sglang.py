@@ -1,5 +1,5 @@
 """A mock SGLang worker over HTTP: prefill or decode, meeting in bootstrap rooms
-(PROTOCOLS.md sections 3 and 5).
+(docs/protocols.md sections 3 and 5).
 
 The router sends the same body, with ``bootstrap_host``, ``bootstrap_port`` and
 ``bootstrap_room``, to a prefill worker and a decode worker at the same time. The prefill
@@ -67,7 +67,7 @@ from ._faults import MockFault
 
 __all__ = ["BOOTSTRAP_KEYS", "MAX_ROOM", "BootstrapJoin", "MockSglangWorker", "NativeFormat"]
 
-#: The keys the router adds to both legs' bodies (PROTOCOLS.md section 3).
+#: The keys the router adds to both legs' bodies (docs/protocols.md section 3).
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 #: The largest bootstrap room, 2**63 - 1.
 MAX_ROOM = (1 << 63) - 1
@@ -221,7 +221,7 @@ async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
 
 class MockSglangWorker(MockWorker):
     """A mock SGLang worker (prefill or decode) as an ASGI 3 application
-    (PROTOCOLS.md sections 3 and 5).
+    (docs/protocols.md sections 3 and 5).
 
     Endpoints, as SGLang's server: ``POST /v1/completions``, ``POST /v1/chat/completions``
     (OpenAI answers and chunks) and ``POST /generate`` (native: ``text`` or ``input_ids``,

@@ -1,5 +1,5 @@
 """A mock TensorRT-LLM worker over HTTP: a context (prefill) or generation (decode) server
-of ``trtllm-serve`` in disaggregated mode (PROTOCOLS.md sections 4 and 5).
+of ``trtllm-serve`` in disaggregated mode (docs/protocols.md sections 4 and 5).
 
 The router sends the context server the client's body with ``disaggregated_params:
 {"request_type": "context_only", "disagg_request_id"}``; the context server computes the
@@ -38,7 +38,7 @@ __all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
 
 #: A body field of this mock only (a test hook, like ``"fault"``): ``"null"`` makes a
 #: context answer ``ctx_request_id: null``, ``"missing"`` leaves it out, both without
-#: staging any KV (the refusals of SEMANTICS.md S9).
+#: staging any KV (the refusals of rule S9 in docs/semantics.md).
 CTX_REQUEST_ID_HOOK = "mock_ctx_request_id"
 
 _TERMINAL_FINISH = {
@@ -89,7 +89,7 @@ def prompt_token_ids(seed: int, body: Mapping[str, Any]) -> list[int]:
 
 class MockTrtllmWorker(MockWorker):
     """A mock TensorRT-LLM worker (context or generation server) as an ASGI 3 application
-    (PROTOCOLS.md sections 4 and 5).
+    (docs/protocols.md sections 4 and 5).
 
     Endpoints, as ``trtllm-serve``: ``POST /v1/completions`` and
     ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``, ``GET /health``,

@@ -1,4 +1,4 @@
-"""A mock vLLM worker over HTTP: prefill or decode, NixlConnector-style (PROTOCOLS.md
+"""A mock vLLM worker over HTTP: prefill or decode, NixlConnector-style (docs/protocols.md
 sections 2 and 5).
 
 A plain ASGI 3 application; :func:`~trio_disagg.workers.serve_worker` serves it with
@@ -77,7 +77,7 @@ class MockVllmWorker(MockWorker):
 
     A generation request is served one of three ways, by its ``kv_transfer_params``:
 
-    - ``do_remote_decode: true`` (a prefill request, PROTOCOLS.md section 2): compute
+    - ``do_remote_decode: true`` (a prefill request, docs/protocols.md section 2): compute
       the prefill (``latency.time_to_first_token(prompt tokens)``), stage the prompt's KV
       blocks in :attr:`kv`, and answer one token, ``finish_reason: "length"``, ``usage``
       with ``prompt_tokens_details.cached_tokens`` (a deterministic prefix-cache hit), and

@@ -1,0 +1,54 @@
+"""The project carries its own rules: every document it cites is in the repository, and
+every rule of docs/semantics.md is named by at least one test and one docs page."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Rules that no code implements yet, each with the open work that will: a rule leaves
+#: this list as soon as a test names it (the last test below fails otherwise).
+NOT_YET_IMPLEMENTED = {"B9": "retries before the first byte (the production-router work)"}
+
+
+def tracked_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    return [ROOT / name for name in listed if (ROOT / name).suffix in {".py", ".md", ".toml"}]
+
+
+def rule_ids() -> list[str]:
+    text = (ROOT / "docs" / "semantics.md").read_text()
+    return re.findall(r"^\(rule-([CSTGB]\d+)\)=", text, flags=re.MULTILINE)
+
+
+def names(rule: str, text: str) -> bool:
+    return re.search(rf"(?<![A-Za-z0-9]){rule}(?![0-9])", text) is not None
+
+
+def test_every_cited_document_is_in_the_repository() -> None:
+    present = {path.relative_to(ROOT).as_posix() for path in tracked_files()}
+    missing: list[str] = []
+    for path in tracked_files():
+        text = path.read_text(errors="replace")
+        for notes in re.findall(r"\b(?:SEMANTICS|PROTOCOLS|DESIGN)\.md\b", text):
+            missing.append(f"{path.relative_to(ROOT)} cites {notes}")
+        for cited in re.findall(r"\bdocs/[\w.-]+\.md\b", text):
+            if cited not in present:
+                missing.append(f"{path.relative_to(ROOT)} cites {cited}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_rule_is_named_by_a_test_and_a_docs_page() -> None:
+    rules = rule_ids()
+    assert len(rules) == 40 and rules[0] == "C1" and rules[-1] == "B10"
+    tests = "\n".join(path.read_text() for path in (ROOT / "tests").glob("test_*.py")
+                      if path.name != "test_reference.py")
+    docs = "\n".join(path.read_text() for path in (ROOT / "docs").glob("*.md")
+                     if path.name != "semantics.md")
+    untested = [rule for rule in rules if not names(rule, tests)]
+    undocumented = [rule for rule in rules if not names(rule, docs)]
+    assert untested == sorted(NOT_YET_IMPLEMENTED), untested
+    assert set(undocumented) <= set(NOT_YET_IMPLEMENTED), undocumented
