@@ -237,6 +237,30 @@ async def test_B10_client_leaving_during_the_prefill_cancels_it_inside_the_windo
         assert (counters.staged_blocks, counters.aborted) == (0, 1)
 
 
+@pytest.mark.parametrize(("protocol", "window"), [
+    ("vllm", CancelWindow.ANYTIME),
+    ("trtllm", CancelWindow.BEFORE_HANDOFF),
+])
+@pytest.mark.parametrize("attempt", range(3))
+async def test_B10_B1_client_leaving_as_the_prefill_answers_strands_nothing(
+    protocol: ProtocolName, window: CancelWindow, attempt: int,
+) -> None:
+    """The client leaves right as its prefill worker finished and sent its answer: the
+    router's stop (the window allows one) must not drop that answer unread, or its KV
+    would wait for the lease. The answer is read and a cleanup decode consumes the KV
+    (B1)."""
+    slow = attrs.evolve(FAST, ttft_per_prompt_token=0.004)  # 0.18 s
+    async with routed(protocol, prefill_latency=slow, cancel_window=window) as r:
+        async def prefill_answered() -> None:
+            await wait_until(lambda: r.prefill.stats.prefills_completed == 1)
+
+        await client_leaves(r, f"edge-{attempt}", prefill_answered, stream=True)
+        await assert_clean(r)
+        counters = r.prefill.kv.counters()
+        assert counters.staged_blocks == counters.freed_blocks > 0, counters
+        assert counters.served == 1, counters  # pulled by the request's decode or a cleanup
+
+
 # --- the mock workers' faults these cases need ---------------------------------------------
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import attrs
@@ -393,3 +394,31 @@ async def test_B7_sglang_invalid_bootstrap_triple_reaches_neither_worker(
             await decode.generate(request, RequestContext("bad"), send)
         assert refused.value.status == 502
     assert workers.seen == {"prefill": [], "decode": []}
+
+
+# --- B10 with B1: a stop never drops an answer already on its way ----------------------------
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "trtllm"])
+async def test_B10_B1_a_stopped_prefill_still_reads_an_answer_on_its_way(protocol: str) -> None:
+    """The router stops a prefill (its client left inside the cancel window) just as the
+    worker's answer is on the wire: the adapter gives the answer a moment and reads it, so
+    the router sees the handoff and its KV is consumed (B1) instead of waiting for the
+    worker's lease. (Without that grace the response was closed unread.)"""
+    answer = vllm_answer() if protocol == "vllm" else trtllm_answer()
+    workers = FakeWorkers(answer)
+    async with fake_client(workers) as client:
+        engine: HttpEngine = (
+            VllmEngine("http://prefill", "prefill", client=client) if protocol == "vllm"
+            else TrtllmEngine("http://prefill", "prefill", client=client))
+        context = RequestContext("r")
+        send, receive = trio.open_memory_channel[Item](8)
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.generate, completion("r"), context, send))
+                context.stop_generating()  # the answer is already there to be read
+                with receive:
+                    items = [item async for item in receive]
+    (item,) = items
+    assert not item.is_error and item.data is not None
+    assert item.data.disaggregated_params is not None  # the handoff, not "cancelled"

@@ -61,7 +61,8 @@ async def test_G9_B1_B10_disconnect_during_the_prefill(
     """Outside a cancel window the prefill runs to its end and a cleanup decode pulls its
     KV (G9, B1); inside the engine's own window (vLLM anytime, TRT-LLM before_handoff) it
     is cancelled at once and nothing is ever staged (B10)."""
-    slow_prefill = attrs.evolve(FAST, ttft_per_prompt_token=0.01)  # 0.45 s
+    # 1.35 s: longer than the grace a stopped prefill gets for an answer on its way
+    slow_prefill = attrs.evolve(FAST, ttft_per_prompt_token=0.03)
     cluster: Cluster[Any]
     async with cluster_factory(protocol)(latency=slow_prefill, cancel_window=window) as cluster:
         with trio.move_on_after(10):

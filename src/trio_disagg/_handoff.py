@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trio_disagg.router")
 
 #: Seconds a prefill the router stopped (B6, B10) gets to end before it is cancelled.
-PREFILL_STOP_GRACE = 1.0
+PREFILL_STOP_GRACE = 2.0
 
 
 class HandoffState(enum.Enum):

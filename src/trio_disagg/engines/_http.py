@@ -13,6 +13,7 @@ its connection closes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any, ClassVar, Literal
@@ -53,6 +54,11 @@ DEFAULT_LIMITS = httpx.Limits(
 #: a free connection of the pool.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
 
+#: Seconds a stopped prefill gets for an answer the worker may already have sent before
+#: its response is closed (B10, B1): longer than a loaded event loop's lag, short next to
+#: a prefill's compute. (An answer that is still unread after that, on a loop lagging
+#: this much, is left to the worker's lease.)
+PREFILL_STOP_GRACE = 0.5
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of a worker's error answer read for its message
 JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
@@ -201,26 +207,38 @@ class Stopper:
     or a kill cancels :attr:`scope`, which closes the response, which aborts the request
     on the worker. After a stop, :meth:`send_cancelled` sends the ``cancelled`` finish
     unless a kill comes first. :meth:`disarm` makes later stops do nothing (kills still
-    close the response)."""
+    close the response).
 
-    __slots__ = ("_context", "_kill_scope", "armed", "scope")
+    With a ``stop_grace`` (seconds), a stop closes the response only if the answer has not
+    started within that time: an answer the worker had already sent when the stop came is
+    read (then :meth:`disarm` keeps it), so its KV is not left staged for nobody (a
+    prefill stopped inside its cancel window, B10, B1).
+    """
 
-    def __init__(self, context: RequestContext) -> None:
+    __slots__ = ("_context", "_kill_scope", "armed", "scope", "stop_grace")
+
+    def __init__(self, context: RequestContext, *, stop_grace: float = 0.0) -> None:
         self.scope = trio.CancelScope()
         self._kill_scope: trio.CancelScope | None = None
         self._context = context
         self.armed = True
+        self.stop_grace = stop_grace
         context.on_stop(self)
 
     def __call__(self, killed: bool) -> None:
-        if self.armed or killed:
+        if killed or (self.armed and not self.stop_grace):
             self.scope.cancel()
+        elif self.armed:
+            self.scope.deadline = min(self.scope.deadline,
+                                      trio.current_time() + self.stop_grace)
         if killed and self._kill_scope is not None:
             self._kill_scope.cancel()
 
     def disarm(self) -> None:
-        """From now on only a kill closes the response."""
+        """From now on only a kill closes the response (a stop's grace is lifted)."""
         self.armed = False
+        if not self.scope.cancel_called:
+            self.scope.deadline = math.inf
 
     async def send_cancelled(self, send: SendChannel) -> None:
         self._kill_scope = trio.CancelScope()
@@ -399,7 +417,10 @@ class HttpEngine:
                        b"content-type": b"application/json"}
             if body.get("stream") is True:
                 headers[b"accept"] = b"text/event-stream"
-            stopper = Stopper(context)
+            # A prefill's answer may be on its way when a stop comes: give it a moment.
+            stopper = Stopper(context, stop_grace=(
+                PREFILL_STOP_GRACE if self.role == "prefill"
+                and self.handoff_style is not HandoffStyle.BOOTSTRAP else 0.0))
             started = False
             refusal: WorkerError | None = None
             try:
