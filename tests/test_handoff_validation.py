@@ -320,11 +320,27 @@ TRTLLM_CASES = [
     pytest.param({"ctx_request_id": None}, CTX_ID, "null", id="ctx_request_id-null"),
     pytest.param({"ctx_request_id": MISSING}, CTX_ID, "is missing",
                  id="ctx_request_id-missing"),
+    pytest.param({"choices": 3}, "choices", "must hold exactly one choice, got 3",
+                 id="three-choices"),
+    pytest.param({"ctx_request_id": -3}, CTX_ID, "must be a non-negative integer, got int -3",
+                 id="ctx_request_id-negative"),
     pytest.param({"request_type": 3}, "choices[0].disaggregated_params.request_type", "3",
                  id="request_type-int"),
+    pytest.param({"request_type": "generation_only"},
+                 "choices[0].disaggregated_params.request_type",
+                 "must be 'context_only', got str 'generation_only'",
+                 id="request_type-generation_only"),
+    pytest.param({"request_type": None}, "choices[0].disaggregated_params.request_type",
+                 "null", id="request_type-null"),
     pytest.param({"first_gen_tokens": ["a"]},
                  "choices[0].disaggregated_params.first_gen_tokens[0]", "'a'",
                  id="first_gen_tokens-str"),
+    pytest.param({"first_gen_tokens": []},
+                 "choices[0].disaggregated_params.first_gen_tokens",
+                 "must be a non-empty list, got list []", id="first_gen_tokens-empty"),
+    pytest.param({"first_gen_tokens": 7},
+                 "choices[0].disaggregated_params.first_gen_tokens", "int 7",
+                 id="first_gen_tokens-int"),
     pytest.param({"encoded_opaque_state": 5},
                  "choices[0].disaggregated_params.encoded_opaque_state", "5",
                  id="encoded_opaque_state-int"),
@@ -364,7 +380,12 @@ async def test_B7_S8_trtllm_non_terminal_context_without_an_object_to_hand_off(
     assert_refused(items, "choices[0].disaggregated_params", "")
 
 
-@pytest.mark.parametrize(("change", "field", "bad"), TRTLLM_CASES[:5])
+@pytest.mark.parametrize(("change", "field", "bad"), [
+    *TRTLLM_CASES[:5],
+    *(case for case in TRTLLM_CASES if case.id in ("ctx_request_id-negative",
+                                                   "request_type-generation_only",
+                                                   "first_gen_tokens-empty")),
+])
 async def test_B7_trtllm_router_sends_no_generation_request_for_an_invalid_handoff(
         change: dict[str, Any], field: str, bad: str) -> None:
     error = await routed_refusal(trtllm_pair, FakeWorkers(trtllm_answer(**change)))
