@@ -191,8 +191,13 @@ async def test_B1_vllm_decode_reporting_the_kv_lost_is_502_with_no_cleanup_decod
     ("trtllm", "prefill_bad_handoff:ctx_request_id=abc", "ctx_request_id"),
     ("trtllm", "prefill_bad_handoff:ctx_request_id=1.5", "ctx_request_id"),
     ("vllm", "prefill_bad_handoff:remote_block_ids", "remote_block_ids"),
+    ("vllm", "prefill_bad_handoff:choices", "choices"),
+    ("vllm", "prefill_bad_handoff:do_remote_decode=true", "do_remote_decode"),
+    ("vllm", "prefill_bad_handoff:remote_block_ids=[]", "remote_block_ids"),
+    ("trtllm", "prefill_bad_handoff:ctx_request_id=-3", "ctx_request_id"),
 ], ids=["trtllm-two-choices", "trtllm-ctx-empty", "trtllm-ctx-abc", "trtllm-ctx-float",
-        "vllm-no-block-ids"])
+        "vllm-no-block-ids", "vllm-two-choices", "vllm-do-remote-decode", "vllm-empty-block-ids",
+        "trtllm-ctx-negative"])
 async def test_B7_invalid_prefill_handoff_is_502_and_no_decode_request(
     protocol: ProtocolName, fault: str, field: str,
 ) -> None:
@@ -202,6 +207,7 @@ async def test_B7_invalid_prefill_handoff_is_502_and_no_decode_request(
         error = error_of(response)
         assert error["code"] == "invalid_prefill_handoff", error
         assert field in error["message"], error
+        assert error["param"].endswith(field), error
         assert r.decode.stats.requests == 0 and not r.decode.seen
         await assert_clean(r)
 

@@ -208,6 +208,25 @@ VLLM_CASES = [
     pytest.param({"tp_size": True}, "kv_transfer_params.tp_size", "True", id="tp_size-bool"),
     pytest.param({"remote_request_id": 5}, "kv_transfer_params.remote_request_id", "5",
                  id="remote_request_id-int"),
+    pytest.param({"remote_block_ids": []}, "kv_transfer_params.remote_block_ids",
+                 "must be a non-empty list, got list []", id="remote_block_ids-empty"),
+    pytest.param({"remote_block_ids": [-1]}, "kv_transfer_params.remote_block_ids[0]",
+                 "must be a non-negative integer, got int -1", id="remote_block_ids-negative"),
+    pytest.param({"remote_block_ids": [4, -5]}, "kv_transfer_params.remote_block_ids[1]",
+                 "got int -5", id="remote_block_ids-negative-item"),
+    # the wrong direction: the prefill asking to be decoded remotely (the decode worker
+    # would then act as a prefill and strand the KV staged here)
+    pytest.param({"do_remote_decode": True}, "kv_transfer_params.do_remote_decode",
+                 "must be false, got bool True", id="do_remote_decode-true"),
+    pytest.param({"do_remote_decode": None}, "kv_transfer_params.do_remote_decode",
+                 "null", id="do_remote_decode-null"),
+    pytest.param({"do_remote_prefill": False}, "kv_transfer_params.do_remote_prefill",
+                 "must be true, got bool False", id="do_remote_prefill-false"),
+    pytest.param({"do_remote_prefill": MISSING}, "kv_transfer_params.do_remote_prefill",
+                 "is missing", id="do_remote_prefill-missing"),
+    pytest.param({"do_remote_prefill": False, "do_remote_decode": True},
+                 "kv_transfer_params.do_remote_prefill", "got bool False",
+                 id="direction-reversed"),
 ]
 
 
@@ -217,6 +236,18 @@ async def test_B7_vllm_invalid_kv_transfer_params_is_one_error_item(
     async with fake_client(FakeWorkers(vllm_answer(**kv))) as client:
         items = await prefill_items(VllmEngine(PREFILL_URL, "prefill", client=client))
     assert_refused(items, field, bad)
+
+
+@pytest.mark.parametrize("choices", [2, 3])
+async def test_B7_vllm_answer_with_more_than_one_choice_is_one_error_item(choices: int) -> None:
+    """As for TensorRT-LLM: one prefill, one KV; which choice would the decode continue?"""
+    answer = vllm_answer()
+    answer["choices"] = [dict(answer["choices"][0], index=i) for i in range(choices)]
+    async with fake_client(FakeWorkers(answer)) as client:
+        items = await prefill_items(VllmEngine(PREFILL_URL, "prefill", client=client))
+    error = assert_refused(items, "choices", f"must hold exactly one choice, got {choices}")
+    assert str(error) == (f"prefill worker {PREFILL_URL} sent an invalid handoff: choices "
+                          f"must hold exactly one choice, got {choices}")
 
 
 @pytest.mark.parametrize("answer", [
@@ -232,18 +263,30 @@ async def test_B7_S8_vllm_non_terminal_answer_without_an_object_to_hand_off(
     assert_refused(items, "kv_transfer_params", "")
 
 
-@pytest.mark.parametrize(("kv", "field", "bad"), VLLM_CASES[:2])
+@pytest.mark.parametrize(("kv", "field", "bad"), [
+    *VLLM_CASES[:2],
+    *(case for case in VLLM_CASES if case.id in ("remote_block_ids-empty",
+                                                 "do_remote_decode-true")),
+])
 async def test_B7_vllm_router_sends_no_decode_request_for_an_invalid_handoff(
         kv: dict[str, Any], field: str, bad: str) -> None:
     error = await routed_refusal(vllm_pair, FakeWorkers(vllm_answer(**kv)))
     assert error.field == field and bad in str(error)
 
 
+async def test_B7_vllm_router_sends_no_decode_request_for_two_choices() -> None:
+    answer = vllm_answer()
+    answer["choices"] = [dict(answer["choices"][0], index=i) for i in range(2)]
+    error = await routed_refusal(vllm_pair, FakeWorkers(answer))
+    assert error.field == "choices" and "got 2" in str(error)
+
+
 async def test_B7_vllm_valid_handoff_goes_to_the_decode_as_sent() -> None:
     """Unknown fields pass, and the decode gets the worker's object verbatim; a null
-    ``remote_request_id`` would not pass, but leaving it (and ``tp_size``) out does."""
-    answer = vllm_answer(remote_request_id=MISSING, tp_size=MISSING,
-                         x_future={"nested": [1, "a"]}, remote_block_ids=[])
+    ``remote_request_id`` would not pass, but leaving it (and ``tp_size`` and
+    ``do_remote_decode``) out does; block 0 is a block."""
+    answer = vllm_answer(remote_request_id=MISSING, tp_size=MISSING, do_remote_decode=MISSING,
+                         x_future={"nested": [1, "a"]}, remote_block_ids=[0])
     workers = FakeWorkers(answer)
     async with fake_router(vllm_pair, workers) as router:
         with trio.fail_after(5):
@@ -278,11 +321,27 @@ TRTLLM_CASES = [
     pytest.param({"ctx_request_id": None}, CTX_ID, "null", id="ctx_request_id-null"),
     pytest.param({"ctx_request_id": MISSING}, CTX_ID, "is missing",
                  id="ctx_request_id-missing"),
+    pytest.param({"choices": 3}, "choices", "must hold exactly one choice, got 3",
+                 id="three-choices"),
+    pytest.param({"ctx_request_id": -3}, CTX_ID, "must be a non-negative integer, got int -3",
+                 id="ctx_request_id-negative"),
     pytest.param({"request_type": 3}, "choices[0].disaggregated_params.request_type", "3",
                  id="request_type-int"),
+    pytest.param({"request_type": "generation_only"},
+                 "choices[0].disaggregated_params.request_type",
+                 "must be 'context_only', got str 'generation_only'",
+                 id="request_type-generation_only"),
+    pytest.param({"request_type": None}, "choices[0].disaggregated_params.request_type",
+                 "null", id="request_type-null"),
     pytest.param({"first_gen_tokens": ["a"]},
                  "choices[0].disaggregated_params.first_gen_tokens[0]", "'a'",
                  id="first_gen_tokens-str"),
+    pytest.param({"first_gen_tokens": []},
+                 "choices[0].disaggregated_params.first_gen_tokens",
+                 "must be a non-empty list, got list []", id="first_gen_tokens-empty"),
+    pytest.param({"first_gen_tokens": 7},
+                 "choices[0].disaggregated_params.first_gen_tokens", "int 7",
+                 id="first_gen_tokens-int"),
     pytest.param({"encoded_opaque_state": 5},
                  "choices[0].disaggregated_params.encoded_opaque_state", "5",
                  id="encoded_opaque_state-int"),
@@ -322,7 +381,12 @@ async def test_B7_S8_trtllm_non_terminal_context_without_an_object_to_hand_off(
     assert_refused(items, "choices[0].disaggregated_params", "")
 
 
-@pytest.mark.parametrize(("change", "field", "bad"), TRTLLM_CASES[:5])
+@pytest.mark.parametrize(("change", "field", "bad"), [
+    *TRTLLM_CASES[:5],
+    *(case for case in TRTLLM_CASES if case.id in ("ctx_request_id-negative",
+                                                   "request_type-generation_only",
+                                                   "first_gen_tokens-empty")),
+])
 async def test_B7_trtllm_router_sends_no_generation_request_for_an_invalid_handoff(
         change: dict[str, Any], field: str, bad: str) -> None:
     error = await routed_refusal(trtllm_pair, FakeWorkers(trtllm_answer(**change)))

@@ -14,10 +14,12 @@ its connection closes).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import typing
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from typing import Any, ClassVar, Literal
 
+import attrs
 import cattrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
@@ -36,6 +38,7 @@ from .._protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
     PromptTokensDetails,
+    describe_value,
     make_strict_converter,
 )
 
@@ -80,8 +83,58 @@ FINISH: Mapping[str, FinishReason] = {
 }
 
 
-#: Validates handoffs (B7): JSON exactly as typed, unknown keys ignored (and passed on).
+#: Validates handoffs (B7): JSON exactly as typed, unknown keys ignored (and passed on);
+#: a field typed ``typing.Annotated[T, Must(...)]`` must also meet that condition.
 handoff_converter = make_strict_converter()
+
+
+@attrs.frozen
+class Must:
+    """A condition a handoff field's value must meet besides its type (B7): the metadata
+    of a ``typing.Annotated[T, Must(...)]`` field of a handoff class. Once the value is a
+    ``T`` (a mistyped one is refused as such first), ``holds(value)`` must be true, or
+    the field is refused as ``"must be <what>, got <value>"``."""
+
+    holds: Callable[[Any], bool]
+    what: str
+
+
+def _is_checked(type_: Any) -> bool:
+    return (typing.get_origin(type_) is typing.Annotated
+            and any(isinstance(meta, Must) for meta in type_.__metadata__))
+
+
+def _checked_structure_factory(type_: Any, conv: cattrs.Converter) -> Any:
+    base_type = typing.get_args(type_)[0]
+    base = conv.get_structure_hook(base_type)
+    checks = [meta for meta in type_.__metadata__ if isinstance(meta, Must)]
+
+    def structure(value: Any, _: Any) -> Any:
+        value = base(value, base_type)
+        for check in checks:
+            if not check.holds(value):
+                raise ValueError(f"must be {check.what}, got {describe_value(value)}")
+        return value
+
+    return structure
+
+
+handoff_converter.register_structure_hook_factory(_is_checked, _checked_structure_factory)
+
+#: An integer >= 0 (a block id, a request id).
+NonNegativeInt = typing.Annotated[int, Must(lambda value: value >= 0, "a non-negative integer")]
+#: Says a list must not be empty: ``typing.Annotated[list[int], NON_EMPTY]``.
+NON_EMPTY = Must(bool, "a non-empty list")
+
+
+def choices_problem(answer: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``("choices", ...)`` if a prefill answer's ``choices`` is a list of other than one
+    choice (B7): one prefill, one KV, so which choice would a decode continue? None if it
+    holds one (or is not a list: the handoff's own check says what is wrong then)."""
+    choices = answer.get("choices")
+    if isinstance(choices, list) and len(choices) != 1:
+        return "choices", f"must hold exactly one choice, got {len(choices)}"
+    return None
 
 
 def handoff_problem(value: Any, cls: type[Any]) -> tuple[str, str] | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
@@ -32,10 +32,14 @@ from .._errors import WorkerError
 from .._protocols import FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
     FINISH,
+    NON_EMPTY,
     ChunkParser,
     HttpEngine,
+    Must,
+    NonNegativeInt,
     check_unique,
     check_worker_url,
+    choices_problem,
     endpoint_for,
     first_choice,
     handoff_problem,
@@ -68,14 +72,19 @@ class ContextParams:
     """The fields of a context's ``choices[0].disaggregated_params`` a generation request
     needs (B7), with their types (TensorRT-LLM's ``DisaggregatedParams``).
 
-    Only ``ctx_request_id`` is required, and must be an integer (not a boolean, a string
-    or a float); the others may be left out, or be null but for ``request_type``. Only
-    for validation: the worker's object goes on as sent, with any other field it has.
+    Only ``ctx_request_id`` is required, and must be a non-negative integer (not a
+    boolean, a string or a float); the others may be left out, or be null but for
+    ``request_type``, which if present must be ``"context_only"`` (a context's answer; a
+    ``"generation_only"`` one would hand the generation a generation's params), and
+    ``first_gen_tokens``, which if not null must be a non-empty list of integers (the
+    token the context produced). Only for validation: the worker's object goes on as
+    sent, with any other field it has.
     """
 
-    ctx_request_id: int
-    request_type: str = "context_only"
-    first_gen_tokens: list[int] | None = None
+    ctx_request_id: NonNegativeInt
+    request_type: Annotated[str, Must(lambda value: value == "context_only",
+                                      "'context_only'")] = "context_only"
+    first_gen_tokens: Annotated[list[int], NON_EMPTY] | None = None
     encoded_opaque_state: str | None = None
     draft_tokens: list[int] | None = None
     disagg_request_id: int | None = None
@@ -95,13 +104,9 @@ class _ContextAnswer:
 def context_problem(answer: Mapping[str, Any]) -> tuple[str, str] | None:
     """What is wrong with a non-terminal context answer as a handoff (B7), as
     :func:`~trio_disagg.engines._http.handoff_problem` says it: not exactly one choice,
-    a :class:`ContextParams` field missing or mistyped, or ``prompt_token_ids`` not a
-    list of integers. None if nothing is."""
-    choices = answer.get("choices")
-    if isinstance(choices, list) and len(choices) != 1:
-        # one context, one KV: which choice's KV would a generation pull?
-        return "choices", f"must hold exactly one choice, got {len(choices)}"
-    problem = handoff_problem(answer, _ContextAnswer)
+    a :class:`ContextParams` field missing, mistyped or out of range, or
+    ``prompt_token_ids`` not a list of integers. None if nothing is."""
+    problem = choices_problem(answer) or handoff_problem(answer, _ContextAnswer)
     if problem is not None and problem[0].endswith(".ctx_request_id"):
         field, what = problem
         return field, f"{what} (no usable ctx_request_id for a non-terminal handoff)"

@@ -15,7 +15,7 @@ every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
@@ -25,9 +25,13 @@ from .._protocols import LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
     DEFAULT_LIMITS,
     DEFAULT_TIMEOUT,
+    NON_EMPTY,
     ChunkParser,
     HttpEngine,
+    Must,
+    NonNegativeInt,
     check_unique,
+    choices_problem,
     endpoint_for,
     handoff_problem,
     streaming_body,
@@ -54,13 +58,19 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
 @attrs.frozen(kw_only=True)
 class KvTransferParams:
     """The fields of a prefill's ``kv_transfer_params`` a decode worker needs to pull the
-    KV (B7), and their types; ``remote_request_id`` and
+    KV (B7), and their types; ``do_remote_decode``, ``remote_request_id`` and
     ``tp_size`` may be left out. Only for validation: the worker's object goes to the
-    decode as sent, with any other field it has."""
+    decode as sent, with any other field it has.
 
-    do_remote_prefill: bool
+    The direction must be the prefill's answer's: ``do_remote_prefill`` true (the decode
+    pulls the KV) and ``do_remote_decode``, if present, false (``true`` would make the
+    decode worker act as a prefill and strand the KV staged here); ``remote_block_ids``
+    must be a non-empty list of non-negative integers (the blocks to pull)."""
+
+    do_remote_prefill: Annotated[bool, Must(lambda value: value is True, "true")]
+    do_remote_decode: Annotated[bool, Must(lambda value: value is False, "false")] = False
     remote_engine_id: str
-    remote_block_ids: list[int]
+    remote_block_ids: Annotated[list[NonNegativeInt], NON_EMPTY]
     remote_host: str
     remote_port: int
     remote_request_id: str = ""
@@ -151,8 +161,9 @@ class VllmEngine(HttpEngine):
     ``kv_transfer_params``. A prefill that ended on its first token (``finish_reason``
     ``stop``, ``kv_transfer_params`` null) is thus an output with finish ``STOP`` and no
     ``disaggregated_params``: the router's terminal case, no decode (S7). Any other
-    answer is a handoff and is validated first (B7): its ``kv_transfer_params`` must be
-    an object with the fields of :class:`KvTransferParams`, well typed; if not, the
+    answer is a handoff and is validated first (B7): it must hold exactly one choice, and
+    its ``kv_transfer_params`` must be an object with the fields of
+    :class:`KvTransferParams`, well typed and in range; if not, the
     answer becomes ONE error item carrying an :class:`~trio_disagg.InvalidPrefillHandoff`
     whose ``field`` names the culprit (``"kv_transfer_params.remote_port"``), and no
     decode request is ever built from it.
@@ -212,7 +223,7 @@ class VllmEngine(HttpEngine):
         return endpoint_for(body), body
 
     def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
-        return handoff_problem(answer, _PrefillAnswer)
+        return choices_problem(answer) or handoff_problem(answer, _PrefillAnswer)
 
     def _answer_output(
         self,

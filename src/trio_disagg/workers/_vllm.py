@@ -260,9 +260,10 @@ class MockVllmWorker(MockWorker):
 
     def _bad_handoff(self, fmt: OpenAIFormat, mock: MockFault, token: int,
                      usage: dict[str, Any], request_id: str) -> bytes:
-        """A prefill answer whose handoff is broken as ``mock`` says (nothing staged)."""
+        """A prefill answer whose handoff is broken as ``mock`` says (nothing staged), and
+        otherwise well formed (its block ids name no staged block)."""
         params: dict[str, Any] = {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [],
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0],
             "remote_engine_id": self.name, "remote_request_id": request_id,
             "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
         }
