@@ -19,9 +19,9 @@ import attrs
 import pytest
 import trio
 from e2e_support import FAST, PROTOCOLS, SLOW_TOKENS, ProtocolName, cluster_factory, wait_until
-from protocol_support import Cluster, completion, gating
+from protocol_support import Cluster, completion, gating, refusal
 
-from trio_disagg import CancelWindow, FinishKind, RequestContext
+from trio_disagg import CancelWindow, FinishKind, RequestContext, WorkerError
 
 #: The sequential-handoff protocols (docs/protocols.md sections 2 and 4).
 SEQUENTIAL: tuple[ProtocolName, ...] = ("vllm", "trtllm")
@@ -160,3 +160,19 @@ async def test_G9_disconnect_mid_stream(protocol: ProtocolName) -> None:
         assert cluster.prefill.stats.aborted == 0 and cluster.prefill.stats.completed == 1
         counters = cluster.prefill.kv.counters()
         assert (counters.served, counters.aborted) == (1, 0)
+
+
+@pytest.mark.parametrize("protocol", SEQUENTIAL)
+@pytest.mark.parametrize("status", [400, 500, 502, 503])
+async def test_B1_a_decode_refusal_leaves_no_kv_staged(protocol: ProtocolName, status: int) -> None:
+    """A decode worker that refuses the request (whatever its status) never used the KV:
+    a cleanup decode consumes it at once rather than leaving it to the lease (B1). Only a
+    refusal that says the KV itself was lost gets none (see the decode_kv_lost tests)."""
+    cluster: Cluster[Any]
+    async with cluster_factory(protocol)() as cluster:
+        error = await refusal(cluster, completion("dr", fault=f"decode_reject:{status}"))
+        assert isinstance(error, WorkerError)
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.stranded_blocks) == (1, 0)
+        assert cluster.router.counters.staged_kv_cleanups == 1

@@ -65,6 +65,9 @@ class WorkerError(TrioDisaggError):
         worker: the worker's name or URL, if known.
         worker_status: the status the worker itself answered, or None if it never
             answered (a transport failure) or is not an HTTP worker.
+        handoff_lost: a decode worker refused because the handoff's KV could not be used
+            (its transfer failed, its lease expired): the router then sends no cleanup
+            decode for that KV, which would fail the same way (B1).
     """
 
     def __init__(
@@ -74,19 +77,14 @@ class WorkerError(TrioDisaggError):
         status: int = 502,
         worker: str | None = None,
         worker_status: int | None = None,
+        handoff_lost: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.worker = worker
         self.worker_status = worker_status
+        self.handoff_lost = handoff_lost
 
-    @property
-    def may_have_processed(self) -> bool:
-        """Whether the worker may have acted on the request before refusing it: it
-        answered a 5xx other than 503. A 4xx, a 503, or no answer at all mean it did not
-        (HTTP's own rule for when a request is safe to send again)."""
-        return self.worker_status is not None and self.worker_status >= 500 \
-            and self.worker_status != 503
 
 
 class PrefillCancelled(PrefillError):

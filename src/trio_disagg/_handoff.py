@@ -269,9 +269,9 @@ class SequentialOwner(HandoffOwner):
     def decode_not_accepted(self, error: BaseException) -> None:
         if self.state is not HandoffState.STAGED:
             return
-        if isinstance(error, WorkerError) and error.may_have_processed:
-            # The worker took the request and failed it (say, "KV transfer failed"): the
-            # same handoff sent again would fail the same way, and the KV is its worker's.
+        if isinstance(error, WorkerError) and error.handoff_lost:
+            # The worker reported the KV unusable ("KV transfer failed"): the same handoff
+            # sent again would fail the same way. Any other refusal left the KV staged.
             self.state = HandoffState.CONSUMED
             self.staged = None
         elif not self.request_open:

@@ -534,11 +534,13 @@ class HttpEngine:
                     break
             await response.aclose()
         message = error_message(bytes(data), status)
+        lost = self.role == "decode" and reports_lost_kv(message)
         if 400 <= status < 500:
-            return WorkerError(message, status=status, worker=self.name, worker_status=status)
+            return WorkerError(message, status=status, worker=self.name, worker_status=status,
+                               handoff_lost=lost)
         return WorkerError(
             f"{self.role} worker {self.url} answered {status}: {message}",
-            status=502, worker=self.name, worker_status=status,
+            status=502, worker=self.name, worker_status=status, handoff_lost=lost,
         )
 
     def _error(self, what: str) -> Item:
@@ -688,6 +690,12 @@ async def read_limited(response: httpx.Response, limit: int) -> bytes:
         if size >= limit:
             break
     return b"".join(parts)
+
+
+def reports_lost_kv(message: str) -> bool:
+    """Whether a decode worker's error message says the handoff's KV could not be used:
+    the KV transfer failed (vLLM's and the mock workers' "KV transfer failed: ...")."""
+    return message.lstrip().lower().startswith("kv transfer failed")
 
 
 def describe(exc: BaseException) -> str:
