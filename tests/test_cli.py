@@ -262,3 +262,11 @@ def test_B10_cancel_window_flags_per_worker_and_for_all() -> None:
         cancel_windows(["sometimes"], workers)
     with pytest.raises(StartupError, match="'http://p9:8100' is not a prefill worker"):
         cancel_windows(["http://p9:8100=never"], workers)
+    assert cancel_windows(["http://p0:8100,8998=never"], workers) == {  # an SGLang spec
+        "http://p0:8100": CancelWindow.NEVER}
+    with pytest.raises(StartupError, match="given twice for every prefill worker"):
+        cancel_windows(["anytime", "never"], workers)
+    with pytest.raises(StartupError, match="given twice for http://p1:8100"):
+        cancel_windows(["http://p1:8100=anytime", "http://p1:8100/=never"], workers)
+    with pytest.raises(StartupError, match="name the worker before '='"):
+        cancel_windows(["=never"], workers)

@@ -293,25 +293,41 @@ async def serve_command(args: argparse.Namespace) -> int:
 
 
 def cancel_windows(specs: Sequence[str], workers: Sequence[str]) -> dict[str, CancelWindow]:
-    """``--cancel-window`` values as a window per prefill worker name.
+    """``--cancel-window`` values as a window per prefill worker name: a worker's own
+    value wins over the one for every worker.
 
     Raises:
-        StartupError: an unknown window, or a worker that is not a prefill worker.
+        StartupError: an unknown window, a worker that is not a prefill worker, an empty
+            worker name, or two different windows for the same worker (or for all).
     """
     windows: dict[str, CancelWindow] = {}
+    every: CancelWindow | None = None
     for spec in specs:
-        worker, _, name = spec.rpartition("=")
+        worker, equals, name = spec.rpartition("=")
         try:
             window = CancelWindow(name)
         except ValueError:
             raise StartupError(f"--cancel-window {spec!r}: the window must be one of "
                                f"{', '.join(w.value for w in CancelWindow)}") from None
-        targets = [worker.rstrip("/")] if worker else list(workers)
-        for target in targets:
-            if target not in workers:
-                raise StartupError(f"--cancel-window {spec!r}: {target!r} is not a "
-                                   f"prefill worker ({', '.join(workers)})")
-            windows[target] = window
+        if equals and not worker:
+            raise StartupError(f"--cancel-window {spec!r}: name the worker before '=', "
+                               "or give the window alone for every prefill worker")
+        if not worker:
+            if every is not None and every is not window:
+                raise StartupError(f"--cancel-window given twice for every prefill worker: "
+                                   f"{every.value} and {window.value}")
+            every = window
+            continue
+        target = worker.split(",")[0].rstrip("/")  # an SGLang spec's bootstrap port too
+        if target not in workers:
+            raise StartupError(f"--cancel-window {spec!r}: {target!r} is not a "
+                               f"prefill worker ({', '.join(workers)})")
+        if windows.get(target, window) is not window:
+            raise StartupError(f"--cancel-window given twice for {target}: "
+                               f"{windows[target].value} and {window.value}")
+        windows[target] = window
+    if every is not None:
+        windows = {worker: windows.get(worker, every) for worker in workers}
     return windows
 
 
