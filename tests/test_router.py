@@ -517,6 +517,41 @@ async def test_stream_raises_its_documented_exceptions_bare(
         h.assert_clean()
 
 
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("action", ["stop_generating", "kill"])
+async def test_C3_a_client_stopping_its_context_ends_its_request_at_once(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, action: str
+) -> None:
+    """A library caller that stops or kills its context while the prefill still runs
+    (here, stalls) gets its stream ended at once, not at the prefill deadline. What
+    belongs to the KV transfer goes on in the keeper (C5, G9), and the prefill is then
+    treated as the prefill of a client that left (B10; NEVER here: drained until its
+    deadline)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style, deadlines=Deadlines(prefill=5, handoff=5))
+        context = RequestContext("r")
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(1):
+                async def stop_soon() -> None:
+                    await trio.sleep(0.2)
+                    getattr(context, action)()
+
+                nursery.start_soon(stop_soon)
+                stream = await h.router.stream(
+                    nursery, make_request(fault="prefill_stall"), context)
+                items = [item async for item in stream.outputs]
+        assert trio.current_time() - start < 0.5
+        # A stop before a decode took the request ends with one cancelled finish (C3); a
+        # bootstrap stream, whose decode leg is kept for the transfer, just ends.
+        assert [finish_of(item) for item in items] in (
+            [], [] if action == "kill" else [FinishKind.CANCELLED])
+        if style is SEQ and action == "stop_generating":
+            assert len(items) == 1
+        await h.settle()
+        h.assert_clean()
+
+
 # --- B2: every wait has a deadline -----------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from ._prefill import (
 from ._protocols import (
     Annotated,
     BootstrapInfo,
+    FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
     PromptTokensDetails,
@@ -94,7 +95,8 @@ class RequestStream:
             or the channel ends (B4 is the server's job).
         tracker: the request's phases and timestamps.
         style: which handoff style served it (``"sequential"``, ``"context_first"``,
-            ``"bootstrap"``, ``"terminal"``).
+            ``"bootstrap"``), ``"terminal"`` (the prefill answered, S7) or ``"stopped"``
+            (the client stopped or killed its context before a decode took the request).
         prefill: the prefill drain, owned by the keeper.
         gate: the gatekeeper, or None for a terminal prefill.
         prefill_worker, decode_worker: names of the chosen workers (the routing decision;
@@ -358,9 +360,21 @@ class DisaggRouter:
             raise
 
     async def _open(self, nursery: trio.Nursery, owner: HandoffOwner) -> RequestStream:
-        decode_request = await owner.decode_request()
-        if isinstance(decode_request, Terminal):  # S7
-            return self._terminal(owner, decode_request)
+        """Wait for what the decode needs and dispatch it; a client that stops or kills
+        its context meanwhile ends the request at once, as one that left does (B10, B1):
+        the keeper keeps what is part of a KV transfer."""
+        with trio.CancelScope() as wait:
+            owner.context.on_stop(lambda killed: wait.cancel())
+            decode_request = await owner.decode_request()
+            if isinstance(decode_request, Terminal):  # S7
+                return self._terminal(owner, decode_request)
+            return await self._dispatch(nursery, owner, decode_request)
+        owner.close_request(client_left=True)
+        return self._stopped(owner)
+
+    async def _dispatch(
+        self, nursery: trio.Nursery, owner: HandoffOwner, decode_request: PreprocessedRequest
+    ) -> RequestStream:
         decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
 
         def first_output() -> None:
@@ -393,7 +407,14 @@ class DisaggRouter:
             decode_receive.close()
             raise
         out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
-        nursery.start_soon(self._forward, owner, gate, decode_receive, out_send, decode_context)
+        forward = trio.CancelScope()
+        if owner.holds_transfer:
+            # The client's stop or kill ends its stream at once; the kept leg goes on to
+            # fetch its KV (G9). (Not when the gatekeeper itself stopped the client.)
+            owner.context.on_stop(lambda killed: None if owner.first_output_seen
+                                  or gate.failure is not None else forward.cancel())
+        nursery.start_soon(self._forward, owner, gate, decode_receive, out_send,
+                           decode_context, forward)
         return self._request_stream(owner, out_receive, gate)
 
     def _request_stream(
@@ -416,6 +437,17 @@ class DisaggRouter:
             handoff=owner,
         )
 
+    def _stopped(self, owner: HandoffOwner) -> RequestStream:
+        """The stream of a request whose client stopped (one ``cancelled`` finish, C3) or
+        killed (nothing) its context before a decode was handed the request."""
+        send, receive = trio.open_memory_channel[Item](1)
+        with send:
+            if not owner.context.is_killed:
+                send.send_nowait(Annotated(data=LLMEngineOutput(
+                    finish_reason=FinishReason.CANCELLED)))
+        owner.tracker.finish()
+        return self._request_stream(owner, receive, None, "stopped")
+
     def _terminal(self, owner: HandoffOwner, completion: Terminal) -> RequestStream:
         send, receive = trio.open_memory_channel[Item](1)
         with send:
@@ -430,12 +462,14 @@ class DisaggRouter:
         decode_receive: trio.MemoryReceiveChannel[Item],
         out_send: trio.MemorySendChannel[Item],
         decode_context: RequestContext,
+        scope: trio.CancelScope,
     ) -> None:
         # A kept leg is ended by its owner, never by a stop it would obey before it fetched
         # its KV (that would leave the KV to a worker timeout): see forward_ended().
         leg_context = None if owner.holds_transfer else decode_context
         try:
-            await gate.forward(decode_receive, out_send, leg_context)
+            with scope:
+                await gate.forward(decode_receive, out_send, leg_context)
         finally:
             owner.tracker.finish()
             self._release()
