@@ -20,8 +20,10 @@ the KV from the prefill worker over loopback, abort a request when its connectio
 3. A client that hangs up while its prefill computes: vLLM frees a request's blocks when
    its connection closes, so its prefill may be cancelled anytime (cancel window
    ``anytime``, B10): the router cancels it, the prefill worker aborts it, and nothing is
-   staged. (With the window ``never``, the keeper would run the prefill to its end and
-   have its KV consumed at once by a one-token decode, B1: tutorial 4 shows that.)
+   staged. The router's stop gives an answer already on its way half a second to arrive
+   (it is read then, and its KV consumed, B1), so the prefill here is longer than that.
+   (With the window ``never``, the keeper would run the prefill to its end and have its
+   KV consumed at once by a one-token decode, B1: tutorial 4 shows that.)
 4. A prefill that fails: the client gets a 502 with the worker's message, before any byte
    of a stream (a real HTTP status, not an error event).
 """
@@ -45,9 +47,9 @@ from trio_disagg.server import create_app, serve
 from trio_disagg.workers import serve_mock_worker
 
 MODEL = "tutorial-model"
-# 0.5 ms of prefill per prompt token, 10 ms per decoded token: slow enough to hang up in
-# the middle of a phase, fast enough that the tutorial runs in about a second.
-LATENCY = LatencyModel(ttft_per_prompt_token=0.0005, inter_token_latency=0.01,
+# 1.5 ms of prefill per prompt token, 10 ms per decoded token: slow enough to hang up in
+# the middle of a phase, fast enough that the tutorial runs in a couple of seconds.
+LATENCY = LatencyModel(ttft_per_prompt_token=0.0015, inter_token_latency=0.01,
                        kv_transfer_per_token=0.00002)
 KV_TTL = 30.0  # seconds staged KV waits for its decode: vLLM's lease in recent builds
 PROMPT = ("Why does each request get a nursery of its own, and why does a detached keeper, "
@@ -120,7 +122,7 @@ def hang_up_after(client: openai.OpenAI, tokens: int) -> str:
 
 def hang_up_during_prefill(client: openai.OpenAI) -> str:
     # The router sends the response headers with the first token, so a 0.1 s timeout
-    # expires during the 0.5 s prefill; the client then closes its connection.
+    # expires during the 1.5 s prefill; the client then closes its connection.
     impatient = client.with_options(timeout=0.1)
     try:
         impatient.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=20,
@@ -223,7 +225,7 @@ async def steps(client: openai.OpenAI, http: httpx.AsyncClient, router: td.Disag
           f"{kv_line(m)}")
     print(f"   no block waits for its {KV_TTL:.0f} s lease: nothing is held.\n")
 
-    print("3. The client hangs up while its prefill computes (1000 prompt tokens, 0.5 s).")
+    print("3. The client hangs up while its prefill computes (1000 prompt tokens, 1.5 s).")
     start = trio.current_time()
     print(f"   client: {await in_thread(partial(hang_up_during_prefill, client))}")
     await settled(router, keeper)
