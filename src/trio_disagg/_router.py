@@ -99,8 +99,8 @@ class RequestStream:
             (the client stopped or killed its context before a decode took the request).
         prefill: the prefill drain, owned by the keeper.
         gate: the gatekeeper, or None for a terminal prefill.
-        prefill_worker, decode_worker: names of the chosen workers (the routing decision;
-            no decode worker for a terminal prefill).
+        prefill_worker: the name of the chosen prefill worker (the routing decision).
+        decode_worker: the name of the chosen decode worker; None for a terminal prefill.
         bootstrap_info: the bootstrap room chosen (bootstrap style).
         handoff: the request's handoff owner (its ``state`` says what became of the KV).
     """

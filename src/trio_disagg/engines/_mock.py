@@ -790,8 +790,9 @@ def mock_cluster(
 
     Args:
         style: the prefill engines' handoff style.
-        latency, seed, block_size, kv_ttl, bootstrap_timeout, default_max_tokens,
-        fault_plan: as for :class:`MockPrefillEngine` and :class:`MockDecodeEngine`.
+        latency: as for :class:`MockPrefillEngine` and :class:`MockDecodeEngine`; so are
+            ``seed``, ``block_size``, ``kv_ttl``, ``bootstrap_timeout``,
+            ``default_max_tokens`` and ``fault_plan``.
 
     Returns:
         The :class:`MockCluster`.
