@@ -214,10 +214,10 @@ async def main() -> None:
         assert two.prefill.succeeded, "the prefill leg survived its client (T1, G9)"
         print(f"  {now()}  {two.prefill!r}: the KV transfer ran to its end\n")
 
-        print("3. The prefill fails at 40 ms, after the decode's last token (G5).")
+        print("3. The prefill fails at 60 ms, after the decode's last token (G5).")
         restart_clock()
         await serve(keeper, make_request("req-3"), td.RequestContext("req-3"),
-                    transfer=0.04, fail=True, pipeline=legs)
+                    transfer=0.06, fail=True, pipeline=legs)
         three = legs[-1]
         items = [item for _, item in three.received]
         assert [item.is_error for item in items] == [False, False, True], \
