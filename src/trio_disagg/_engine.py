@@ -55,20 +55,97 @@ def cancel_window_of(engine: object) -> CancelWindow:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A prefill or decode worker, as the router drives it.
+    """A prefill or decode worker, as the router drives it: the whole contract.
 
-    ``generate`` is dispatched with ``await nursery.start(engine.generate, request, context,
-    send_channel)``, which returns once the worker accepted the request. It then sends
-    ``Annotated[LLMEngineOutput]`` items into ``send_channel`` and closes it when the stream
-    ends. It honours ``context``: on ``stop_generating()`` it ends the stream with a
-    ``cancelled`` finish; on ``kill()`` it stops at once. Worker failures are sent as error
-    items, or raised as :class:`~trio_disagg.WorkerError` before ``started()``.
+    docs/howto-engine.md walks through it with a minimal prefill and decode engine
+    (``examples/07_write_an_engine.py``). The rule ids are those of docs/semantics.md.
+
+    **Dispatch.** The router calls ``generate(request, context, send_channel,
+    task_status=...)``. A decode leg (and a B1 cleanup decode) is dispatched with
+    ``await nursery.start(engine.generate, request, context, send_channel)``: the call
+    returns once the engine calls ``task_status.started()``, which it does exactly once,
+    as soon as the worker *accepted* the request (the HTTP answer's status arrived, the
+    request is queued on the worker, the decode joined its bootstrap room), before the
+    first output. A prefill leg is run with the default ``task_status``; call
+    ``started()`` there too, it costs nothing. The engine then sends
+    ``Annotated[LLMEngineOutput]`` items into ``send_channel`` and closes it when its
+    stream ends (``with send_channel:`` around the whole body): the reader's end of the
+    stream is the channel's end.
+
+    **A prefill engine** serves the client's request as the router received it: the
+    ``body`` is the client's, ``max_tokens`` the client's budget. Cutting the prefill to
+    what a prefill needs (one token, not streamed, plus the worker's handoff options) is
+    the engine's job; the router adds nothing to the request (B8). Its FIRST output
+    decides what happens (S1-S10):
+
+    - a handoff: ``data.disaggregated_params`` carries what the decode worker needs to
+      find the KV (an opaque JSON value), with no finish reason or ``length``. With it,
+      ``data.completion_usage`` with ``prompt_tokens`` and
+      ``prompt_tokens_details.cached_tokens`` if the worker reported them: they are the
+      numbers the client is told, since the decode sees the whole prompt as cached (S4);
+    - a terminal answer: a finish reason other than ``length`` (``eos``, ``stop``, ...)
+      on the first output ends the request there, with no decode (S7);
+    - an error item (S2); a stream that ends with no output is an error too (S1), and
+      a non-terminal first output without ``disaggregated_params`` is refused (S8).
+
+    Later outputs are read to the end and checked: an error item, an ``error`` or a
+    ``cancelled`` finish fails the prefill (T4). In the sequential styles that happens
+    before the decode is dispatched (S6); in the ``BOOTSTRAP`` style the decode runs
+    meanwhile, and the gatekeeper replaces its held success terminal with the error (G5).
+    A ``BOOTSTRAP`` engine sends its first output (the handoff, with ``disaggregated_params``
+    holding ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``, S5) at once,
+    and its last one only once its KV reached the decode that joined the room.
+
+    **A decode engine** finds the handoff in the request: in
+    ``request.prefill_result.disaggregated_params`` (the prefill's value, as it sent it)
+    for ``SEQUENTIAL`` and ``CONTEXT_FIRST`` prefill engines, and in
+    ``request.bootstrap_info`` (the host, port and room the router chose) for
+    ``BOOTSTRAP`` ones. It fetches the KV, then streams tokens; its last output has a
+    finish reason (or the channel just ends). A request with ``max_tokens == 1`` and
+    ``stream`` false may be the router's B1 cleanup decode: serve it like any other, the
+    point is that it takes (and so frees) the staged KV.
+
+    **Cancellation.** Honour ``context``: after ``context.stop_generating()`` end the
+    stream with one item whose finish reason is ``FinishReason.CANCELLED`` (what was
+    already sent stays valid); after ``context.kill()`` stop at once and send nothing
+    more (C1-C3; ``context.on_stop(callback)`` or ``await context.stopped()`` tell you).
+    Honour a cancelled caller as any trio code does: let ``trio.Cancelled`` through, and
+    release what the request held on the worker (abort it there). A client's stop or
+    kill never reaches a prefill's context (C5): the router stops it only when no decode
+    will ever take its KV (a client that left inside the engine's cancel window, B10; a
+    bootstrap room no decode will join, B6), cancels it if it ignores that stop for
+    ``PREFILL_STOP_GRACE`` seconds, and kills it when the transfer deadline runs out
+    (B2). A decode's context is stopped through the client's (C4), or by the gatekeeper.
+
+    **A reader that is gone.** A send that raises :exc:`trio.BrokenResourceError` means
+    nobody reads the stream any more (the client left, the gatekeeper ended it): just
+    return (abort the request on the worker if it is still running there). Do not treat
+    it as an error and do not retry; the router handles the rest (what becomes of the
+    staged KV is its handoff owner's decision, B1, B6).
+
+    **Errors.** Raise :class:`~trio_disagg.WorkerError` only *before* ``started()``: the
+    worker refused the request (its ``status``; ``handoff_lost=True`` if a decode
+    refused because the handoff's KV is unusable, so the router sends no B1 cleanup for
+    it). After ``started()`` never raise for a worker failure: send ONE error item,
+    ``Annotated.from_exception(exc)`` (keeps the typed exception for the server) or
+    ``Annotated.from_error(message)``, and end the stream.
+
+    **Cancel window** (optional, prefill engines, B10): a ``cancel_window`` attribute, a
+    :class:`CancelWindow`, says when the router may cancel the prefill of a client that
+    left without stranding KV. An engine without one is :attr:`CancelWindow.NEVER`: the
+    keeper runs its prefill to the end and the router consumes the staged KV (B1).
+
+    **Decode-only engines** must still have the ``handoff_style``, ``bootstrap_host``
+    and ``bootstrap_port`` attributes today: the protocol is shared by both pools. Use
+    ``HandoffStyle.SEQUENTIAL``, ``None`` and ``None``; the router reads them only on
+    prefill engines.
 
     Attributes:
         name: unique within its pool; shown in metrics and logs.
-        handoff_style: for prefill engines, how they hand off.
+        handoff_style: for prefill engines, how they hand off (a decode-only engine:
+            :attr:`HandoffStyle.SEQUENTIAL`).
         bootstrap_host, bootstrap_port: for BOOTSTRAP prefill engines, where the decode
-            worker meets them (docs/protocols.md section 3).
+            worker meets them (docs/protocols.md section 3); None otherwise.
         cancel_window: optional, for prefill engines: a :class:`CancelWindow` (read with
             :func:`cancel_window_of`; :attr:`CancelWindow.NEVER` if absent).
     """
