@@ -113,6 +113,10 @@ class HandoffOwner:
     handoff: PrefillResult | None = None
     #: The decode leg's first output reached the gatekeeper (its KV was fetched).
     first_output_seen: bool = False
+    #: Why the decode leg ended before its worker accepted, if it did while the request
+    #: was still open: decided on again when the request closes (the leg may end before
+    #: or after that, whichever the scheduler runs first).
+    refusal: BaseException | None = None
 
     def __attrs_post_init__(self) -> None:
         self.window = self.prefill_worker.cancel_window
@@ -208,6 +212,8 @@ class HandoffOwner:
         if not self.request_open:
             return
         self.request_open = False
+        if self.refusal is not None:
+            self.decode_not_accepted(self.refusal)  # now with nobody left to decide
         if self.state not in _SETTLED and self.state is not HandoffState.DISPATCHED:
             self._abandon(client_left=client_left)
 
@@ -276,6 +282,8 @@ class SequentialOwner(HandoffOwner):
             self.staged = None
         elif not self.request_open:
             self._consume()  # B1, for a leg the request had left to the keeper
+        else:
+            self.refusal = error  # the request decides when it closes
 
     def _abandon(self, *, client_left: bool) -> None:
         if self.state is HandoffState.STAGED:
@@ -325,7 +333,9 @@ class BootstrapOwner(HandoffOwner):
         # A decode that was not accepted never joined the room, and no other will: end the
         # prefill waiting in it at once instead of leaving it to the bootstrap timeout (B6).
         # While the request is open it sees the refusal first, then closes (G1).
-        if self.state is HandoffState.PENDING and not self.request_open:
+        if self.request_open:
+            self.refusal = error
+        elif self.state is HandoffState.PENDING:
             self._cancel_prefill(why="no decode will join its room")
 
     def _abandon(self, *, client_left: bool) -> None:
