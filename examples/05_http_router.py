@@ -166,10 +166,12 @@ async def main() -> None:
         print(f"mock vLLM workers: prefill {prefill_url}, decode {decode_url}")
 
         # The router, as `trio-disagg serve --backend vllm --prefill URL --decode URL`
-        # builds it: VllmEngine adapters sharing one httpx client, a keeper, a router, the
-        # OpenAI app, and hypercorn (trio worker) serving it.
-        async with vllm_client() as http, td.TransferKeeper() as keeper:
-            prefill, decode = vllm_engines([prefill_url], [decode_url], client=http)
+        # builds it: VllmEngine adapters sharing one worker client, a keeper, a router, the
+        # OpenAI app, and hypercorn (trio worker) serving it. (`http`, an httpx client, is
+        # this script's own, to read the workers' /metrics.)
+        async with (vllm_client() as workers_client, httpx.AsyncClient() as http,
+                    td.TransferKeeper() as keeper):
+            prefill, decode = vllm_engines([prefill_url], [decode_url], client=workers_client)
             # vLLM's cancel window (B10), said explicitly; `serve --cancel-window` sets it
             # from the command line.
             windows = {prefill_url: td.CancelWindow.ANYTIME}

@@ -21,6 +21,7 @@ from protocol_support import Cluster, open_cluster
 
 from trio_disagg import CancelWindow, Deadlines, Engine, HandoffStyle
 from trio_disagg.engines import (
+    Client,
     LatencyModel,
     sglang_engines,
     trtllm_engines,
@@ -81,7 +82,7 @@ async def routed(
                                      kv_ttl=KV_TTL)
         decode = create_mock_worker("decode", protocol, latency=decode_latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         if protocol == "vllm":
             return vllm_engines([prefill_url], [decode_url], client=client)

@@ -61,6 +61,7 @@ from trio_disagg import (
 )
 from trio_disagg.engines import (
     DEFAULT_BOOTSTRAP_PORT,
+    Client,
     LatencyModel,
     SglangEngine,
     parse_prefill_spec,
@@ -126,7 +127,7 @@ async def sglang_cluster(
                                  bootstrap_port=0)
     decode = create_mock_worker("decode", "sglang", latency=latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         # the prefill's bootstrap port is known once it is served
         return sglang_engines([f"{prefill_url},{prefill.bootstrap_port}"], [decode_url],
@@ -258,7 +259,8 @@ async def test_S5_bootstrap_handoff_with_cached_tokens_from_the_prefill() -> Non
         assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
         assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
         assert cluster.prefill.stats.completed == 1  # the keeper drained the prefill
-        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        async with httpx.AsyncClient() as http:
+            response = await http.get(cluster.prefill_url + "/metrics")
         samples = metric_samples(response.text)
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_bootstrap_rooms_open"] == 0

@@ -60,6 +60,7 @@ from trio_disagg import (
 )
 from trio_disagg.engines import (
     PREFILL_KV_TRANSFER_PARAMS,
+    Client,
     LatencyModel,
     VllmEngine,
     decode_body,
@@ -87,7 +88,7 @@ async def vllm_cluster(
     prefill = create_mock_worker("prefill", latency=latency, kv_ttl=KV_TTL, model=prefill_model)
     decode = create_mock_worker("decode", latency=latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         return vllm_engines([prefill_url], [decode_url], client=client,
                             cancel_window=cancel_window)
@@ -184,7 +185,8 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         counters = cluster.prefill.kv.counters()
         assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
         assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
-        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        async with httpx.AsyncClient() as http:
+            response = await http.get(cluster.prefill_url + "/metrics")
         samples = metric_samples(response.text)
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_kv_served_requests_total"] == 1

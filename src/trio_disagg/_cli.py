@@ -13,7 +13,6 @@ from functools import partial
 from typing import cast
 
 import attrs
-import httpx
 import trio
 
 from ._demo import ADAPTERS, DEMO_BACKENDS, demo_backends, run_demo
@@ -21,7 +20,7 @@ from ._engine import CancelWindow, Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import LatencyModel, MockCluster, mock_cluster, vllm_client
+from .engines import Client, LatencyModel, MockCluster, mock_cluster, vllm_client
 from .server import create_app, serve
 from .workers import PROTOCOLS, KVCollector, create_mock_worker, serve_worker
 
@@ -332,7 +331,7 @@ def cancel_windows(specs: Sequence[str], workers: Sequence[str]) -> dict[str, Ca
 
 
 def engines_for(
-    args: argparse.Namespace, client: httpx.AsyncClient
+    args: argparse.Namespace, client: Client
 ) -> tuple[list[Engine], list[Engine], MockCluster | None]:
     """The engines ``serve`` routes to: in-process mocks (and their cluster, whose KV
     counters ``/metrics`` then shows), or adapters over HTTP."""

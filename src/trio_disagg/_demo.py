@@ -40,6 +40,7 @@ from ._router import Deadlines, DisaggRouter
 from .engines import (
     KVCounters,
     LatencyModel,
+    WorkerClient,
     mock_cluster,
     sglang_engines,
     trtllm_engines,
@@ -116,14 +117,15 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
             if role == "prefill":
                 bound = getattr(app, "bootstrap_port", None)
                 prefill_specs.append(url if bound is None else f"{url},{bound}")
-    client = worker_client()
-    nursery.start_soon(_close_at_cancel, client)
+    client = worker_client()  # the engines' worker legs
+    http = httpx.AsyncClient(trust_env=False)  # the demo's own reads of /metrics
+    nursery.start_soon(_close_at_cancel, client, http)
     prefill, decode = ADAPTERS[protocol](prefill_specs, urls["decode"], client=client)
 
     async def counters() -> KVCounters:
         total = KVCounters()
         for url in urls["prefill"]:
-            response = await client.get(f"{url}/metrics")
+            response = await http.get(f"{url}/metrics")
             response.raise_for_status()
             total += _kv_from_metrics(response.text)
         return total
@@ -161,12 +163,13 @@ def _kv_from_metrics(text: str) -> KVCounters:
     )
 
 
-async def _close_at_cancel(client: httpx.AsyncClient) -> None:
+async def _close_at_cancel(client: WorkerClient, http: httpx.AsyncClient) -> None:
     try:
         await trio.sleep_forever()
     finally:
         with trio.move_on_after(1, shield=True):
             await client.aclose()
+            await http.aclose()
 
 
 @attrs.define

@@ -14,8 +14,7 @@ from ._faults import FaultPlan as FaultPlan
 from ._faults import fault_for as fault_for
 from ._faults import parse_fault as parse_fault
 from ._faults import parse_faults as parse_faults
-from ._http import DEFAULT_LIMITS as DEFAULT_LIMITS
-from ._http import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._http import Client as Client
 from ._http import HttpEngine as HttpEngine
 from ._http import streaming_body as streaming_body
 from ._http import worker_client as worker_client
@@ -57,3 +56,12 @@ from ._vllm import endpoint_for as endpoint_for
 from ._vllm import prefill_body as prefill_body
 from ._vllm import vllm_client as vllm_client
 from ._vllm import vllm_engines as vllm_engines
+from ._wire import ConnectError as ConnectError
+from ._wire import HttpxWorkerClient as HttpxWorkerClient
+from ._wire import PoolTimeout as PoolTimeout
+from ._wire import ReadTimeout as ReadTimeout
+from ._wire import RemoteProtocolError as RemoteProtocolError
+from ._wire import TransportError as TransportError
+from ._wire import WorkerClient as WorkerClient
+from ._wire import WorkerResponse as WorkerResponse
+from ._wire import WriteTimeout as WriteTimeout
