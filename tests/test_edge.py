@@ -33,9 +33,10 @@ from trio_disagg import (
     TransferKeeper,
     WorkerPool,
 )
-from trio_disagg._cli import API_KEY_ENV, build_parser
+from trio_disagg._cli import API_KEY_ENV, StartupError, api_key_of, build_parser
 from trio_disagg.engines import LatencyModel, mock_cluster
-from trio_disagg.server import OpenAIApp, create_app, serve
+from trio_disagg.engines._http import check_worker_url
+from trio_disagg.server import OpenAIApp, _edge, create_app, serve
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -267,6 +268,28 @@ async def test_api_key_wrong_or_missing_is_401_right_is_200() -> None:
         assert (await server.refused())["unauthorized"] == 9
 
 
+async def test_a_refused_client_that_withholds_its_body_still_gets_its_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The body of a refused request is read only for a bounded time: a client that sends
+    its headers and then nothing gets its 401 and the connection closed."""
+    monkeypatch.setattr(_edge, "DISCARD_WINDOW", 0.2)
+    async with edge_server(api_key=KEY) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        with trio.fail_after(5):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                      b"content-type: application/json\r\n"
+                                      b"content-length: 100\r\n\r\n{")
+                answer = b""
+                while data := await stream.receive_some():
+                    answer += data
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+        assert b"invalid_api_key" in answer
+        assert server.calls == 0
+
+
 async def test_protect_metrics_closes_health_and_metrics_too() -> None:
     async with edge_server(api_key=KEY, protect_metrics=True) as server:
         async with server.http() as http:
@@ -369,18 +392,25 @@ def test_serve_help_shows_every_default() -> None:
 
 
 @pytest.mark.parametrize("url", ["notaurl", "ftp://p0:8100", "http://p0:99999",
-                                 "http://p0:port", "http://p0:8100/?x=1"])
-async def test_a_bad_worker_url_is_one_line_and_exit_2(url: str) -> None:
+                                 "http://p0:0", "http://p0:port", "http://p0:8100/?x=1",
+                                 "http://p0:8100#top", "http://"])
+def test_a_bad_worker_url_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="worker URL must be http"):
+        check_worker_url(url, "vLLM")
+    assert check_worker_url("http://p0:8100/prefix/", "vLLM") == "http://p0:8100/prefix"
+
+
+async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:
     with trio.fail_after(30):
         done = await trio.run_process(
-            [*COMMAND, "serve", "--port", "0", "--backend", "vllm", "--prefill", url,
-             "--decode", "http://127.0.0.1:9"],
+            [*COMMAND, "serve", "--port", "0", "--backend", "vllm", "--prefill",
+             "http://p0:port", "--decode", "http://127.0.0.1:9"],
             capture_stdout=True, capture_stderr=True, check=False)
     text = done.stderr.decode()
     assert done.returncode == 2, text
     (line,) = text.strip().splitlines()
-    assert line.startswith("trio-disagg serve: error: a vLLM worker URL must be"), line
-    assert repr(url) in line
+    assert line == ("trio-disagg serve: error: a vLLM worker URL must be "
+                    "http(s)://host[:port], got 'http://p0:port'"), line
     assert done.stdout == b""  # nothing started
 
 
@@ -389,18 +419,27 @@ async def test_a_bad_worker_url_is_one_line_and_exit_2(url: str) -> None:
     ([], {API_KEY_ENV: " "}, f"{API_KEY_ENV} is empty"),
     (["--protect-metrics"], {}, "--protect-metrics needs an API key"),
 ])
-async def test_an_empty_api_key_is_one_line_and_exit_2(
-    argv: list[str], env: dict[str, str], message: str,
+def test_an_empty_api_key_is_a_startup_error(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve", *argv])
+    with pytest.raises(StartupError, match=message):
+        api_key_of(args)
+
+
+async def test_an_empty_api_key_in_the_environment_is_one_line_and_exit_2() -> None:
     with trio.fail_after(30):
         done = await trio.run_process(
-            [*COMMAND, "serve", "--port", "0", *argv], env={**os.environ, **env},
+            [*COMMAND, "serve", "--port", "0"], env={**os.environ, API_KEY_ENV: ""},
             capture_stdout=True, capture_stderr=True, check=False)
     text = done.stderr.decode()
     assert done.returncode == 2, text
     (line,) = text.strip().splitlines()
-    assert line == f"trio-disagg serve: error: {message}" or line.startswith(
-        f"trio-disagg serve: error: {message}"), line
+    assert line.startswith(f"trio-disagg serve: error: {API_KEY_ENV} is empty"), line
+    assert done.stdout == b""
 
 
 async def test_serve_takes_its_key_from_the_environment_and_applies_its_limits() -> None:

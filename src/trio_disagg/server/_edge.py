@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import orjson
+import trio
 from prometheus_client import Counter
 
 from ._openai import (
@@ -230,15 +231,22 @@ class Edge:
             logger.debug("ignored a request's %r field (fault injection is off)", FAULT_FIELD)
 
 
+#: Seconds a refused request's body may take to arrive before the answer goes out anyway:
+#: a client that refuses to send its body holds nothing for long.
+DISCARD_WINDOW = 5.0
+
+
 async def discard_body(receive: Receive, limit: int) -> None:
     """Read and throw away a refused request's body, up to ``limit`` bytes, so that the
     client reads the answer rather than a connection reset. Returns at the body's end, at
-    a disconnect, or past ``limit`` (the server then closes the connection)."""
+    a disconnect, past ``limit`` or after :data:`DISCARD_WINDOW` seconds (in the last two
+    cases the server closes the connection after the answer)."""
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        size += len(message.get("body", b""))
-        if not message.get("more_body", False) or size > limit:
-            return
+    with trio.move_on_after(DISCARD_WINDOW):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False) or size > limit:
+                return
