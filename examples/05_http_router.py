@@ -177,7 +177,9 @@ async def main() -> None:
             windows = {prefill_url: td.CancelWindow.ANYTIME}
             router = td.DisaggRouter(td.WorkerPool(prefill, cancel_windows=windows),
                                      td.WorkerPool(decode), keeper)
-            app = create_app(router, models=[MODEL])
+            # Step 4 injects a fault through the body: only a router started with
+            # fault injection passes the "fault" field on to the workers.
+            app = create_app(router, models=[MODEL], fault_injection=True)
             stop = trio.Event()
             async with trio.open_nursery() as server:
                 port = await server.start(partial(serve, app, host="127.0.0.1", port=0,

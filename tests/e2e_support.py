@@ -101,7 +101,7 @@ async def served(protocol: ProtocolName, **options: Any) -> AsyncIterator[Served
     """``protocol``'s mock workers and router (``options`` go to its cluster factory),
     served over HTTP by the router's own server."""
     async with cluster_factory(protocol)(**options) as cluster:
-        app = create_app(cluster.router, models=[MODEL])
+        app = create_app(cluster.router, models=[MODEL], fault_injection=True)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,

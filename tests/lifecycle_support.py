@@ -106,7 +106,7 @@ async def routed(
     client = vllm_client() if protocol == "vllm" else worker_client()
     async with open_cluster(prefill, decode, client, engines, deadlines=deadlines,
                             wrap_prefill=wrap_prefill, wrap_decode=style) as cluster:
-        app = create_app(cluster.router, models=[MODEL])
+        app = create_app(cluster.router, models=[MODEL], fault_injection=True)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,

@@ -137,6 +137,7 @@ async def running(
             WorkerPool([decode], failure_threshold=failure_threshold),
             keeper, deadlines=deadlines,
         )
+        app_options.setdefault("fault_injection", True)  # the tests inject faults
         app = create_app(router, models=[MODEL, "other-model"], **app_options)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -500,11 +501,12 @@ async def test_bad_input_is_a_4xx_openai_error_and_the_server_keeps_serving() ->
 
         # An oversized body, with a content-length and chunked.
         big = orjson.dumps({**GOOD, "prompt": "x " * 5000})
-        response = await http.post(COMPLETIONS, content=big)
+        json_type = {"content-type": "application/json"}
+        response = await http.post(COMPLETIONS, content=big, headers=json_type)
         assert response.status_code == 413
         assert response.json()["error"]["code"] == "request_too_large"
 
-        response = await http.post(COMPLETIONS, content=Chunks(10, 1000))
+        response = await http.post(COMPLETIONS, content=Chunks(10, 1000), headers=json_type)
         assert response.status_code == 413
 
         too_long = {"X-Request-Id": "r" * 300}

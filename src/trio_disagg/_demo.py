@@ -203,7 +203,7 @@ async def drive_backend(
             keeper,
             deadlines=DEMO_DEADLINES,
         )
-        app = create_app(router, models=[MODEL])
+        app = create_app(router, models=[MODEL], fault_injection=True)  # faults: on purpose
         async with trio.open_nursery() as nursery:
             port = await nursery.start(
                 partial(serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait)

@@ -268,15 +268,23 @@ def check_worker_url(url: str, protocol: str) -> str:
     """``url`` without a trailing slash.
 
     Raises:
-        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host, has a
+            port that is not 1 to 65535, or has a query or a fragment (the adapter
+            appends the endpoint's path to it).
     """
+    problem = f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}"
     try:
         parsed = urlsplit(url)
-        parsed.port  # noqa: B018 (raises on a malformed port)
-    except ValueError:
-        parsed = urlsplit("")
+        port = parsed.port  # raises on a port that is not a number, or out of range
+    except ValueError as exc:
+        detail = ": the port must be 1 to 65535" if "range" in str(exc) else ""
+        raise ValueError(problem + detail) from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}")
+        raise ValueError(problem)
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{problem}: the port must be 1 to 65535")
+    if parsed.query or parsed.fragment or "?" in url or "#" in url:
+        raise ValueError(f"{problem}: no query or fragment")
     return url.rstrip("/")
 
 
