@@ -12,6 +12,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from .._health import HealthMonitor
 from ._app import ENDING_WINDOW, OpenAIApp
 
 logger = logging.getLogger("trio_disagg.server")
@@ -46,6 +47,30 @@ async def wait_for_signals(*signums: int) -> int:
     raise AssertionError("unreachable: a signal receiver never ends")  # pragma: no cover
 
 
+async def _run_in(  # noqa: ASYNC128 (fn reports started())
+    scope: trio.CancelScope,
+    fn: Callable[..., Awaitable[object]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await fn(task_status=task_status)
+
+
+async def _then_cancel(  # noqa: ASYNC128 (fn reports started())
+    scope: trio.CancelScope,
+    fn: Callable[..., Awaitable[object]],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``fn`` (the server), then cancel ``scope`` (the health probes), however it
+    ends."""
+    try:
+        await fn(task_status=task_status)
+    finally:
+        scope.cancel()
+
+
 def _bind(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"  # IPv6
@@ -67,6 +92,7 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 30.0,
     config: Config | None = None,
+    health: HealthMonitor | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP with hypercorn's trio worker until shut down.
@@ -98,6 +124,9 @@ async def serve(
         graceful_timeout: seconds in-flight requests get to finish on shutdown.
         config: a hypercorn :class:`~hypercorn.config.Config` for everything else (TLS,
             timeouts, logging); its ``bind`` and ``graceful_timeout`` are overwritten.
+        health: probes of the router's workers to run while serving: its first round
+            ends before the server listens (so ``GET /health`` is right from the first
+            request), and it stops when the server does.
         task_status: with ``nursery.start(serve, ...)``, reports the bound TCP port once
             the server listens.
 
@@ -127,8 +156,12 @@ async def serve(
             nursery.start_soon(app.shutdown, graceful_timeout)
 
     async with trio.open_nursery() as nursery:
+        probes = trio.CancelScope()
+        if health is not None:
+            await nursery.start(_run_in, probes, health.run)
         binds: list[str] = await nursery.start(
-            partial(hypercorn_serve, app, config, shutdown_trigger=trigger)  # type: ignore[arg-type]
+            _then_cancel, probes,
+            partial(hypercorn_serve, app, config, shutdown_trigger=trigger),  # type: ignore[arg-type]
         )
         task_status.started(_port_of(binds[0]))
     if shutdown_trigger is not None and router.in_flight:
