@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trio_disagg import (
     Annotated,
+    Deadlines,
     DisaggRouter,
     HandoffStyle,
     HealthMonitor,
@@ -403,6 +404,7 @@ def test_B9_what_may_be_retried() -> None:
     assert retry_reason(WorkerError("4xx", status=429, worker_status=429)) is None
     assert retry_reason(WorkerError("lost", status=502, worker_status=500,
                                     handoff_lost=True)) is None
+    assert retry_reason(WorkerError("an engine's own", status=503)) == "server_error"
     assert retry_reason(PrefillError("after the answer began")) is None
 
 
@@ -415,3 +417,81 @@ def test_retry_policy_backs_off_with_jitter_and_refuses_nonsense() -> None:
             RetryPolicy(**bad)
     with pytest.raises(ValueError, match="interval"):
         HealthMonitor([], interval=0)
+
+
+# --- in process: B9 on the mock engines -------------------------------------------------
+
+
+async def routed(
+    keeper: TransferKeeper, prefill: int, decode: int, fault: str, *,
+    style: HandoffStyle = HandoffStyle.SEQUENTIAL, retry: RetryPolicy | None = None,
+) -> tuple[DisaggRouter, Exception]:
+    """A router on ``prefill`` and ``decode`` mock engines, and the error its one request
+    with ``fault`` raised (bare)."""
+    cluster = mock_cluster(prefill, decode, style=style)
+    router = DisaggRouter(WorkerPool(cluster.prefill, policy=RoundRobin()),
+                          WorkerPool(cluster.decode, policy=RoundRobin()), keeper,
+                          deadlines=Deadlines(prefill=5, handoff=5), retry=retry)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "fault": fault}
+    request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4)
+    raised: list[Exception] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            stream = await router.stream(nursery, request, RequestContext("r"))
+            async for _ in stream.outputs:
+                pass
+    except* (PrefillError, WorkerError) as group:
+        raised.extend(group.exceptions)
+    (error,) = raised
+    with trio.fail_after(60):
+        await router.wait_idle()
+        await keeper.wait_idle()
+    counters = cluster.counters()
+    assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
+    return router, error
+
+
+def failures(pool: WorkerPool) -> list[int]:
+    return [worker.failures_total for worker in pool.workers]
+
+
+async def test_B9_attempts_are_bounded(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        router, error = await routed(keeper, 3, 1, "prefill_reject:503")
+    assert isinstance(error, PrefillError) and isinstance(error.__cause__, WorkerError)
+    assert router.counters.retries == {("prefill", "server_error"): 1}  # 2 attempts of 3
+    assert failures(router.prefill) == [1, 1, 0]
+
+
+async def test_B9_no_retry_whose_backoff_would_pass_the_deadline(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slow = RetryPolicy(max_attempts=3, backoff=10.0, max_backoff=10.0)
+    async with TransferKeeper() as keeper:
+        router, _ = await routed(keeper, 2, 1, "prefill_reject:503", retry=slow)
+    assert router.counters.retries == {} and failures(router.prefill) == [1, 0]
+
+
+async def test_B9_a_bootstrap_prefill_is_not_retried(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        router, _ = await routed(keeper, 2, 1, "prefill_reject:503",
+                                 style=HandoffStyle.BOOTSTRAP)
+    assert router.counters.retries == {} and failures(router.prefill) == [1, 0]
+
+
+async def test_B9_a_refused_decode_is_retried_and_its_kv_consumed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        router, error = await routed(keeper, 1, 2, "decode_reject:503")
+    assert isinstance(error, WorkerError) and error.worker == "decode-1"  # the last one
+    assert router.counters.retries == {("decode", "server_error"): 1}
+    assert failures(router.decode) == [1, 1]
+    assert router.counters.staged_kv_cleanups == 1  # the last refusal: B1, as without retry
+
+
+async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
+    async with TransferKeeper() as keeper:
+        router, error = await routed(keeper, 1, 2, "decode_reject:429")
+    assert isinstance(error, WorkerError) and error.status == 429
+    assert router.counters.retries == {} and failures(router.decode) == [0, 0]

@@ -155,11 +155,14 @@ def worker_fault(error: BaseException | None) -> bool | None:
 def retry_reason(error: BaseException) -> str | None:
     """The ``reason`` label of a retry after ``error``, or None if ``error`` must not be
     retried (B9): only a :class:`~trio_disagg.WorkerError` of a worker that could not be
-    reached (``transport_error``) or answered a 5xx (``server_error``), and whose KV was
-    not reported lost, may be retried; a 4xx never is."""
+    reached (``transport_error``: status 502 and no ``worker_status``) or failed with a
+    5xx (``server_error``), and whose KV was not reported lost, may be retried; a 4xx
+    never is."""
     if not isinstance(error, WorkerError) or error.handoff_lost or 400 <= error.status < 500:
         return None
-    return "transport_error" if error.worker_status is None else "server_error"
+    if error.worker_status is None and error.status == 502:  # an adapter's "never answered"
+        return "transport_error"
+    return "server_error"
 
 
 @attrs.frozen(kw_only=True)

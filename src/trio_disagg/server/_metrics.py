@@ -233,23 +233,14 @@ class RouterCollector(Collector):
         yield served
         yield failures
         yield from _health_families(router, now)
-        retries = CounterMetricFamily(
-            "trio_disagg_retries",
-            "Legs tried again on another worker before the first byte (B9), by leg "
-            "(prefill, decode) and reason (transport_error, server_error).",
-            labels=["leg", "reason"],
-        )
-        for leg in ("prefill", "decode"):
-            for reason in RETRY_REASONS:
-                retries.add_metric([leg, reason], counters.retries.get((leg, reason), 0))
-        yield retries
 
 
 def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
     """Per worker (labels ``role``, ``worker``): ``trio_disagg_worker_state{state}`` (1 for
     its :class:`~trio_disagg.HealthState`), ``trio_disagg_worker_ejections_total{reason}``,
     and for probed workers ``trio_disagg_worker_probe_latency_seconds`` (the last probe)
-    and the summary ``trio_disagg_worker_probe_seconds``."""
+    and the summary ``trio_disagg_worker_probe_seconds``; and
+    ``trio_disagg_retries_total{leg, reason}`` (B9)."""
     labels = ["role", "worker"]
     state = GaugeMetricFamily(
         "trio_disagg_worker_state",
@@ -286,3 +277,13 @@ def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
     yield ejections
     yield last
     yield probes
+    retries = CounterMetricFamily(
+        "trio_disagg_retries",
+        "Legs tried again on another worker before the first byte (B9), by leg "
+        "(prefill, decode) and reason (transport_error, server_error).",
+        labels=["leg", "reason"],
+    )
+    for leg in ("prefill", "decode"):
+        for reason in RETRY_REASONS:
+            retries.add_metric([leg, reason], router.counters.retries.get((leg, reason), 0))
+    yield retries
