@@ -9,8 +9,12 @@ circuit breaker, the probes and the retry policy on the autojump clock.
 
 from __future__ import annotations
 
+import re
+import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -207,6 +211,7 @@ async def test_dead_prefill_worker_at_start_makes_health_503_until_it_comes_back
             with pytest.raises(openai.APIStatusError) as refused:
                 await in_thread(lambda: complete(router))
             assert refused.value.status_code == 503
+            assert "no prefill worker available" in refused.value.message
             assert not decode.seen
             assert await router.metric("trio_disagg_worker_ejections_total", reason="probe",
                                        worker=dead_url) == 1
@@ -495,3 +500,44 @@ async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
         router, error = await routed(keeper, 1, 2, "decode_reject:429")
     assert isinstance(error, WorkerError) and error.status == 429
     assert router.counters.retries == {} and failures(router.decode) == [0, 0]
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+async def test_serve_command_reports_dead_workers_before_any_request() -> None:
+    """``trio-disagg serve`` probes its workers before it listens: with both unreachable,
+    readiness is 503 naming both pools at once, liveness 200; SIGTERM still exits 0."""
+    prefill, decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "trio_disagg._cli", "serve", "--port", "0", "--backend", "vllm",
+            "--prefill", prefill, "--decode", decode, "--health-timeout", "1"]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, argv, stdout=subprocess.PIPE, check=False))
+            assert process.stdout is not None
+            banner = b""
+            while b"\n" not in banner:
+                data = await process.stdout.receive_some()
+                assert data, "serve exited before its banner"
+                banner += data
+            port = re.search(rb"http://127\.0\.0\.1:(\d+)/v1", banner)
+            assert port, banner
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{int(port[1])}") as http:
+                ready = await http.get("/health")
+                assert ready.status_code == 503
+                assert ready.json()["pools_without_healthy_workers"] == ["prefill", "decode"]
+                assert ready.json()["workers"] == {"prefill": {prefill: "down"},
+                                                   "decode": {decode: "down"}}
+                assert (await http.get("/livez")).status_code == 200
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+
+
+@pytest.mark.parametrize("argv", [["--max-attempts", "0"], ["--health-interval", "0"],
+                                  ["--health-timeout", "nan"]], ids=" ".join)
+async def test_serve_refuses_bad_health_and_retry_flags(argv: list[str]) -> None:
+    with trio.fail_after(30):
+        done = await trio.run_process([sys.executable, "-m", "trio_disagg._cli", "serve", *argv],
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 2 and b"Traceback" not in done.stderr

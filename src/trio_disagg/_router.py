@@ -17,6 +17,7 @@ from ._context import RequestContext
 from ._engine import Engine
 from ._errors import (
     DeadlineExceeded,
+    NoWorkerAvailable,
     PrefillCancelled,
     PrefillDeadlineExceeded,
     PrefillError,
@@ -336,8 +337,9 @@ class DisaggRouter:
 
     def _route(self, request: PreprocessedRequest, context: RequestContext) -> HandoffOwner:
         """Choose the workers (S12) and make the request's handoff owner."""
-        prefill_worker = self.prefill.select(request, pinned=request.routing.prefill_worker)
-        decode_worker = self.decode.select(request, pinned=request.routing.decode_worker)
+        prefill_worker = _select(self.prefill, "prefill", request,
+                                 request.routing.prefill_worker)
+        decode_worker = _select(self.decode, "decode", request, request.routing.decode_worker)
         routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
                                decode_worker=decode_worker.name)
         request = attrs.evolve(request, routing=routing)
@@ -784,6 +786,16 @@ class DisaggRouter:
         except Exception as exc:  # logged, never raised into the keeper (T2)
             self.counters.staged_kv_cleanup_failures += 1
             logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+def _select(
+    pool: WorkerPool, role: str, request: PreprocessedRequest, pinned: str | None
+) -> Worker:
+    """``pool.select()``, its :class:`NoWorkerAvailable` naming the pool's role."""
+    try:
+        return pool.select(request, pinned=pinned)
+    except NoWorkerAvailable as exc:
+        raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None
 
 
 class _Retryable(Exception):
