@@ -449,9 +449,7 @@ class DisaggRouter:
                 await gate.dispatch(nursery, start, owner, decode_request, decode_context,
                                     decode_send)
                 return decode_receive
-            except BaseException as exc:
-                # Nobody will read the decode stream: a decode leg that did start gets
-                # BrokenResourceError on its next send instead of blocking on a full channel.
+            except WorkerError as exc:
                 decode_receive.close()
                 error, reason = exc, retry_reason(exc)
                 delay = self.retry.delay(len(tried) + 1)
@@ -459,6 +457,11 @@ class DisaggRouter:
                         or trio.current_time() + delay >= deadline
                         or self._decode_replacement(owner, tried) is None):
                     raise
+            except BaseException:
+                # Nobody will read the decode stream: a decode leg that did start gets
+                # BrokenResourceError on its next send instead of blocking on a full channel.
+                decode_receive.close()
+                raise
             await trio.sleep(delay)  # backoff with jitter (B9)
             worker = self._decode_replacement(owner, tried)  # the pool may have changed
             if worker is None:
@@ -652,7 +655,7 @@ class DisaggRouter:
         """The worker a refused prefill is tried again on (B9), or None: no healthy worker
         of the same handoff style left, or the request ended, or the router stopped the
         prefill (B6, B10), or the prefill pairs with a decode in a bootstrap room."""
-        if (not owner.request_open
+        if (not owner.request_open or owner.state is not HandoffState.PENDING
                 or owner.prefill_scope.cancel_called or owner.context.is_stopped
                 or owner.request.bootstrap_info is not None):
             return None
