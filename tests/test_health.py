@@ -369,7 +369,8 @@ def test_the_embedded_mock_engines_are_not_probed() -> None:
 
 
 async def test_breaker_opens_half_opens_and_closes(autojump_clock: trio.abc.Clock) -> None:
-    pool = WorkerPool([Probed("a"), Probed("b")], failure_threshold=2, cooldown=5.0)
+    pool = WorkerPool([Probed("a"), Probed("b")], policy=RoundRobin(), failure_threshold=2,
+                      cooldown=5.0)
     worker = pool.workers[0]
 
     def state() -> HealthState:
@@ -382,12 +383,19 @@ async def test_breaker_opens_half_opens_and_closes(autojump_clock: trio.abc.Cloc
     assert state() is HealthState.EJECTED and pool.healthy() == [pool.workers[1]]
     await trio.sleep(5.0)
     assert state() is HealthState.HALF_OPEN and worker in pool.healthy()
+    request = PreprocessedRequest(request_id="r", model=MODEL)
+    chosen = [pool.select(request).name for _ in range(4)]
+    assert chosen.count("a") == 1  # one trial at a time
     pool.record_failure(worker, transport)  # the trial failed: open again at once
     assert state() is HealthState.EJECTED
     assert worker.health.ejections["passive"] == 2
     await trio.sleep(5.0)
+    assert pool.select(request).name == "a"  # the next trial...
+    await trio.sleep(5.0)  # ... never answered: another one after a cool-down
+    assert sorted(pool.select(request).name for _ in range(2)) == ["a", "b"]
     pool.record_success(worker)
     assert state() is HealthState.HEALTHY
+    assert {pool.select(request).name for _ in range(4)} == {"a", "b"}
 
 
 def test_only_a_workers_own_faults_count() -> None:

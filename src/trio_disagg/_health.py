@@ -36,8 +36,8 @@ class HealthState(enum.Enum):
     #: Its requests failed ``failure_threshold`` times in a row: skipped until its
     #: cool-down is over (the breaker is open).
     EJECTED = "ejected"
-    #: Its cool-down is over: selected again, and its next result decides (a success
-    #: closes the breaker, a fault opens it for another cool-down).
+    #: Its cool-down is over: selected for one trial request at a time, whose result
+    #: decides (a success closes the breaker, a fault opens it for another cool-down).
     HALF_OPEN = "half_open"
     #: Its last health probe failed: skipped until a probe succeeds.
     DOWN = "down"
@@ -71,6 +71,9 @@ class WorkerHealth:
         consecutive_faults: the worker's own faults since its last success.
         ejected: the breaker is open or half-open (no success since it opened).
         ejected_until: ``trio.current_time()`` at which an open breaker turns half-open.
+        trial_until: while half-open, ``trio.current_time()`` before which no other trial
+            request is given it (one trial at a time; a trial whose result never comes,
+            its request cancelled, frees the next one after a cool-down).
         ejections: times taken out of selection, by reason (:data:`EJECTION_REASONS`).
         probes_total, probe_failures_total: probes run, and those that failed.
         probe_seconds_total: their summed latency, in seconds.
@@ -79,7 +82,7 @@ class WorkerHealth:
 
     __slots__ = ("consecutive_faults", "ejected", "ejected_until", "ejections",
                  "last_probe_seconds", "probe_failures_total", "probe_ok",
-                 "probe_seconds_total", "probed", "probes_total")
+                 "probe_seconds_total", "probed", "probes_total", "trial_until")
 
     def __init__(self, *, probed: bool = False) -> None:
         self.probed = probed
@@ -87,6 +90,7 @@ class WorkerHealth:
         self.consecutive_faults = 0
         self.ejected = False
         self.ejected_until = -math.inf
+        self.trial_until = -math.inf
         self.ejections = dict.fromkeys(EJECTION_REASONS, 0)
         self.probes_total = 0
         self.probe_failures_total = 0
@@ -102,14 +106,27 @@ class WorkerHealth:
         return HealthState.EJECTED if now < self.ejected_until else HealthState.HALF_OPEN
 
     def selectable(self, now: float) -> bool:
-        """Healthy or half-open: selection may choose it."""
+        """Healthy or half-open: it counts towards its pool's readiness."""
         return self.state(now) in (HealthState.HEALTHY, HealthState.HALF_OPEN)
+
+    def choosable(self, now: float) -> bool:
+        """Selection may give it a request now: healthy, or half-open with no trial
+        request in flight."""
+        state = self.state(now)
+        return state is HealthState.HEALTHY or (
+            state is HealthState.HALF_OPEN and now >= self.trial_until)
+
+    def chosen(self, now: float, *, cooldown: float) -> None:
+        """Selection gave it a request: if half-open, that is its trial, and no other is
+        given it for ``cooldown`` seconds unless the trial's result comes first."""
+        if self.ejected and now >= self.ejected_until:
+            self.trial_until = now + cooldown
 
     def success(self) -> None:
         """The worker answered: its breaker closes."""
         self.consecutive_faults = 0
         self.ejected = False
-        self.ejected_until = -math.inf
+        self.ejected_until = self.trial_until = -math.inf
 
     def fault(self, now: float, *, threshold: int, cooldown: float) -> None:
         """One fault of the worker's own: the breaker opens for ``cooldown`` seconds after
@@ -119,6 +136,7 @@ class WorkerHealth:
         if half_open or (not self.ejected and self.consecutive_faults >= threshold):
             self.ejected = True
             self.ejected_until = now + cooldown
+            self.trial_until = -math.inf
             self.ejections["passive"] += 1
 
     def probe_result(self, ok: bool, seconds: float) -> None:

@@ -110,8 +110,9 @@ class WorkerPool:
 
     Each worker has a circuit breaker (docs/router.md "Worker health"): one that fails
     ``failure_threshold`` times in a row by its own fault (a transport failure, a 5xx, no
-    answer in time) is ejected for ``cooldown`` seconds, then half-open: selected again,
-    and its next result closes the breaker or ejects it again. A worker's 4xx counts as a
+    answer in time) is ejected for ``cooldown`` seconds, then half-open: given one trial
+    request at a time, whose result closes the breaker or ejects it again (a trial whose
+    result never comes frees the next one after another ``cooldown``). A worker's 4xx counts as a
     success (it answered), and an answer the router refused as a handoff (S8, S9, B7) as
     nothing. A worker whose health probe failed (:class:`~trio_disagg.HealthMonitor`) is
     skipped until a probe succeeds.
@@ -153,9 +154,19 @@ class WorkerPool:
         return len(self.workers)
 
     def healthy(self) -> list[Worker]:
-        """The workers selection may choose: healthy or half-open."""
+        """The workers that count towards readiness: healthy or half-open."""
         now = trio.current_time()
         return [worker for worker in self.workers if worker.health.selectable(now)]
+
+    def _choose(self, candidates: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+        worker = self.policy.choose(candidates, request)
+        worker.health.chosen(trio.current_time(), cooldown=self.cooldown)
+        return worker
+
+    def _choosable(self, tried: Collection[Worker] = ()) -> list[Worker]:
+        now = trio.current_time()
+        return [worker for worker in self.workers
+                if worker.health.choosable(now) and worker not in tried]
 
     def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker:
         """Choose a worker for ``request``.
@@ -177,21 +188,23 @@ class WorkerPool:
             raise NoWorkerAvailable("no workers configured")
         if pinned is not None:
             worker = self._by_name.get(pinned)
-            if worker is not None and worker.health.selectable(trio.current_time()):
+            now = trio.current_time()
+            if worker is not None and worker.health.choosable(now):
+                worker.health.chosen(now, cooldown=self.cooldown)
                 return worker
-        candidates = self.healthy() or [
+        candidates = self._choosable() or [
             worker for worker in self.workers if worker.health.probe_ok]
         if not candidates:
             raise NoWorkerAvailable("every worker failed its health probe")
-        return self.policy.choose(candidates, request)
+        return self._choose(candidates, request)
 
     def alternative(
         self, request: PreprocessedRequest, tried: Collection[Worker]
     ) -> Worker | None:
         """A healthy worker not in ``tried``, for a retry (rule B9 in docs/semantics.md);
         None if there is none (no panic routing: a retry on an ejected worker is futile)."""
-        candidates = [worker for worker in self.healthy() if worker not in tried]
-        return self.policy.choose(candidates, request) if candidates else None
+        candidates = self._choosable(tried)
+        return self._choose(candidates, request) if candidates else None
 
     @contextmanager
     def lease(self, worker: Worker) -> Iterator[Worker]:
