@@ -228,7 +228,7 @@ async def test_connections_are_bounded() -> None:
 
 async def test_only_post_to_http_urls() -> None:
     async with WorkerClient() as client:
-        with pytest.raises(ValueError, match="only POSTs"):
-            client.stream("GET", "http://127.0.0.1:1/", content=b"", headers=HEADERS)
+        with pytest.raises(ValueError, match="only POSTs and GETs"):
+            client.stream("PUT", "http://127.0.0.1:1/", content=b"", headers=HEADERS)
         with pytest.raises(ValueError, match="http"):
             client.stream("POST", "ftp://example.com/", content=b"", headers=HEADERS)

@@ -25,6 +25,11 @@ from ._gate import Gatekeeper as Gatekeeper
 from ._gate import is_decode_failure as is_decode_failure
 from ._handoff import HandoffOwner as HandoffOwner
 from ._handoff import HandoffState as HandoffState
+from ._health import HealthMonitor as HealthMonitor
+from ._health import HealthProbe as HealthProbe
+from ._health import HealthState as HealthState
+from ._health import RetryPolicy as RetryPolicy
+from ._health import WorkerHealth as WorkerHealth
 from ._keeper import PrefillTask as PrefillTask
 from ._keeper import TransferKeeper as TransferKeeper
 from ._keeper import TransferLeg as TransferLeg

@@ -18,6 +18,7 @@ import trio
 
 from ._demo import ADAPTERS, DEMO_BACKENDS, demo_backends, run_demo
 from ._engine import CancelWindow, Engine, HandoffStyle
+from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
@@ -229,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
              "and TensorRT-LLM before_handoff, the embedded mocks never)")
     serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
                            help="seconds in-flight streams and transfers get on shutdown")
+    serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
+                           help="seconds between two probes of each worker's GET /health "
+                                "(default 5; the embedded mocks are not probed)")
+    serve_cmd.add_argument("--health-timeout", type=positive_seconds, default=2.0,
+                           help="seconds a health probe may take (default 2)")
+    serve_cmd.add_argument("--max-attempts", type=positive_int, default=2,
+                           help="attempts per leg, on another worker each, for a leg that "
+                                "failed before the first byte (default 2; 1: no retry; "
+                                "rule B9 in docs/semantics.md)")
     for name, default in attrs_defaults(Deadlines()).items():
         serve_cmd.add_argument(f"--{name.replace('_', '-')}-deadline", type=positive_seconds,
                                default=default, dest=f"deadline_{name}", metavar="SECONDS",
@@ -326,7 +336,10 @@ async def serve_command(args: argparse.Namespace) -> int:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
             router = DisaggRouter(WorkerPool(prefill, policy=policy(), cancel_windows=windows),
                                   WorkerPool(decode, policy=policy()), keeper,
-                                  deadlines=deadlines)
+                                  deadlines=deadlines,
+                                  retry=RetryPolicy(max_attempts=args.max_attempts))
+            health = HealthMonitor([*router.prefill.workers, *router.decode.workers],
+                                   interval=args.health_interval, timeout=args.health_timeout)
             try:
                 app = create_app(
                     router, models=[args.model], max_body_bytes=args.max_body_bytes,
@@ -343,7 +356,7 @@ async def serve_command(args: argparse.Namespace) -> int:
                     port = await nursery.start(partial(
                         serve, app, host=args.host, port=args.port,
                         shutdown_trigger=shutdown_trigger,
-                        graceful_timeout=args.drain_window))
+                        graceful_timeout=args.drain_window, health=health))
                 except* OSError as group:
                     raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
                                        f"{_reason(group)}") from None

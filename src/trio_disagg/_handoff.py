@@ -139,6 +139,22 @@ class HandoffOwner:
             return completion
         return attrs.evolve(self.request, prefill_result=completion.result)
 
+    def switch_prefill_worker(self, worker: Worker) -> None:
+        """The prefill is tried again on ``worker`` (B9): the first attempt was refused
+        before it answered, so it staged nothing."""
+        assert self.state is HandoffState.PENDING and self.request.bootstrap_info is None
+        self.prefill_worker = worker
+        self.window = worker.cancel_window
+        self.request = attrs.evolve(self.request, routing=attrs.evolve(
+            self.request.routing, prefill_worker=worker.name))
+
+    def switch_decode_worker(self, worker: Worker) -> None:
+        """The decode is tried again on ``worker`` with the same handoff (B9): the first
+        decode worker did not accept it, so the KV is still staged."""
+        self.decode_worker = worker
+        self.request = attrs.evolve(self.request, routing=attrs.evolve(
+            self.request.routing, decode_worker=worker.name))
+
     # --- facts, reported by the prefill leg -------------------------------------------
 
     def prefill_done(self, completion: PrefillCompletion) -> None:

@@ -395,6 +395,9 @@ class HttpEngine:
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.NEVER
     #: How this protocol's prefill hands off (S5-S7); decode engines are SEQUENTIAL.
     prefill_handoff_style: ClassVar[HandoffStyle] = HandoffStyle.SEQUENTIAL
+    #: The worker's health endpoint (vLLM, SGLang and TensorRT-LLM all serve
+    #: ``GET /health``: docs/protocols.md section 1).
+    health_path: ClassVar[str] = "/health"
 
     def __init__(
         self,
@@ -556,6 +559,27 @@ class HttpEngine:
                     await stopper.send_cancelled(send_channel)
                 except trio.BrokenResourceError:
                     await trio.lowlevel.checkpoint()
+
+    async def check_health(self) -> None:
+        """Probe the worker's health endpoint once (``GET`` :attr:`health_path`), for a
+        :class:`~trio_disagg.HealthMonitor`, which bounds it with its timeout.
+
+        Raises:
+            WorkerError: the worker could not be reached (``worker_status`` None), or
+                answered anything but 2xx (``worker_status`` is that status).
+        """
+        try:
+            async with self._transport.stream("GET", self.url + self.health_path, content=b"",
+                                              headers={}) as response:
+                status = response.status_code
+                await response.aread(ERROR_BODY_LIMIT)
+        except TransportError as exc:
+            raise WorkerError(f"{self.role} worker {self.url} health check failed: "
+                              f"{describe(exc)}", status=502, worker=self.name) from exc
+        if not 200 <= status < 300:
+            raise WorkerError(
+                f"{self.role} worker {self.url} health check answered {status}",
+                status=502, worker=self.name, worker_status=status)
 
     async def _status_error(self, response: Response) -> WorkerError:
         """The error for a worker's non-2xx answer; the answer is read and closed.

@@ -225,11 +225,12 @@ class _Exchange:
     """``async with client.stream(...) as response``: the response once its headers are
     in; closed on the way out."""
 
-    __slots__ = ("_client", "_content", "_headers", "_path", "_pool", "_response")
+    __slots__ = ("_client", "_content", "_headers", "_method", "_path", "_pool", "_response")
 
-    def __init__(self, client: WorkerClient, pool: _Pool, path: str,
+    def __init__(self, client: WorkerClient, pool: _Pool, method: str, path: str,
                  headers: Mapping[bytes, bytes], content: bytes) -> None:
         self._client = client
+        self._method = method
         self._pool = pool
         self._path = path
         self._headers = headers
@@ -238,7 +239,8 @@ class _Exchange:
 
     async def __aenter__(self) -> WorkerResponse:
         client, pool = self._client, self._pool
-        head = [b"POST ", self._path.encode(), b" HTTP/1.1\r\nhost: ", pool.host.encode(),
+        head = [self._method.encode(), b" ", self._path.encode(), b" HTTP/1.1\r\nhost: ",
+                pool.host.encode(),
                 b"\r\ncontent-length: ", str(len(self._content)).encode(), b"\r\n"]
         for name, value in self._headers.items():
             head += (name, b": ", value, b"\r\n")
@@ -341,18 +343,19 @@ class WorkerClient:
 
     def stream(self, method: str, url: str, *, content: bytes,
                headers: Mapping[bytes, bytes]) -> _Exchange:
-        """POST ``content`` to ``url`` with ``headers``; ``async with`` it for the
-        :class:`WorkerResponse`, once its status and headers are in.
+        """Send ``method`` (``POST``, or ``GET`` for a probe) with ``content`` to ``url``
+        with ``headers``; ``async with`` it for the :class:`WorkerResponse`, once its status
+        and headers are in.
 
         Raises:
-            ValueError: ``method`` is not POST, or ``url`` is not an http(s) URL.
+            ValueError: ``method`` is not POST or GET, or ``url`` is not an http(s) URL.
             TransportError: on entering: the worker could not be reached or broke the
                 exchange before its headers (a :class:`ConnectError`,
                 :class:`PoolTimeout`, :class:`WriteTimeout`, :class:`ReadTimeout` or
                 :class:`RemoteProtocolError`).
         """
-        if method != "POST":
-            raise ValueError(f"the worker client only POSTs, not {method}")
+        if method not in ("POST", "GET"):
+            raise ValueError(f"the worker client only POSTs and GETs, not {method}")
         base, _, rest = url.partition("://")
         authority, slash, path = rest.partition("/")
         key = f"{base}://{authority}"
@@ -360,7 +363,7 @@ class WorkerClient:
         if pool is None:
             pool = self._new_pool(url)
             self._pools[key] = pool
-        return _Exchange(self, pool, slash + path, headers, content)
+        return _Exchange(self, pool, method, slash + path, headers, content)
 
     def _new_pool(self, url: str) -> _Pool:
         parts = urlsplit(url)
@@ -482,9 +485,9 @@ class _HttpxResponse:
 
 
 class _HttpxExchange:
-    def __init__(self, client: httpx.AsyncClient, url: str, content: bytes,
+    def __init__(self, client: httpx.AsyncClient, method: str, url: str, content: bytes,
                  headers: Mapping[bytes, bytes]) -> None:
-        self._request = client.build_request("POST", url, content=content,
+        self._request = client.build_request(method, url, content=content or None,
                                              headers=dict(headers))
         self._client = client
         self._response: _HttpxResponse | None = None
@@ -518,9 +521,9 @@ class HttpxWorkerClient:
 
     def stream(self, method: str, url: str, *, content: bytes,
                headers: Mapping[bytes, bytes]) -> _HttpxExchange:
-        if method != "POST":
-            raise ValueError(f"the worker client only POSTs, not {method}")
-        return _HttpxExchange(self.client, url, content, headers)
+        if method not in ("POST", "GET"):
+            raise ValueError(f"the worker client only POSTs and GETs, not {method}")
+        return _HttpxExchange(self.client, method, url, content, headers)
 
 
 __all__ = [

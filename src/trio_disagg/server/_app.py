@@ -257,7 +257,8 @@ class OpenAIApp:
 
     Build it with :func:`create_app`; serve it with :func:`serve` (or any ASGI server
     running on trio). Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``
-    (streamed and not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+    (streamed and not), ``GET /v1/models``, ``GET /health`` (readiness), ``GET /livez``
+    (liveness), ``GET /metrics``.
 
     Attributes:
         router: the router every generation request goes through.
@@ -304,6 +305,7 @@ class OpenAIApp:
             "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
             "/v1/models": (frozenset({"GET", "HEAD"}), self._list_models),
             "/health": (frozenset({"GET", "HEAD"}), self._health),
+            "/livez": (frozenset({"GET", "HEAD"}), self._livez),
             "/metrics": (frozenset({"GET", "HEAD"}), self._metrics),
         }
 
@@ -446,21 +448,33 @@ class OpenAIApp:
         await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
 
     async def _health(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        """Readiness: 200 while the router admits requests and each pool has a worker
+        selection may choose; else 503 naming the pools without one (docs/router.md
+        "Worker health")."""
         router = self.router
-        prefill = len(router.prefill.healthy())
-        decode = len(router.decode.healthy())
+        pools = {"prefill": router.prefill, "decode": router.decode}
+        healthy = {role: len(pool.healthy()) for role, pool in pools.items()}
+        unhealthy = [role for role, count in healthy.items() if count == 0]
         if router.closing:
             status, state = 503, "closing"
-        elif prefill == 0 or decode == 0:
+        elif unhealthy:
             status, state = 503, "no healthy workers"
         else:
             status, state = 200, "ok"
+        workers = {role: {worker.name: worker.state.value for worker in pool.workers}
+                   for role, pool in pools.items()}
         await responder.respond(status, orjson.dumps({
             "status": state,
             "in_flight": router.in_flight,
-            "prefill_workers_healthy": prefill,
-            "decode_workers_healthy": decode,
+            "prefill_workers_healthy": healthy["prefill"],
+            "decode_workers_healthy": healthy["decode"],
+            "pools_without_healthy_workers": unhealthy,
+            "workers": workers,
         }))
+
+    async def _livez(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        """Liveness: 200 while the process serves, whatever its workers' health."""
+        await responder.respond(200, orjson.dumps({"status": "alive"}))
 
     async def _metrics(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
         data, content_type = self.metrics.render()

@@ -291,6 +291,10 @@ class _Exchange:
                 self.keep_alive = False
         if self.chunked:
             lines.append(b"transfer-encoding: chunked\r\n")
+        if not self.request.complete:
+            # Answered before its body ended (a refusal): the rest is not read, so the
+            # connection cannot carry another request.
+            self.keep_alive = False
         if not self.keep_alive or self.conn.closing:
             self.keep_alive = False
             lines.append(b"connection: close\r\n")
@@ -344,7 +348,7 @@ class _Server:
             if not exchange.done or not exchange.keep_alive or conn.closed:
                 return
             if not request.complete:
-                return  # the app answered before the body ended: the rest is unread
+                return  # answered before its body ended (the head said close)
 
     async def _run_app(self, conn: _Connection, request: _Request,
                        exchange: _Exchange) -> None:

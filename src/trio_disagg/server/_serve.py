@@ -7,11 +7,12 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import trio
 
+from .._health import HealthMonitor
 from ._app import ENDING_WINDOW, OpenAIApp
 from ._http11 import serve_http
 
@@ -50,6 +51,30 @@ async def wait_for_signals(*signums: int) -> int:
     raise AssertionError("unreachable: a signal receiver never ends")  # pragma: no cover
 
 
+async def _run_in(  # noqa: ASYNC128 (fn reports started())
+    scope: trio.CancelScope,
+    fn: Callable[..., Awaitable[object]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await fn(task_status=task_status)
+
+
+async def _then_cancel(  # noqa: ASYNC128 (fn reports started())
+    scope: trio.CancelScope,
+    fn: Callable[..., Awaitable[object]],
+    *,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``fn`` (the server), then cancel ``scope`` (the health probes), however it
+    ends."""
+    try:
+        await fn(task_status=task_status)
+    finally:
+        scope.cancel()
+
+
 def _bind(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"  # IPv6
@@ -71,6 +96,7 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 30.0,
     config: Config | None = None,
+    health: HealthMonitor | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP/1.1 until shut down.
@@ -107,6 +133,9 @@ async def serve(
         config: a hypercorn ``Config``: serve with hypercorn instead, for what the
             project's server does not do (TLS, HTTP/2); its ``bind`` and
             ``graceful_timeout`` are overwritten.
+        health: probes of the router's workers to run while serving: its first round
+            ends before the server listens (so ``GET /health`` is right from the first
+            request), and it stops when the server does.
         task_status: with ``nursery.start(serve, ...)``, reports the bound TCP port once
             the server listens.
 
@@ -134,8 +163,11 @@ async def serve(
             nursery.start_soon(app.shutdown, graceful_timeout)
 
     async with trio.open_nursery() as nursery:
+        probes = trio.CancelScope()
+        if health is not None:
+            await nursery.start(_run_in, probes, health.run)
         if config is None:
-            bound: int = await nursery.start(partial(
+            bound: int = await nursery.start(_then_cancel, probes, partial(
                 serve_http, app, host=host, port=port, shutdown_trigger=trigger,
                 shutdown_timeout=backstop))
         else:
@@ -144,7 +176,8 @@ async def serve(
             config.bind = [_bind(host, port)]
             config.graceful_timeout = backstop
             binds: list[str] = await nursery.start(
-                partial(hypercorn_serve, app, config, shutdown_trigger=trigger)  # type: ignore[arg-type]
+                _then_cancel, probes,
+                partial(hypercorn_serve, app, config, shutdown_trigger=trigger),  # type: ignore[arg-type]
             )
             bound = _port_of(binds[0])
         task_status.started(bound)
