@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import CancelWindow, HandoffStyle
+from ._engine import CancelWindow, DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import WorkerError
 from ._keeper import PrefillTask, TransferLeg
 from ._pool import Worker
@@ -95,8 +95,8 @@ class HandoffOwner:
     router: DisaggRouter
     request: PreprocessedRequest
     context: RequestContext
-    prefill_worker: Worker
-    decode_worker: Worker
+    prefill_worker: Worker[PrefillEngine]
+    decode_worker: Worker[DecodeEngine]
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER

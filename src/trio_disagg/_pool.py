@@ -8,16 +8,20 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from ._engine import CancelWindow, Engine, cancel_window_of
+from ._engine import CancelWindow, DecodeEngine, cancel_window_of
 from ._errors import NoWorkerAvailable, WorkerError
 from ._protocols import PreprocessedRequest
 
+#: The engine type of a pool: a prefill pool holds PrefillEngines, a decode pool
+#: DecodeEngines (covariant: a pool of PrefillEngines is a pool of DecodeEngines too).
+E = TypeVar("E", bound=DecodeEngine, covariant=True)
 
-class Worker:
+
+class Worker(Generic[E]):
     """One engine in a pool, with the counters selection and metrics need.
 
     Attributes:
@@ -40,7 +44,7 @@ class Worker:
         "unhealthy_until",
     )
 
-    def __init__(self, engine: Engine, cancel_window: CancelWindow | None = None) -> None:
+    def __init__(self, engine: E, cancel_window: CancelWindow | None = None) -> None:
         self.engine = engine
         self.cancel_window = (cancel_window if cancel_window is not None
                               else cancel_window_of(engine))
@@ -58,10 +62,14 @@ class Worker:
         return f"<Worker {self.name!r} outstanding={self.outstanding}>"
 
 
+#: Any worker, of either pool: what a :class:`SelectionPolicy` chooses among.
+W = TypeVar("W", bound="Worker[DecodeEngine]")
+
+
 class SelectionPolicy(Protocol):
     """Chooses one of the healthy workers for a request."""
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker: ...
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W: ...
 
 
 class RoundRobin:
@@ -70,14 +78,14 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return workers[next(self._counter) % len(workers)]
 
 
 class LeastOutstanding:
     """The worker with the fewest outstanding requests (first one on a tie)."""
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return min(workers, key=lambda worker: worker.outstanding)
 
 
@@ -92,7 +100,7 @@ class SessionAffinity:
     def __init__(self, fallback: SelectionPolicy | None = None) -> None:
         self.fallback = fallback if fallback is not None else LeastOutstanding()
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         session = request.routing.session_id
         if session is None:
             return self.fallback.choose(workers, request)
@@ -103,7 +111,7 @@ def _weight(session: str, worker: str) -> bytes:
     return hashlib.blake2b(f"{session}\x00{worker}".encode(), digest_size=8).digest()
 
 
-class WorkerPool:
+class WorkerPool(Generic[E]):
     """The workers of one role (prefill or decode) and how to pick among them.
 
     A worker that fails ``failure_threshold`` times in a row is skipped for ``cooldown``
@@ -123,7 +131,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        engines: Sequence[Engine],
+        engines: Sequence[E],
         *,
         policy: SelectionPolicy | None = None,
         failure_threshold: int = 3,
@@ -145,11 +153,11 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def healthy(self) -> list[Worker]:
+    def healthy(self) -> list[Worker[E]]:
         now = trio.current_time()
         return [worker for worker in self.workers if worker.unhealthy_until <= now]
 
-    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker:
+    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker[E]:
         """Choose a worker for ``request``.
 
         Workers cooling down are skipped, but never all of them: when every worker is
@@ -174,7 +182,7 @@ class WorkerPool:
         return self.policy.choose(candidates, request)
 
     @contextmanager
-    def lease(self, worker: Worker) -> Iterator[Worker]:
+    def lease(self, worker: W) -> Iterator[W]:
         """Count ``worker`` as having one more outstanding request for the block."""
         worker.outstanding += 1
         try:
@@ -182,13 +190,15 @@ class WorkerPool:
         finally:
             worker.outstanding -= 1
 
-    def record_success(self, worker: Worker) -> None:
+    def record_success(self, worker: Worker[DecodeEngine]) -> None:
         """Count a success of ``worker``; it ends a cool-down (the worker answered)."""
         worker.consecutive_failures = 0
         worker.unhealthy_until = -math.inf
         worker.served_total += 1
 
-    def record_failure(self, worker: Worker, error: BaseException | None = None) -> None:
+    def record_failure(
+        self, worker: Worker[DecodeEngine], error: BaseException | None = None
+    ) -> None:
         """Count a failure of ``worker``, or a success if ``error`` is the worker refusing
         a bad request (a 4xx): that is the client's fault, not the worker's."""
         if _client_error(error):

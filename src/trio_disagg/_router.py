@@ -14,7 +14,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import Engine
+from ._engine import DecodeEngine, PrefillEngine
 from ._errors import (
     DeadlineExceeded,
     PrefillCancelled,
@@ -219,8 +219,8 @@ class DisaggRouter:
 
     def __init__(
         self,
-        prefill: WorkerPool,
-        decode: WorkerPool,
+        prefill: WorkerPool[PrefillEngine],
+        decode: WorkerPool[DecodeEngine],
         keeper: TransferKeeper,
         *,
         deadlines: Deadlines | None = None,
@@ -687,7 +687,7 @@ def _cancelled(owner: HandoffOwner) -> PrefillCancelled:
 
 
 async def _run_engine(
-    engine: Engine,
+    engine: DecodeEngine,
     request: PreprocessedRequest,
     context: RequestContext,
     send: trio.MemorySendChannel[Item],
@@ -703,7 +703,9 @@ async def _run_engine(
 
 
 async def _receive_first(
-    worker: Worker, receive: trio.MemoryReceiveChannel[Item], refusal: list[WorkerError]
+    worker: Worker[DecodeEngine],
+    receive: trio.MemoryReceiveChannel[Item],
+    refusal: list[WorkerError],
 ) -> Item:
     """The first output of a prefill stream.
 
@@ -735,7 +737,7 @@ _ANSWER_FIELDS = frozenset({"stream_options", "fault", "min_tokens", "n", "best_
                             "logprobs", "top_logprobs", "echo", "prompt_logprobs"})
 
 
-def _naming(worker: Worker, exc: BaseException) -> str:
+def _naming(worker: Worker[DecodeEngine], exc: BaseException) -> str:
     """The error's message, naming the prefill worker once (adapters' messages often do)."""
     text = str(exc)
     return text if worker.name in text else f"prefill worker {worker.name} failed: {text}"
