@@ -253,7 +253,9 @@ class TransferKeeper:
                 raise
             self.failed_total += 1
             logger.warning("%s %s crashed", kind, task.name, exc_info=exc)  # T2
-            crash = PrefillError(f"Prefill background task did not complete: {exc!r}")
+            crash = PrefillError(
+                f"Prefill background task did not complete: {task.name} crashed: "
+                f"{_crash_message(exc)}")
             crash.__cause__ = exc
             task._finish(None, crash)
             if not isinstance(exc, Exception):
@@ -384,3 +386,25 @@ def _first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:
         exc = exc.exceptions[0]
     assert isinstance(exc, PrefillError)
     return exc
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The leaf exceptions of ``exc``: itself, or every exception inside its groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _crash_message(exc: BaseException) -> str:
+    """What crashed a drain, in one readable line (never the repr of nested groups).
+
+    The leaves that caused the crash are named with their type and message; those that
+    are only its consequences (a :class:`PrefillError` such as "no output" for a stream
+    whose engine crashed, a cancellation) are left out when a cause is there.
+    """
+    leaves = _leaves(exc)
+    causes = [leaf for leaf in leaves
+              if not isinstance(leaf, (PrefillError, trio.Cancelled))] or leaves
+    named = (f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__
+             for leaf in causes)
+    return "; ".join(dict.fromkeys(named))
