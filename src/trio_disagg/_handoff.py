@@ -50,7 +50,9 @@ PREFILL_STOP_GRACE = 2.0
 
 
 class HandoffState(enum.Enum):
-    """Where a request's handoff stands (:attr:`HandoffOwner.state`)."""
+    """Where a request's handoff stands (:attr:`HandoffOwner.state`): PENDING, then
+    STAGED or DISPATCHED, and one of the settled states, CONSUMED, RELEASED, TERMINAL or
+    FAILED (B1, B6, B10). Once settled, the KV is accounted for."""
 
     #: The prefill runs; no KV is staged that a decode could take.
     PENDING = "pending"
@@ -75,7 +77,13 @@ _SETTLED = frozenset({HandoffState.CONSUMED, HandoffState.RELEASED, HandoffState
 
 @attrs.define(eq=False)
 class HandoffOwner:
-    """Owns one request's handoff from dispatch to its end (a strategy per handoff style).
+    """Owns one request's handoff from dispatch to its end (a strategy per handoff style;
+    rules B1, B6, B10 in docs/semantics.md).
+
+    The router makes one per request (:attr:`RequestStream.handoff
+    <trio_disagg.RequestStream.handoff>`) and drives it: its methods are facts the
+    prefill leg and the request side report, each synchronous (nothing awaits between a
+    fact and its decision) and none raising. Read it; do not call them yourself.
 
     Attributes:
         state: the :class:`HandoffState`.
@@ -129,6 +137,8 @@ class HandoffOwner:
 
         Raises:
             PrefillError: the prefill failed.
+
+        Cancelling the wait does not affect the prefill leg (T1).
         """
         completion = await self.prefill_task.result()
         if isinstance(completion, Terminal):

@@ -56,17 +56,32 @@ class Handoff:
 
 @attrs.frozen(slots=True, kw_only=True)
 class Terminal:
-    """The prefill already finished the request (S7): ``output`` is the client's answer,
-    with ``disaggregated_params`` removed. No decode is dispatched."""
+    """The prefill already finished the request (S7): its first output had a finish
+    reason other than ``length`` (``eos``, ``stop``, ...), so it staged nothing. No decode
+    is dispatched; a :class:`~trio_disagg.Gatekeeper` made from it dispatches nothing and
+    forwards ``output`` alone.
+
+    Attributes:
+        output: the client's answer, the prefill's first output with
+            ``disaggregated_params`` removed.
+    """
 
     output: Annotated[LLMEngineOutput]
 
 
+#: What a prefill stream comes to: a :class:`Handoff` for a decode, or a
+#: :class:`Terminal` answer (S7).
 PrefillCompletion = Handoff | Terminal
 
 
 def is_bootstrap_params(params: Any) -> bool:
-    """True if ``params`` is an object with the SGLang bootstrap triple (S5)."""
+    """True if ``params`` is an object with the SGLang bootstrap triple,
+    ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room`` (S5); the values are
+    not checked here.
+
+    Args:
+        params: a prefill output's ``disaggregated_params`` (any JSON value).
+    """
     return isinstance(params, Mapping) and all(key in params for key in _BOOTSTRAP_KEYS)
 
 
@@ -79,7 +94,10 @@ def _raise_carried(item: Annotated[LLMEngineOutput]) -> None:
 
 
 def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
-    """Check a later prefill output (T4).
+    """Check a prefill output after the first one (T4): anything but a failure passes.
+
+    Args:
+        item: the output.
 
     Raises:
         PrefillError: on an error envelope, ``finish_reason = error`` or
@@ -106,6 +124,15 @@ def classify_first_output(
     """Classify a prefill's first output (S2, S3, S5, S7-S10).
 
     Records prefill complete on ``tracker`` for any output that is not an error.
+
+    Args:
+        first: the prefill's first output.
+        tracker: the request's tracker, if any (S3).
+
+    Returns:
+        A :class:`Terminal` if the output has a finish reason other than ``length``
+        (S7); else a :class:`Handoff` with the output's ``disaggregated_params`` and
+        usage (S4, S10), ``bootstrap`` set for the SGLang triple (S5), and no ``drain``.
 
     Raises:
         PrefillError: the first output is an error (S2); the tracker is not touched. An
@@ -159,11 +186,18 @@ async def drain_prefill_outputs(
 ) -> PromptTokensDetails | None:
     """Read a prefill stream to its end, checking every output (S6, T4).
 
+    Args:
+        outputs: the rest of the stream, after its first output.
+
     Returns:
         The first ``prompt_tokens_details`` seen in a usage, if any (S4).
 
     Raises:
         PrefillError: on the first failed output (T4); the channel is closed either way.
+
+    On cancellation the channel is closed too: a prefill engine still sending gets
+    :exc:`trio.BrokenResourceError`. Run it in a :class:`TransferKeeper` when the
+    stream is part of a KV transfer (T1).
     """
     usage = await _drain(outputs)
     return usage.prompt_tokens_details if usage is not None else None
