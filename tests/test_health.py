@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_disagg import (
     Annotated,
     Deadlines,
+    DecodeEngine,
     DisaggRouter,
     HandoffStyle,
     HealthMonitor,
@@ -464,7 +465,7 @@ async def routed(
     return router, error
 
 
-def failures(pool: WorkerPool) -> list[int]:
+def failures(pool: WorkerPool[DecodeEngine]) -> list[int]:
     return [worker.failures_total for worker in pool.workers]
 
 

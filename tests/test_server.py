@@ -744,6 +744,45 @@ async def test_B7_an_invalid_prefill_handoff_is_a_502_naming_the_field(stream: b
         await server.settled()
 
 
+class CrashingPrefill:
+    """A broken prefill engine: it raises after it started, which the contract forbids."""
+
+    handoff_style = HandoffStyle.SEQUENTIAL
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            task_status.started()
+            await trio.lowlevel.checkpoint()
+            raise RuntimeError("engine crash")
+
+
+async def test_T3_a_crashing_prefill_engine_reads_as_one_message() -> None:
+    """The openai client sees one 502 that names the crash, not the repr of the
+    exception groups it travelled in."""
+    async with running() as server:
+        server.router.prefill.workers[0].engine = CrashingPrefill("prefill-0")
+        client = server.openai()
+        with pytest.raises(openai.APIStatusError) as info:
+            await in_thread(lambda: client.completions.create(model=MODEL, prompt="x",
+                                                              max_tokens=3))
+        assert info.value.status_code == 502
+        assert info.value.message.endswith("crashed: RuntimeError: engine crash")
+        assert "ExceptionGroup" not in info.value.message
+        await server.settled()
+
+
 # --- client disconnects -------------------------------------------------------------------
 
 

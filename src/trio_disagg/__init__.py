@@ -7,8 +7,10 @@ docs/semantics.md).
 
 from ._context import RequestContext as RequestContext
 from ._engine import CancelWindow as CancelWindow
+from ._engine import DecodeEngine as DecodeEngine
 from ._engine import Engine as Engine
 from ._engine import HandoffStyle as HandoffStyle
+from ._engine import PrefillEngine as PrefillEngine
 from ._engine import cancel_window_of as cancel_window_of
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import InvalidPrefillHandoff as InvalidPrefillHandoff

@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import CancelWindow, HandoffStyle
+from ._engine import CancelWindow, DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import WorkerError
 from ._keeper import PrefillTask, TransferLeg
 from ._pool import Worker
@@ -50,7 +50,9 @@ PREFILL_STOP_GRACE = 2.0
 
 
 class HandoffState(enum.Enum):
-    """Where a request's handoff stands (:attr:`HandoffOwner.state`)."""
+    """Where a request's handoff stands (:attr:`HandoffOwner.state`): PENDING, then
+    STAGED or DISPATCHED, and one of the settled states, CONSUMED, RELEASED, TERMINAL or
+    FAILED (B1, B6, B10). Once settled, the KV is accounted for."""
 
     #: The prefill runs; no KV is staged that a decode could take.
     PENDING = "pending"
@@ -75,7 +77,13 @@ _SETTLED = frozenset({HandoffState.CONSUMED, HandoffState.RELEASED, HandoffState
 
 @attrs.define(eq=False)
 class HandoffOwner:
-    """Owns one request's handoff from dispatch to its end (a strategy per handoff style).
+    """Owns one request's handoff from dispatch to its end (a strategy per handoff style;
+    rules B1, B6, B10 in docs/semantics.md).
+
+    The router makes one per request (:attr:`RequestStream.handoff
+    <trio_disagg.RequestStream.handoff>`) and drives it: its methods are facts the
+    prefill leg and the request side report, each synchronous (nothing awaits between a
+    fact and its decision) and none raising. Read it; do not call them yourself.
 
     Attributes:
         state: the :class:`HandoffState`.
@@ -95,8 +103,8 @@ class HandoffOwner:
     router: DisaggRouter
     request: PreprocessedRequest
     context: RequestContext
-    prefill_worker: Worker
-    decode_worker: Worker
+    prefill_worker: Worker[PrefillEngine]
+    decode_worker: Worker[DecodeEngine]
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER
@@ -133,13 +141,15 @@ class HandoffOwner:
 
         Raises:
             PrefillError: the prefill failed.
+
+        Cancelling the wait does not affect the prefill leg (T1).
         """
         completion = await self.prefill_task.result()
         if isinstance(completion, Terminal):
             return completion
         return attrs.evolve(self.request, prefill_result=completion.result)
 
-    def switch_prefill_worker(self, worker: Worker) -> None:
+    def switch_prefill_worker(self, worker: Worker[PrefillEngine]) -> None:
         """The prefill is tried again on ``worker`` (B9): the first attempt was refused
         before it answered, so it staged nothing."""
         assert self.state is HandoffState.PENDING and self.request.bootstrap_info is None
@@ -148,7 +158,7 @@ class HandoffOwner:
         self.request = attrs.evolve(self.request, routing=attrs.evolve(
             self.request.routing, prefill_worker=worker.name))
 
-    def switch_decode_worker(self, worker: Worker) -> None:
+    def switch_decode_worker(self, worker: Worker[DecodeEngine]) -> None:
         """The decode is tried again on ``worker`` with the same handoff (B9): the first
         decode worker did not accept it, so the KV is still staged."""
         self.decode_worker = worker

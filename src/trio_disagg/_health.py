@@ -23,6 +23,7 @@ import trio
 from ._errors import NoDisaggregatedParams, PrefillCancelled, WorkerError
 
 if TYPE_CHECKING:
+    from ._engine import DecodeEngine
     from ._pool import Worker
 
 logger = logging.getLogger("trio_disagg.health")
@@ -239,7 +240,7 @@ class HealthMonitor:
         ValueError: an interval or timeout that is not a positive number of seconds.
     """
 
-    def __init__(self, workers: Iterable[Worker], *, interval: float = 5.0,
+    def __init__(self, workers: Iterable[Worker[DecodeEngine]], *, interval: float = 5.0,
                  timeout: float = 2.0) -> None:
         for name, value in (("interval", interval), ("timeout", timeout)):
             if not (isinstance(value, int | float) and 0 < value < math.inf):
@@ -278,7 +279,7 @@ class HealthMonitor:
         while self.rounds < target:
             await self._round_done.wait()
 
-    async def _probe(self, worker: Worker) -> None:
+    async def _probe(self, worker: Worker[DecodeEngine]) -> None:
         engine = worker.engine
         assert isinstance(engine, HealthProbe)
         health = worker.health

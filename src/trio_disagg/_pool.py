@@ -7,17 +7,21 @@ import hashlib
 import itertools
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from ._engine import CancelWindow, Engine, cancel_window_of
+from ._engine import CancelWindow, DecodeEngine, cancel_window_of
 from ._errors import NoWorkerAvailable
 from ._health import HealthProbe, HealthState, WorkerHealth, worker_fault
 from ._protocols import PreprocessedRequest
 
+#: The engine type of a pool: a prefill pool holds PrefillEngines, a decode pool
+#: DecodeEngines (covariant: a pool of PrefillEngines is a pool of DecodeEngines too).
+E = TypeVar("E", bound=DecodeEngine, covariant=True)
 
-class Worker:
+
+class Worker(Generic[E]):
     """One engine in a pool, with the counters selection and metrics need.
 
     Attributes:
@@ -38,7 +42,7 @@ class Worker:
         "served_total",
     )
 
-    def __init__(self, engine: Engine, cancel_window: CancelWindow | None = None) -> None:
+    def __init__(self, engine: E, cancel_window: CancelWindow | None = None) -> None:
         self.engine = engine
         self.cancel_window = (cancel_window if cancel_window is not None
                               else cancel_window_of(engine))
@@ -60,10 +64,14 @@ class Worker:
         return f"<Worker {self.name!r} outstanding={self.outstanding}>"
 
 
+#: Any worker, of either pool: what a :class:`SelectionPolicy` chooses among.
+W = TypeVar("W", bound="Worker[DecodeEngine]")
+
+
 class SelectionPolicy(Protocol):
     """Chooses one of the healthy workers for a request."""
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker: ...
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W: ...
 
 
 class RoundRobin:
@@ -72,14 +80,14 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return workers[next(self._counter) % len(workers)]
 
 
 class LeastOutstanding:
     """The worker with the fewest outstanding requests (first one on a tie)."""
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return min(workers, key=lambda worker: worker.outstanding)
 
 
@@ -94,7 +102,7 @@ class SessionAffinity:
     def __init__(self, fallback: SelectionPolicy | None = None) -> None:
         self.fallback = fallback if fallback is not None else LeastOutstanding()
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         session = request.routing.session_id
         if session is None:
             return self.fallback.choose(workers, request)
@@ -105,7 +113,7 @@ def _weight(session: str, worker: str) -> bytes:
     return hashlib.blake2b(f"{session}\x00{worker}".encode(), digest_size=8).digest()
 
 
-class WorkerPool:
+class WorkerPool(Generic[E]):
     """The workers of one role (prefill or decode) and how to pick among them.
 
     Each worker has a circuit breaker (docs/router.md "Worker health"): one that fails
@@ -131,7 +139,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        engines: Sequence[Engine],
+        engines: Sequence[E],
         *,
         policy: SelectionPolicy | None = None,
         failure_threshold: int = 3,
@@ -153,22 +161,23 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def healthy(self) -> list[Worker]:
+    def healthy(self) -> list[Worker[E]]:
         """The workers that count towards readiness: healthy or half-open."""
         now = trio.current_time()
         return [worker for worker in self.workers if worker.health.selectable(now)]
 
-    def _choose(self, candidates: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def _choose(self, candidates: Sequence[Worker[E]], request: PreprocessedRequest
+                ) -> Worker[E]:
         worker = self.policy.choose(candidates, request)
         worker.health.chosen(trio.current_time(), cooldown=self.cooldown)
         return worker
 
-    def _choosable(self, tried: Collection[Worker] = ()) -> list[Worker]:
+    def _choosable(self, tried: Collection[Worker[DecodeEngine]] = ()) -> list[Worker[E]]:
         now = trio.current_time()
         return [worker for worker in self.workers
                 if worker.health.choosable(now) and worker not in tried]
 
-    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker:
+    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker[E]:
         """Choose a worker for ``request``.
 
         Ejected workers are skipped, but never all of them: when every worker that has
@@ -199,15 +208,15 @@ class WorkerPool:
         return self._choose(candidates, request)
 
     def alternative(
-        self, request: PreprocessedRequest, tried: Collection[Worker]
-    ) -> Worker | None:
+        self, request: PreprocessedRequest, tried: Collection[Worker[DecodeEngine]]
+    ) -> Worker[E] | None:
         """A healthy worker not in ``tried``, for a retry (rule B9 in docs/semantics.md);
         None if there is none (no panic routing: a retry on an ejected worker is futile)."""
         candidates = self._choosable(tried)
         return self._choose(candidates, request) if candidates else None
 
     @contextmanager
-    def lease(self, worker: Worker) -> Iterator[Worker]:
+    def lease(self, worker: W) -> Iterator[W]:
         """Count ``worker`` as having one more outstanding request for the block."""
         worker.outstanding += 1
         try:
@@ -215,12 +224,14 @@ class WorkerPool:
         finally:
             worker.outstanding -= 1
 
-    def record_success(self, worker: Worker) -> None:
+    def record_success(self, worker: Worker[DecodeEngine]) -> None:
         """Count a success of ``worker``; it closes its breaker (the worker answered)."""
         worker.health.success()
         worker.served_total += 1
 
-    def record_failure(self, worker: Worker, error: BaseException | None = None) -> None:
+    def record_failure(
+        self, worker: Worker[DecodeEngine], error: BaseException | None = None
+    ) -> None:
         """Count a failure of ``worker`` with ``error`` (None: no answer in time).
 
         Only the worker's own faults count against it: a transport failure, a 5xx, a

@@ -14,7 +14,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import Engine
+from ._engine import DecodeEngine, PrefillEngine
 from ._errors import (
     DeadlineExceeded,
     NoWorkerAvailable,
@@ -28,7 +28,7 @@ from ._gate import Gatekeeper
 from ._handoff import BootstrapOwner, HandoffOwner, HandoffState, owner_for
 from ._health import RetryPolicy, retry_reason
 from ._keeper import CLEANUP, PrefillTask, TransferKeeper
-from ._pool import Worker, WorkerPool
+from ._pool import E, Worker, WorkerPool
 from ._prefill import (
     Handoff,
     PrefillCompletion,
@@ -229,8 +229,8 @@ class DisaggRouter:
 
     def __init__(
         self,
-        prefill: WorkerPool,
-        decode: WorkerPool,
+        prefill: WorkerPool[PrefillEngine],
+        decode: WorkerPool[DecodeEngine],
         keeper: TransferKeeper,
         *,
         deadlines: Deadlines | None = None,
@@ -441,7 +441,7 @@ class DisaggRouter:
         another with the same handoff, the KV still staged (B9), up to the retry policy's
         attempts; the backoff ends before ``deadline`` (the handoff deadline's end)."""
         start = self._kept_decode_leg if owner.holds_transfer else self._decode_leg
-        tried: list[Worker] = []
+        tried: list[Worker[DecodeEngine]] = []
         while True:
             tried.append(owner.decode_worker)
             decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
@@ -472,7 +472,8 @@ class DisaggRouter:
             owner.switch_decode_worker(worker)
             decode_request = attrs.evolve(decode_request, routing=owner.request.routing)
 
-    def _decode_replacement(self, owner: HandoffOwner, tried: list[Worker]) -> Worker | None:
+    def _decode_replacement(self, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+                            ) -> Worker[DecodeEngine] | None:
         """The worker a refused decode is tried again on with the same handoff (B9), or
         None: the KV is not staged any more (a decode took it, or its worker reported it
         lost), the decode leg is part of the KV transfer (TensorRT-LLM, SGLang), the
@@ -631,7 +632,7 @@ class DisaggRouter:
         another, up to the retry policy's attempts, all within the prefill deadline (B9).
         """
         deadline = trio.current_time() + self.deadlines.prefill
-        tried: list[Worker] = []
+        tried: list[Worker[DecodeEngine]] = []
         while True:
             tried.append(owner.prefill_worker)
             try:
@@ -651,7 +652,8 @@ class DisaggRouter:
                         reason, owner.prefill_worker.name, worker.name)
             owner.switch_prefill_worker(worker)
 
-    def _prefill_replacement(self, owner: HandoffOwner, tried: list[Worker]) -> Worker | None:
+    def _prefill_replacement(self, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+                             ) -> Worker[PrefillEngine] | None:
         """The worker a refused prefill is tried again on (B9), or None: no healthy worker
         of the same handoff style left, or the request ended, or the router stopped the
         prefill (B6, B10), or the prefill pairs with a decode in a bootstrap room."""
@@ -792,8 +794,8 @@ class DisaggRouter:
 
 
 def _select(
-    pool: WorkerPool, role: str, request: PreprocessedRequest, pinned: str | None
-) -> Worker:
+    pool: WorkerPool[E], role: str, request: PreprocessedRequest, pinned: str | None
+) -> Worker[E]:
     """``pool.select()``, its :class:`NoWorkerAvailable` naming the pool's role."""
     try:
         return pool.select(request, pinned=pinned)
@@ -821,7 +823,7 @@ def _cancelled(owner: HandoffOwner) -> PrefillCancelled:
 
 
 async def _run_engine(
-    engine: Engine,
+    engine: DecodeEngine,
     request: PreprocessedRequest,
     context: RequestContext,
     send: trio.MemorySendChannel[Item],
@@ -837,7 +839,9 @@ async def _run_engine(
 
 
 async def _receive_first(
-    worker: Worker, receive: trio.MemoryReceiveChannel[Item], refusal: list[WorkerError]
+    worker: Worker[DecodeEngine],
+    receive: trio.MemoryReceiveChannel[Item],
+    refusal: list[WorkerError],
 ) -> Item:
     """The first output of a prefill stream.
 
@@ -869,7 +873,7 @@ _ANSWER_FIELDS = frozenset({"stream_options", "fault", "min_tokens", "n", "best_
                             "logprobs", "top_logprobs", "echo", "prompt_logprobs"})
 
 
-def _naming(worker: Worker, exc: BaseException) -> str:
+def _naming(worker: Worker[DecodeEngine], exc: BaseException) -> str:
     """The error's message, naming the prefill worker once (adapters' messages often do)."""
     text = str(exc)
     return text if worker.name in text else f"prefill worker {worker.name} failed: {text}"
