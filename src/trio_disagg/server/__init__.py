@@ -5,9 +5,9 @@ A plain ASGI 3 application (:func:`create_app`) served by hypercorn's trio worke
 """
 
 # ruff: noqa: E402 (the extra is checked before its packages are imported)
-from .._extras import require
+from .._extras import require as _require
 
-require("server", "trio_disagg.server")  # a clear error naming the extra, not a bare one
+_require("server", "trio_disagg.server")  # a clear error naming the extra, not a bare one
 
 from ._app import OpenAIApp as OpenAIApp
 from ._app import create_app as create_app
