@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import trio
+from e2e_support import banner_port
 
 from trio_disagg.workers import create_mock_worker, serve_worker
 
@@ -113,16 +114,9 @@ async def serving(argv: list[str], check: Callable[[str], Awaitable[None]]) -> N
             process = await nursery.start(partial(
                 trio.run_process, [SCRIPT, *argv], stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, check=False))
-            assert process.stdout is not None
-            banner = b""
-            while b"\n" not in banner:
-                data = await process.stdout.receive_some()
-                assert data, "the command exited before it printed its banner"
-                banner += data
-            match = re.search(rb"http://127\.0\.0\.1:(\d+)", banner)
-            assert match, banner
+            port = await banner_port(process)
             try:
-                await check(f"http://127.0.0.1:{int(match.group(1))}")
+                await check(f"http://127.0.0.1:{port}")
             finally:
                 process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
