@@ -466,7 +466,8 @@ async def test_mock_worker_endpoints_and_ttl() -> None:
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == \
                 expected_cached({"prompt": PROMPT})
             assert prefill.kv.counters().held_blocks == 3
-            await trio.sleep(0.3)  # nobody pulls: the lease expires, the blocks are stranded
+            # nobody pulls: the 0.2 s lease expires, the blocks are stranded
+            await wait_until(lambda: prefill.kv.counters().held_blocks == 0)
             samples = metric_samples((await client.get("/metrics")).text)
             assert samples["trio_disagg_mock_kv_held_blocks"] == 0
             assert samples["trio_disagg_mock_kv_stranded_blocks_total"] == 3

@@ -16,7 +16,7 @@ from typing import cast
 import attrs
 import trio
 
-from ._demo import ADAPTERS, DEMO_BACKENDS, demo_backends, run_demo
+from ._adapters import ADAPTERS, DEMO_BACKENDS
 from ._engine import CancelWindow, Engine, HandoffStyle
 from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
@@ -520,6 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "mock-worker":
         return run_command("mock-worker", mock_worker_command, args)
     if args.command == "demo":
+        from ._demo import demo_backends, run_demo  # the demo extra: the openai client
+
         names = DEMO_BACKENDS if args.backend == "all" else (args.backend,)
         backends = demo_backends(names, args.seed)
         return trio.run(partial(run_demo, backends, requests=args.requests,

@@ -23,6 +23,7 @@ import openai
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from ._adapters import ADAPTERS, DEMO_BACKENDS
 from ._demo_workload import (
     Outcome,
     Result,
@@ -42,9 +43,6 @@ from .engines import (
     LatencyModel,
     WorkerClient,
     mock_cluster,
-    sglang_engines,
-    trtllm_engines,
-    vllm_engines,
     worker_client,
 )
 from .server import create_app, serve
@@ -131,14 +129,6 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
         return total
 
     return Backend(protocol, True, list(prefill), list(decode), counters)
-
-
-#: The HTTP adapters by protocol name: ``(prefill specs, decode URLs, client=)`` to engines.
-ADAPTERS: dict[str, Callable[..., tuple[Sequence[Engine], Sequence[Engine]]]] = {
-    "vllm": vllm_engines,
-    "sglang": sglang_engines,
-    "trtllm": trtllm_engines,
-}
 
 
 def _kv_from_metrics(text: str) -> KVCounters:
@@ -349,8 +339,5 @@ def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
         factories[protocol] = partial(http_backend, protocol, seed)
     return [factories[name] for name in names]
 
-
-#: Every backend the demo knows, in the order ``--backend all`` runs them.
-DEMO_BACKENDS = ("mock-sequential", "mock-bootstrap", *ADAPTERS)
 
 __all__ = ["DEMO_BACKENDS", "Outcome", "demo_backends", "run_demo"]

@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import trio
+from trio_util import AsyncValue
 
 from ._errors import PrefillCancelled, PrefillError
 from ._tracker import PhasePermit
@@ -141,8 +142,8 @@ class TransferKeeper:
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self._in_flight: dict[object, str] = {}  # drains and legs, by identity: their kind
-        self._idle = trio.Event()
-        self._idle.set()
+        # How many are in flight, for the tasks waiting for the keeper to go idle.
+        self._count = AsyncValue(0)
         #: Tasks started, by kind (:data:`PREFILL_DRAIN`, :data:`DECODE_LEG`, ...).
         self.started_by_kind: Counter[str] = Counter()
         self.started_total = 0
@@ -191,8 +192,7 @@ class TransferKeeper:
     async def wait_idle(self) -> None:
         """Return once no drain or leg is in flight (B5); at once if none is. Cancelling
         the wait affects nothing else."""
-        while not self._idle.is_set():
-            await self._idle.wait()
+        await self._count.wait_value(0)
 
     def start(
         self,
@@ -293,13 +293,11 @@ class TransferKeeper:
         self._in_flight[key] = kind
         self.started_by_kind[kind] += 1
         self.started_total += 1
-        if len(self._in_flight) == 1:
-            self._idle = trio.Event()
+        self._count.value = len(self._in_flight)
 
     def _leave(self, key: object) -> None:
         del self._in_flight[key]
-        if not self._in_flight:
-            self._idle.set()
+        self._count.value = len(self._in_flight)
 
     def spawn_leg(
         self,

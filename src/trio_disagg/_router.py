@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 import trio
+from trio_util import AsyncValue
 
 from ._context import RequestContext
 from ._engine import DecodeEngine, PrefillEngine
@@ -246,16 +247,14 @@ class DisaggRouter:
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.retry = retry if retry is not None else RetryPolicy()
         self.counters = RouterCounters()
-        self._in_flight = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        self._in_flight = AsyncValue(0)  # tasks wait for it to be 0 (wait_idle)
         self._closing = False
         self._rooms: set[int] = set()
 
     @property
     def in_flight(self) -> int:
         """Requests admitted and not yet finished (B5)."""
-        return self._in_flight
+        return self._in_flight.value
 
     @property
     def closing(self) -> bool:
@@ -267,21 +266,16 @@ class DisaggRouter:
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight."""
-        while not self._idle.is_set():
-            await self._idle.wait()
+        await self._in_flight.wait_value(0)
 
     def _admit(self) -> None:
         if self._closing:
             raise RouterClosed("the router is shutting down")
         self.counters.requests_total += 1
-        self._in_flight += 1
-        if self._in_flight == 1:
-            self._idle = trio.Event()
+        self._in_flight.value += 1
 
     def _release(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._idle.set()
+        self._in_flight.value -= 1
 
     async def stream(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import trio
+from trio_util import AsyncValue
 
 from .._context import RequestContext
 from .._protocols import (
@@ -297,9 +298,8 @@ class OpenAIApp:
         self._created = int(time.time())
         self._active: set[_RequestState] = set()
         self._cancelling = False
-        self._idle = trio.Event()
-        self._idle.set()
         self._generation = frozenset({"/v1/completions", "/v1/chat/completions"})
+        self._handled = AsyncValue(0)  # len(self._active), for the tasks in wait_idle
         self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
             "/v1/completions": (frozenset({"POST"}), self._completions),
             "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
@@ -318,9 +318,7 @@ class OpenAIApp:
 
     async def wait_idle(self) -> None:
         """Return once no generation request is being handled."""
-        while not self._idle.is_set():
-            await self._idle.wait()
-        await trio.lowlevel.checkpoint()
+        await self._handled.wait_value(0)
 
     async def shutdown(self, window: float) -> int:
         """End the generation requests in flight (rule B3 in docs/semantics.md), as
@@ -496,8 +494,7 @@ class OpenAIApp:
         endpoint = "chat_completions" if chat else "completions"
         state = _RequestState(responder)
         self._active.add(state)
-        if len(self._active) == 1:
-            self._idle = trio.Event()
+        self._handled.value = len(self._active)
         try:
             with state.scope:
                 if self._cancelling:  # arrived after the shutdown window
@@ -513,8 +510,7 @@ class OpenAIApp:
         finally:
             self.metrics.requests.labels(endpoint, state.outcome).inc()
             self._active.discard(state)
-            if not self._active:
-                self._idle.set()
+            self._handled.value = len(self._active)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The request body, or None if the client went away first.

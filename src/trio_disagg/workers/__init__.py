@@ -6,6 +6,11 @@ reusing the in-process mock engines' latency model, fault injection and KV block
 accounting. :class:`MockWorker` is what they share.
 """
 
+# ruff: noqa: E402 (the extra is checked before its packages are imported)
+from .._extras import require as _require
+
+_require("server", "trio_disagg.workers")  # a clear error naming the extra, not a bare one
+
 from ._common import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN
 from ._common import REASONING_HOOK as REASONING_HOOK
 from ._common import KVCollector as KVCollector
