@@ -315,7 +315,7 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def alternated(names: list[str], rep: int) -> list[str]:
+def alternated(names: Sequence[str], rep: int) -> Sequence[str]:
     return names if rep % 2 == 0 else names[::-1]
 
 
