@@ -21,9 +21,17 @@ from ._engine import CancelWindow, Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import LatencyModel, MockCluster, mock_cluster, vllm_client
+from .engines import vllm_client
+from .mock import (
+    PROTOCOLS,
+    KVCollector,
+    LatencyModel,
+    MockCluster,
+    create_mock_worker,
+    mock_cluster,
+    serve_worker,
+)
 from .server import create_app, serve
-from .workers import PROTOCOLS, KVCollector, create_mock_worker, serve_worker
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,

@@ -37,17 +37,9 @@ from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import (
-    KVCounters,
-    LatencyModel,
-    mock_cluster,
-    sglang_engines,
-    trtllm_engines,
-    vllm_engines,
-    worker_client,
-)
+from .engines import sglang_engines, trtllm_engines, vllm_engines, worker_client
+from .mock import KVCounters, LatencyModel, Role, create_mock_worker, mock_cluster, serve_worker
 from .server import create_app, serve
-from .workers import Role, create_mock_worker, serve_worker
 
 MODEL = "trio-disagg-mock"
 

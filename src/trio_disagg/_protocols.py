@@ -201,6 +201,11 @@ class PrefillResult:
     prompt_tokens: int | None = None
 
 
+#: SGLang's default bootstrap port: where a prefill worker lets decode workers join its
+#: bootstrap rooms when ``bootstrap_port`` is null or not set (docs/protocols.md section 3).
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class BootstrapInfo:
     """SGLang's bootstrap triple (docs/protocols.md section 3). ``room`` is in [0, 2**63 - 1]."""

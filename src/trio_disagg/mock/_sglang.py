@@ -23,10 +23,11 @@ import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio nati
 import orjson
 import trio
 
-from ..engines._faults import Fault, FaultKind, FaultPlan
-from ..engines._kv import (
+from .._protocols import DEFAULT_BOOTSTRAP_PORT
+from ._asgi import DONE_EVENT, Exchange, Receive, Scope, Send, run_until_disconnect
+from ._faults import Fault, FaultKind, FaultPlan
+from ._kv import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_BOOTSTRAP_TIMEOUT,
     DEFAULT_KV_TTL,
     BootstrapRoom,
@@ -34,16 +35,16 @@ from ..engines._kv import (
     KVTransferError,
     StagedKV,
 )
-from ..engines._latency import LatencyModel
-from ..engines._text import (
+from ._latency import LatencyModel
+from ._text import (
     WORDS,
     TokenStream,
     cached_prompt_tokens,
     count_prompt_tokens,
     resolve_max_tokens,
 )
-from ._asgi import DONE_EVENT, Exchange, Receive, Scope, Send, run_until_disconnect
-from ._common import (
+from ._wire_faults import MockFault
+from ._worker import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     OPENAI_PATHS,
     PULL_TIMEOUT,
@@ -63,7 +64,6 @@ from ._common import (
     url_host,
     usage_dict,
 )
-from ._faults import MockFault
 
 __all__ = ["BOOTSTRAP_KEYS", "MAX_ROOM", "BootstrapJoin", "MockSglangWorker", "NativeFormat"]
 

@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 import orjson
 import trio
 
-from ..engines._faults import Fault, FaultKind
-from ..engines._text import WORDS, TokenStream, cached_prompt_tokens, count_prompt_tokens
 from ._asgi import Exchange
-from ._common import (
+from ._faults import Fault, FaultKind
+from ._text import WORDS, TokenStream, cached_prompt_tokens, count_prompt_tokens
+from ._wire_faults import REMOVED, MockFault, MockFaultKind
+from ._worker import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     PULL_TIMEOUT,
     RELEASE_TIMEOUT,
@@ -34,7 +35,6 @@ from ._common import (
     kv_block_bytes,
     usage_dict,
 )
-from ._faults import REMOVED, MockFault, MockFaultKind
 
 __all__ = [
     "DEFAULT_KV_BYTES_PER_TOKEN", "PULL_TIMEOUT", "RELEASE_TIMEOUT", "MockVllmWorker",
@@ -130,7 +130,7 @@ class MockVllmWorker(MockWorker):
     response half-way (the connection closes without a complete answer); ``*_stall``
     waits until the client disconnects; ``decode_fail_before_first_token`` releases the
     KV and fails; ``decode_error_at:K`` fails after K tokens. Mock-only faults
-    (:mod:`trio_disagg.workers._faults`): ``decode_kv_lost`` releases the KV and answers
+    (``trio_disagg.mock._wire_faults``): ``decode_kv_lost`` releases the KV and answers
     500 ``"KV transfer failed: ..."`` before any byte, streamed or not;
     ``decode_queue:SECONDS`` waits, accepted, before the pull;
     ``decode_accept_delay:SECONDS`` waits before accepting, its handoff untouched;

@@ -21,17 +21,17 @@ from typing import Any, ClassVar
 import orjson
 import trio
 
-from ..engines._faults import Fault, FaultKind
-from ..engines._text import (
+from ._asgi import Exchange
+from ._faults import Fault, FaultKind
+from ._text import (
     WORDS,
     TokenStream,
     cached_prompt_tokens,
     count_prompt_tokens,
     prompt_fingerprint,
 )
-from ._asgi import Exchange
-from ._common import MockWorker, Refusal, RemoteKV, Work, usage_dict
-from ._faults import REMOVED, MockFault, MockFaultKind
+from ._wire_faults import REMOVED, MockFault, MockFaultKind
+from ._worker import MockWorker, Refusal, RemoteKV, Work, usage_dict
 
 __all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
            "encode_opaque_state"]

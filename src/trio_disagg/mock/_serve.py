@@ -12,13 +12,13 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from ..engines._faults import FaultPlan
-from ..engines._kv import DEFAULT_BLOCK_SIZE, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_KV_TTL
-from ..engines._latency import LatencyModel
-from ._common import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, MockWorker, Role
+from ._faults import FaultPlan
+from ._kv import DEFAULT_BLOCK_SIZE, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_KV_TTL
+from ._latency import LatencyModel
 from ._sglang import MockSglangWorker
 from ._trtllm import MockTrtllmWorker
 from ._vllm import MockVllmWorker
+from ._worker import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, MockWorker, Role
 
 #: The wire protocols mock workers exist for (docs/protocols.md sections 2, 3 and 4).
 PROTOCOLS = ("vllm", "sglang", "trtllm")

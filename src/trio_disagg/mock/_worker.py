@@ -25,24 +25,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
-from ..engines._faults import Fault, FaultKind, FaultPlan, fault_for
-from ..engines._kv import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_KV_TTL,
-    KVBlockPool,
-    KVCounters,
-    KVTransferError,
-)
-from ..engines._latency import LatencyModel
-from ..engines._text import (
-    VOCAB_SIZE,
-    WORDS,
-    TokenStream,
-    cached_prompt_tokens,
-    count_prompt_tokens,
-    resolve_max_tokens,
-    seeded_unit,
-)
 from ._asgi import (
     DONE_EVENT,
     JSON_TYPE,
@@ -53,7 +35,25 @@ from ._asgi import (
     read_body,
     run_until_disconnect,
 )
-from ._faults import (
+from ._faults import Fault, FaultKind, FaultPlan, fault_for
+from ._kv import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_TTL,
+    KVBlockPool,
+    KVCounters,
+    KVTransferError,
+)
+from ._latency import LatencyModel
+from ._text import (
+    VOCAB_SIZE,
+    WORDS,
+    TokenStream,
+    cached_prompt_tokens,
+    count_prompt_tokens,
+    resolve_max_tokens,
+    seeded_unit,
+)
+from ._wire_faults import (
     REMOVED,
     AnswerFaults,
     MockFault,
