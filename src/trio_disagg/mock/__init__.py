@@ -12,8 +12,8 @@ speak vLLM's, SGLang's or TensorRT-LLM's wire protocol (docs/protocols.md sectio
 
 from ._cluster import MockCluster as MockCluster
 from ._cluster import mock_cluster as mock_cluster
+from ._decode_engine import MockDecodeEngine as MockDecodeEngine
 from ._engines import INPROC_HOST as INPROC_HOST
-from ._engines import MockDecodeEngine as MockDecodeEngine
 from ._engines import MockPrefillEngine as MockPrefillEngine
 from ._faults import Fault as Fault
 from ._faults import FaultKind as FaultKind

@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 
 from .._engine import HandoffStyle
-from ._engines import MockDecodeEngine, MockPrefillEngine
+from ._decode_engine import MockDecodeEngine
+from ._engines import MockPrefillEngine
 from ._faults import FaultPlan
 from ._kv import DEFAULT_BLOCK_SIZE, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_KV_TTL, KVCounters
 from ._latency import LatencyModel

@@ -9,9 +9,6 @@ before it produces tokens, and faults injected per request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import trio
 
 from .._context import RequestContext
@@ -27,6 +24,7 @@ from .._protocols import (
     PromptTokensDetails,
     TraceLink,
 )
+from ._core import Handover, Prefill, abort, hand_over
 from ._faults import Fault, FaultKind, FaultPlan, fault_for
 from ._kv import (
     DEFAULT_BLOCK_SIZE,
@@ -35,7 +33,6 @@ from ._kv import (
     BootstrapRoom,
     KVBlockPool,
     KVCounters,
-    KVState,
     KVTransferError,
     StagedKV,
 )
@@ -46,7 +43,6 @@ from ._text import (
     TokenStream,
     cached_prompt_tokens,
     count_prompt_tokens,
-    resolve_max_tokens,
 )
 
 Item = Annotated[LLMEngineOutput]
@@ -61,7 +57,7 @@ _TERMINAL_FIRST = frozenset({
 })
 
 
-class _Stopper:
+class Stopper:
     """Connects one request's context to its cancel scope (one object and one scope per
     request, nothing per token): a stop or a kill cancels :attr:`scope`; after a stop,
     :meth:`send_cancelled` sends the ``cancelled`` finish unless a kill comes first."""
@@ -89,13 +85,13 @@ class _Stopper:
             await send.send(item)
 
 
-def _check_seconds(name: str, value: float) -> float:
+def check_seconds(name: str, value: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
     return value
 
 
-def _pick_fault(request: PreprocessedRequest, role: str, plan: FaultPlan | None,
+def pick_fault(request: PreprocessedRequest, role: str, plan: FaultPlan | None,
                 worker: str) -> Fault | None:
     try:
         fault = fault_for(request.body, role, request.request_id, plan)
@@ -108,7 +104,7 @@ def _pick_fault(request: PreprocessedRequest, role: str, plan: FaultPlan | None,
     return fault
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None
            ) -> CompletionUsage:
     return CompletionUsage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -117,7 +113,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None
                                else PromptTokensDetails(cached_tokens=cached_tokens)))
 
 
-def _cancelled(usage: CompletionUsage | None = None) -> Item:
+def cancelled_item(usage: CompletionUsage | None = None) -> Item:
     return Annotated(data=LLMEngineOutput(finish_reason=FinishReason.CANCELLED,
                                           completion_usage=usage))
 
@@ -197,7 +193,7 @@ class MockPrefillEngine:
         self.registry = registry
         self.latency = latency if latency is not None else LatencyModel()
         self.seed = seed
-        self.bootstrap_timeout = _check_seconds("bootstrap_timeout", bootstrap_timeout)
+        self.bootstrap_timeout = check_seconds("bootstrap_timeout", bootstrap_timeout)
         self.fault_plan = fault_plan
         #: The engine's KV blocks (see :class:`KVBlockPool`).
         self.kv = KVBlockPool(name, block_size=block_size, ttl=kv_ttl)
@@ -236,144 +232,99 @@ class MockPrefillEngine:
                 failures are sent as error items and nothing is raised.
         """
         with send_channel:
-            fault = _pick_fault(request, "prefill", self.fault_plan, self.name)
-            kind = fault.kind if fault is not None else None
-            if self.handoff_style is HandoffStyle.BOOTSTRAP:
-                info = request.bootstrap_info
-                if info is None:
-                    raise WorkerError(f"{self.name} is a bootstrap prefill engine: the "
-                                      f"request needs bootstrap_info", status=400,
-                                      worker=self.name)
-                if (info.host, info.port) != (self.bootstrap_host, self.bootstrap_port):
-                    raise WorkerError(
-                        f"{self.name} bootstraps at {self.bootstrap_host}:"
-                        f"{self.bootstrap_port}, not {info.host}:{info.port}",
-                        status=400, worker=self.name)
-                stopper = _Stopper(context)
-                task_status.started()
-                await self._bootstrap(request, info, send_channel, kind, stopper)
-            else:
-                stopper = _Stopper(context)
-                task_status.started()
-                await self._sequential(request, send_channel, kind, stopper)
-
-    # --- the two styles ----------------------------------------------------------------
-
-    async def _sequential(self, request: PreprocessedRequest, send: SendChannel,
-                          kind: FaultKind | None, stopper: _Stopper) -> None:
-        kv = self.kv
-        prompt_tokens = count_prompt_tokens(request.body)
-        entry: StagedKV | None = None
-        done = False  # ended on its own: not an abort
-        try:
-            with stopper.scope:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                if kind is FaultKind.PREFILL_STALL:
-                    await trio.sleep_forever()
-                if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                    await trio.sleep(delay)
-                if kind in _TERMINAL_FIRST:
-                    assert kind is not None
-                    await self._send_terminal_first(request, send, kind, prompt_tokens)
-                    done = True
+            fault = pick_fault(request, "prefill", self.fault_plan, self.name)
+            info = self._check_bootstrap(request)
+            stopper = Stopper(context)
+            task_status.started()
+            run = Prefill(worker=self.name, request_id=request.request_id, seed=self.seed,
+                          latency=self.latency, pool=self.kv, body=request.body,
+                          prompt_tokens=count_prompt_tokens(request.body), fault=fault)
+            sink = _PrefillSink(self, request, send_channel)
+            try:
+                with stopper.scope:
+                    if info is None:
+                        await run.run(sink)
+                    else:
+                        await self._bootstrap(run, info, sink)
                     return
-                entry = kv.stage(request.request_id, prompt_tokens)
-                await send.send(self._handoff_output(request, entry, prompt_tokens))
-                done = True  # delivered: the KV now waits for a decode or its lease
-                if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
-                    kv.release(entry)  # the request failed: the worker frees its KV
-                    await send.send(self._fault_error(kind, request))
-                return
-            if not done:
-                self._abort(entry)
-                done = True
-            await stopper.send_cancelled(send, _cancelled())
-        except trio.BrokenResourceError:
-            # the receiver is gone: an abort. send() only half-checkpointed before raising.
-            await trio.lowlevel.checkpoint()
-        finally:
-            if not done:
-                self._abort(entry)
+                await stopper.send_cancelled(send_channel, cancelled_item())
+            except trio.BrokenResourceError:
+                # the receiver is gone: an abort. send() only half-checkpointed before raising.
+                await trio.lowlevel.checkpoint()
 
-    async def _bootstrap(self, request: PreprocessedRequest, info: BootstrapInfo,
-                         send: SendChannel, kind: FaultKind | None, stopper: _Stopper) -> None:
-        kv = self.kv
-        prompt_tokens = count_prompt_tokens(request.body)
+    def _check_bootstrap(self, request: PreprocessedRequest) -> BootstrapInfo | None:
+        """The request's bootstrap triple (bootstrap style), or None (sequential).
+
+        Raises:
+            WorkerError: a bootstrap engine's request without its triple (400).
+        """
+        if self.handoff_style is not HandoffStyle.BOOTSTRAP:
+            return None
+        info = request.bootstrap_info
+        if info is None:
+            raise WorkerError(f"{self.name} is a bootstrap prefill engine: the request "
+                              f"needs bootstrap_info", status=400, worker=self.name)
+        if (info.host, info.port) != (self.bootstrap_host, self.bootstrap_port):
+            raise WorkerError(f"{self.name} bootstraps at {self.bootstrap_host}:"
+                              f"{self.bootstrap_port}, not {info.host}:{info.port}",
+                              status=400, worker=self.name)
+        return info
+
+    async def _bootstrap(self, run: Prefill, info: BootstrapInfo, sink: _PrefillSink) -> None:
+        """The bootstrap style: the first output at once, then the KV through the room."""
         room: BootstrapRoom | None = None
-        problem: str | None = None
+        problem = ""
         try:
-            candidate = kv.room(info.room)
+            candidate = self.kv.room(info.room)
             candidate.enter("prefill")
             room = candidate
         except KVTransferError as exc:
             problem = f"{self.name}: {exc}"
-        entry: StagedKV | None = None
-        done = False
         try:
-            with stopper.scope:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                if room is None:
-                    done = True
-                    await send.send(Annotated.from_error(problem or "no bootstrap room"))
-                    return
-                if kind is FaultKind.PREFILL_STALL:
-                    await trio.sleep_forever()
-                if kind in _TERMINAL_FIRST:
-                    assert kind is not None
-                    if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                        await trio.sleep(delay)
-                    await self._send_terminal_first(request, send, kind, prompt_tokens)
-                    done = True
-                    return
-                await send.send(self._bootstrap_output(request, info, prompt_tokens))
-                if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                    await trio.sleep(delay)
-                entry = kv.stage(request.request_id, prompt_tokens, lease=False)
-                room.put(entry)
-                with trio.move_on_after(self.bootstrap_timeout):
-                    await room.wait_joined()
-                if not room.joined:
-                    kv.strand(entry)
-                    done = True
-                    await send.send(Annotated.from_error(
-                        f"{self.name}: no decode joined bootstrap room {info.room} within "
-                        f"{self.bootstrap_timeout:g} s; its {entry.num_blocks} KV blocks "
-                        f"were dropped"))
-                    return
-                await room.wait_finished()
-                done = True
-                if not room.pulled:
-                    kv.release(entry)  # normally already released by the decode
-                    await send.send(Annotated.from_error(
-                        f"{self.name}: the decode left bootstrap room {info.room} before "
-                        f"the KV transfer completed"))
-                    return
-                if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
-                    await send.send(self._fault_error(kind, request))
-                    return
-                token = TokenStream(self.seed, request.request_id).next_id()
-                await send.send(Annotated(data=LLMEngineOutput(
-                    token_ids=[token], text=WORDS[token],
-                    finish_reason=FinishReason.LENGTH)))
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if room is None:
+                run.answered = True
+                await sink.send(Annotated.from_error(problem))
                 return
-            if not done:
-                self._abort(entry)
-                done = True
-            await stopper.send_cancelled(send, _cancelled())
-        except trio.BrokenResourceError:
-            # the receiver is gone: an abort. send() only half-checkpointed before raising.
-            await trio.lowlevel.checkpoint()
+            await self._meet(run, room, info, sink)
         finally:
-            if not done:
-                self._abort(entry)
+            if not run.answered:
+                abort(self.kv, run.entry)
             if room is not None:
                 room.leave("prefill")
 
-    def _abort(self, entry: StagedKV | None) -> None:
-        # Count one abort: release the KV if it still waits (a transfer in progress
-        # belongs to the decode), or note an abort with nothing staged.
-        if entry is None or entry.state is not KVState.HELD or not self.kv.release(entry):
-            self.kv.note_aborted()
+    async def _meet(self, run: Prefill, room: BootstrapRoom, info: BootstrapInfo,
+                    sink: _PrefillSink) -> None:
+        kind = run.kind
+        if kind is FaultKind.PREFILL_STALL:
+            await trio.sleep_forever()
+        delay = self.latency.time_to_first_token(run.prompt_tokens)
+        if kind in _TERMINAL_FIRST:
+            assert kind is not None
+            if delay > 0:
+                await trio.sleep(delay)
+            await sink.first_output(run, kind)
+            run.answered = True
+            return
+        await sink.send(self._bootstrap_output(sink.request, info, run.prompt_tokens))
+        if delay > 0:
+            await trio.sleep(delay)
+        run.entry = entry = self.kv.stage(run.request_id, run.prompt_tokens, lease=False)
+        outcome = await hand_over(self.kv, room, entry, self.bootstrap_timeout)
+        run.answered = True
+        if outcome is Handover.NOT_JOINED:
+            await sink.fail(run, f"{self.name}: no decode joined bootstrap room {info.room} "
+                                 f"within {self.bootstrap_timeout:g} s; its "
+                                 f"{entry.num_blocks} KV blocks were dropped")
+        elif outcome is not Handover.PULLED:
+            await sink.fail(run, f"{self.name}: the decode left bootstrap room {info.room} "
+                                 f"before the KV transfer completed")
+        elif kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
+            await sink.fail(run, run.message())
+        else:
+            await sink.send(Annotated(data=LLMEngineOutput(
+                token_ids=[run.token], text=WORDS[run.token],
+                finish_reason=FinishReason.LENGTH)))
 
     # --- outputs -----------------------------------------------------------------------
 
@@ -381,7 +332,7 @@ class MockPrefillEngine:
                completion_tokens: int) -> CompletionUsage:
         cached = cached_prompt_tokens(self.seed, request.body, prompt_tokens,
                                       self.kv.block_size)
-        return _usage(prompt_tokens, completion_tokens, cached)
+        return usage(prompt_tokens, completion_tokens, cached)
 
     def _trace(self, request: PreprocessedRequest) -> TraceLink:
         return TraceLink(worker_id=self.name, request_id=request.request_id)
@@ -412,341 +363,66 @@ class MockPrefillEngine:
             completion_usage=self._usage(request, prompt_tokens, 0),
             worker_trace_link=self._trace(request)))
 
-    def _fault_error(self, kind: FaultKind, request: PreprocessedRequest) -> Item:
-        return Annotated.from_error(f"{self.name}: injected fault {kind.value} on request "
-                                    f"{request.request_id!r}")
-
-    async def _send_terminal_first(self, request: PreprocessedRequest, send: SendChannel,
-                                   kind: FaultKind, prompt_tokens: int) -> None:
-        if kind is FaultKind.PREFILL_RESET:
-            await trio.lowlevel.checkpoint()
-            return  # the stream ends with no output at all
-        if kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
-            await send.send(self._fault_error(kind, request))
-            return
+    def _terminal_output(self, run: Prefill, request: PreprocessedRequest,
+                         kind: FaultKind) -> Item:
+        """The first output of a prefill that ends the request (S7)."""
+        spent = self._usage(request, run.prompt_tokens, 1 if kind is FaultKind.EOS_FIRST_TOKEN
+                            else 0)
         if kind is FaultKind.EOS_FIRST_TOKEN:
-            token = TokenStream(self.seed, request.request_id).next_id()
-            output = LLMEngineOutput(token_ids=[token], text=WORDS[token],
-                                     finish_reason=FinishReason.EOS,
-                                     completion_usage=self._usage(request, prompt_tokens, 1))
+            output = LLMEngineOutput(token_ids=[run.token], text=WORDS[run.token],
+                                     finish_reason=FinishReason.EOS, completion_usage=spent)
         elif kind is FaultKind.PREFILL_ERROR_FINISH:
-            output = LLMEngineOutput(
-                finish_reason=FinishReason.error(
-                    f"{self.name}: injected fault {kind.value} on request "
-                    f"{request.request_id!r}"),
-                completion_usage=self._usage(request, prompt_tokens, 0))
+            output = LLMEngineOutput(finish_reason=FinishReason.error(run.message()),
+                                     completion_usage=spent)
         else:
             output = LLMEngineOutput(finish_reason=FinishReason.CANCELLED,
-                                     completion_usage=self._usage(request, prompt_tokens, 0))
+                                     completion_usage=spent)
         output.worker_trace_link = self._trace(request)
-        await send.send(Annotated(data=output))
+        return Annotated(data=output)
 
 
-class MockDecodeEngine:
-    """An in-process decode worker that pulls KV from a :class:`MockPrefillEngine`.
+class _PrefillSink:
+    """A prefill engine's outputs for one request, on its channel (the core's
+    :class:`~._core.PrefillSink`)."""
 
-    Each request: ``started()`` at once, then the KV:
+    __slots__ = ("engine", "request", "send")
 
-    * with ``request.bootstrap_info`` (or bootstrap ``disaggregated_params`` in
-      ``request.prefill_result``): join that bootstrap room on the prefill engine at that
-      address and wait up to ``bootstrap_timeout`` seconds for its KV (either side may
-      come first);
-    * else with ``request.prefill_result``: pull the KV its ``disaggregated_params``
-      name (``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``);
-    * else (no handoff): compute the prefill itself, ``latency.time_to_first_token``.
+    def __init__(self, engine: MockPrefillEngine, request: PreprocessedRequest,
+                 send: SendChannel) -> None:
+        self.engine = engine
+        self.request = request
+        self.send = send.send
 
-    A pull takes ``latency.kv_transfer_time(prompt tokens)`` seconds and then frees the
-    prefill's blocks. KV that is gone (expired, already pulled, released, unknown) or a
-    bootstrap wait that runs out ends the stream with one error item.
+    def computed(self, run: Prefill) -> None:
+        pass
 
-    Then ``max_tokens`` tokens (``request.max_tokens``, else the body's
-    ``max_completion_tokens`` / ``max_tokens``, else ``default_max_tokens``), one per
-    output item, ``latency.inter_token_latency`` seconds apart, with ``text`` (pseudo-words
-    fixed by ``seed`` and the request id). The last item has ``finish_reason`` length (or
-    eos, with probability ``eos_rate`` per token after the first) and the usage:
-    ``prompt_tokens``, ``completion_tokens``, ``total_tokens``, and ``cached_tokens`` =
-    the whole prompt after a pull, as a real decode worker reports it (the client's
-    ``cached_tokens`` must come from the prefill). ``request.stream`` does not change
-    the items.
+    async def reset(self, run: Prefill) -> None:
+        await trio.lowlevel.checkpoint()  # the stream ends with no output at all
 
-    Cancellation: ``context.stop_generating()`` ends the stream with one ``cancelled``
-    item (with the usage so far); ``context.kill()`` ends it at once; a closed receiver
-    or a cancelled caller ends it silently. Whichever it is, KV the decode was sent for and
-    has not yet pulled is released at once (vLLM: "if the decode worker receives the
-    request and it is aborted before it runs, it tells the prefill worker to free them"),
-    and a transfer in progress is abandoned and its blocks freed.
+    async def fail(self, run: Prefill, message: str) -> None:
+        await self.send(Annotated.from_error(message))
 
-    Args:
-        registry: where the prefill engines' pools are found.
-        name: shown in errors and trace links.
-        latency: the :class:`LatencyModel`; default ``LatencyModel()``.
-        seed: fixes the tokens, with the request id.
-        default_max_tokens: tokens to generate when the request sets no budget.
-        eos_rate: probability, per token after the first, of ending on eos; 0 to always
-            generate the whole budget.
-        bootstrap_timeout: seconds to wait for the prefill's KV in a bootstrap room.
-        block_size: tokens per block, for the prefix-cache hit of a request without a
-            handoff.
-        fault_plan: faults for requests whose body names none.
-        style: reported as :attr:`handoff_style`; the engine serves both styles.
+    async def terminal(self, run: Prefill, kind: FaultKind) -> None:
+        await self.send(self.engine._terminal_output(run, self.request, kind))
 
-    Raises:
-        ValueError: a bad setting.
-    """
+    async def first_output(self, run: Prefill, kind: FaultKind) -> None:
+        """One of :data:`_TERMINAL_FIRST`'s outputs."""
+        if kind is FaultKind.PREFILL_RESET:
+            await self.reset(run)
+        elif kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
+            await self.fail(run, run.message())
+        else:
+            await self.terminal(run, kind)
 
-    def __init__(
-        self,
-        registry: KVRegistry,
-        name: str = "decode-0",
-        *,
-        latency: LatencyModel | None = None,
-        seed: int = 0,
-        default_max_tokens: int = 16,
-        eos_rate: float = 0.0,
-        bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        fault_plan: FaultPlan | None = None,
-        style: HandoffStyle = HandoffStyle.SEQUENTIAL,
-    ) -> None:
-        if not 0.0 <= eos_rate <= 1.0:
-            raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate!r}")
-        if default_max_tokens < 0:
-            raise ValueError(f"default_max_tokens must be >= 0, got {default_max_tokens}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
-        self.name = name
-        self.handoff_style = style
-        self.bootstrap_host: str | None = None
-        self.bootstrap_port: int | None = None
-        self.registry = registry
-        self.latency = latency if latency is not None else LatencyModel()
-        self.seed = seed
-        self.default_max_tokens = default_max_tokens
-        self.eos_rate = eos_rate
-        self.bootstrap_timeout = _check_seconds("bootstrap_timeout", bootstrap_timeout)
-        self.block_size = block_size
-        self.fault_plan = fault_plan
+    async def before_stage(self, run: Prefill) -> bool:
+        return False
 
-    def __repr__(self) -> str:
-        return f"<MockDecodeEngine {self.name!r}>"
+    def stage_key(self, run: Prefill) -> str:
+        return run.request_id
 
-    async def generate(  # noqa: ASYNC114 (started by the router)
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: SendChannel,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Serve the decode leg of ``request``; see the class docstring.
-
-        Raises:
-            WorkerError: before ``started()``: a malformed ``"fault"`` (status 400) or a
-                ``decode_reject`` fault (its status; the KV is not released, as a real
-                worker that refused the request never tells the prefill). Once started,
-                failures are sent as error items and nothing is raised.
-        """
-        with send_channel:
-            fault = _pick_fault(request, "decode", self.fault_plan, self.name)
-            stopper = _Stopper(context)
-            task_status.started()
-            try:
-                await self._run(request, send_channel, fault, stopper)
-            except trio.BrokenResourceError:
-                # the receiver is gone: an abort. send() only half-checkpointed.
-                await trio.lowlevel.checkpoint()
-
-    async def _run(self, request: PreprocessedRequest, send: SendChannel,
-                   fault: Fault | None, stopper: _Stopper) -> None:
-        kind = fault.kind if fault is not None else None
-        fault_at = fault.at if fault is not None and fault.at is not None else -1
-        body = request.body
-        prompt_tokens = count_prompt_tokens(body)
-        max_tokens = resolve_max_tokens(request.max_tokens, body, self.default_max_tokens)
-        # Where the KV comes from: a room, a staged key, or nowhere (no handoff).
-        resolved = _Pull.resolve(self.registry, request)
-        pull = resolved if not isinstance(resolved, str) else None
-        produced = 0
-        cached: int | None = None
-        try:
-            with stopper.scope:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                if isinstance(resolved, str):
-                    await send.send(Annotated.from_error(f"{self.name}: {resolved}"))
-                    return
-                if kind is FaultKind.DECODE_STALL:
-                    await trio.sleep_forever()  # queued: the KV waits, unpulled
-                if kind is FaultKind.DECODE_FAIL_BEFORE_FIRST_TOKEN:
-                    if pull is not None:
-                        pull.abandon()
-                    await send.send(Annotated.from_error(
-                        f"{self.name}: injected fault {kind.value} on request "
-                        f"{request.request_id!r}"))
-                    return
-                if pull is not None:
-                    if pull.room is not None:  # either side may come first
-                        with trio.move_on_after(self.bootstrap_timeout):
-                            await pull.room.wait_staged()
-                    error = pull.claim(self.bootstrap_timeout)
-                    if error is not None:
-                        await send.send(Annotated.from_error(f"{self.name}: {error}"))
-                        return
-                    if (delay := self.latency.kv_transfer_time(prompt_tokens)) > 0:
-                        await trio.sleep(delay)
-                    pull.complete()
-                    cached = prompt_tokens  # the decode sees the whole prompt cached
-                else:
-                    if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                        await trio.sleep(delay)
-                    cached = cached_prompt_tokens(self.seed, body, prompt_tokens,
-                                                  self.block_size)
-                    if kind is FaultKind.EOS_FIRST_TOKEN and max_tokens > 0:
-                        max_tokens = 1
-                # The token loop: per token one sleep if the latency is not 0, one
-                # output object, one send. Nothing else.
-                tokens = TokenStream(self.seed, request.request_id)
-                itl = self.latency.inter_token_latency
-                eos_rate = self.eos_rate
-                eos_first = kind is FaultKind.EOS_FIRST_TOKEN and pull is None
-                last = max_tokens - 1
-                for i in range(max_tokens):
-                    if i == fault_at:
-                        await self._fault_at(kind, request, send)
-                        return
-                    if itl > 0:
-                        await trio.sleep(itl)
-                    token = tokens.next_id()
-                    if i == last:
-                        finish = FinishReason.EOS if eos_first else FinishReason.LENGTH
-                    elif eos_rate and i and tokens.next_unit() < eos_rate:
-                        finish = FinishReason.EOS
-                    else:
-                        await send.send(Annotated(data=LLMEngineOutput(
-                            token_ids=[token], text=WORDS[token])))
-                        produced = i + 1
-                        continue
-                    await send.send(Annotated(data=LLMEngineOutput(
-                        token_ids=[token], text=WORDS[token], finish_reason=finish,
-                        completion_usage=_usage(prompt_tokens, i + 1, cached))))
-                    return
-                # max_tokens == 0: nothing to generate
-                await send.send(Annotated(data=LLMEngineOutput(
-                    finish_reason=FinishReason.LENGTH,
-                    completion_usage=_usage(prompt_tokens, 0, cached))))
-                return
-            if pull is not None:
-                pull.abandon()
-            await stopper.send_cancelled(send, _cancelled(_usage(prompt_tokens, produced, cached)))
-        finally:
-            if pull is not None:
-                pull.abandon()
-
-    async def _fault_at(self, kind: FaultKind | None, request: PreprocessedRequest,
-                        send: SendChannel) -> None:
-        if kind is FaultKind.DECODE_ERROR_AT:
-            await send.send(Annotated.from_error(
-                f"{self.name}: injected fault {kind.value} on request {request.request_id!r}"))
-        elif kind is FaultKind.DECODE_STALL_AT:
-            await trio.sleep_forever()
-        else:  # DECODE_RESET_AT: the stream ends without a terminal item
-            await trio.lowlevel.checkpoint()
-
-
-class _Pull:
-    """How one decode request gets its KV, and how it lets go of it if it never does."""
-
-    __slots__ = ("block_ids", "entry", "key", "pool", "pulled", "room")
-
-    def __init__(self, pool: KVBlockPool, *, key: str | None = None,
-                 block_ids: list[int] | None = None, room: BootstrapRoom | None = None
-                 ) -> None:
-        self.pool = pool
-        self.key = key
-        self.block_ids = block_ids
-        self.room = room
-        self.entry: StagedKV | None = None
-        self.pulled = False
-
-    @classmethod
-    def resolve(cls, registry: KVRegistry, request: PreprocessedRequest) -> _Pull | str | None:
-        """A pull for the request's handoff; None without one; an error message if the
-        handoff cannot be used."""
-        info = request.bootstrap_info
-        params: Any = None
-        if request.prefill_result is not None:
-            params = request.prefill_result.disaggregated_params
-        if info is None and isinstance(params, Mapping) and all(
-                k in params for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")):
-            host, port, room_id = (params["bootstrap_host"], params["bootstrap_port"],
-                                   params["bootstrap_room"])
-            if not (isinstance(host, str) and isinstance(port, int)
-                    and isinstance(room_id, int)):
-                return f"malformed bootstrap params {dict(params)!r}"
-            info = BootstrapInfo(host=host, port=port, room=room_id)
-        try:
-            if info is not None:
-                pool = registry.pool_at(info.host, info.port)
-                room = pool.room(info.room)
-                room.enter("decode")
-                return cls(pool, room=room)
-            if request.prefill_result is None:
-                return None
-            if not isinstance(params, Mapping):
-                return f"disaggregated_params must be an object, got {type(params).__name__}"
-            engine_id = params.get("remote_engine_id")
-            key = params.get("remote_request_id")
-            block_ids = params.get("remote_block_ids")
-            if not isinstance(engine_id, str) or not isinstance(key, str):
-                return ("disaggregated_params need remote_engine_id and remote_request_id "
-                        f"strings, got {engine_id!r} and {key!r}")
-            if block_ids is not None and not (
-                    isinstance(block_ids, list) and all(isinstance(b, int) for b in block_ids)):
-                return f"remote_block_ids must be a list of integers, got {block_ids!r:.60}"
-            return cls(registry.pool(engine_id), key=key, block_ids=block_ids)
-        except KVTransferError as exc:
-            return str(exc)
-
-    def claim(self, bootstrap_timeout: float) -> str | None:
-        """Claim the KV (for a room, once the wait for it is over): it is now ours to
-        transfer, then :meth:`complete` or :meth:`abandon`.
-
-        Returns:
-            None once claimed, else why the KV cannot be pulled.
-        """
-        try:
-            if self.room is not None:
-                entry = self.room.entry
-                if entry is None:
-                    return (f"the prefill never staged KV in bootstrap room "
-                            f"{self.room.room_id} within {bootstrap_timeout:g} s")
-                self.pool.claim_entry(entry)
-            else:
-                assert self.key is not None
-                entry = self.pool.claim(self.key, self.block_ids)
-        except KVTransferError as exc:
-            return f"cannot pull the KV: {exc}"
-        self.entry = entry
-        return None
-
-    def complete(self) -> None:
-        """The transfer is over: the prefill's blocks are freed, the request served."""
-        assert self.entry is not None
-        self.pool.complete(self.entry)
-        self.pulled = True
-        if self.room is not None:
-            self.room.finish(pulled=True)
-            self.room.leave("decode")
-
-    def abandon(self) -> None:
-        """Let go of KV not pulled: release it (counted aborted) and leave the room.
-        Idempotent; nothing happens after a completed pull."""
-        if self.pulled:
-            return
-        entry = self.entry
-        if entry is not None and entry.is_held:
-            self.pool.release(entry)  # a transfer in progress, abandoned
-        elif entry is None and self.key is not None:
-            self.pool.release_key(self.key)
-        if self.room is not None:
-            self.room.leave("decode")
-        self.pulled = True  # nothing more to let go of
+    async def handoff(self, run: Prefill, entry: StagedKV) -> None:
+        await self.send(self.engine._handoff_output(self.request, entry, run.prompt_tokens))
+        run.answered = True  # delivered: the KV now waits for a decode or its lease
+        if run.kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
+            run.release(entry)  # the request failed: the worker frees its KV
+            await self.fail(run, run.message())
