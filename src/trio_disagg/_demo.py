@@ -101,7 +101,8 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
             # An SGLang prefill worker also listens on a bootstrap port: any free one.
             sglang_prefill = (protocol, role) == ("sglang", "prefill")
             app = create_mock_worker(role, protocol, latency=DEMO_LATENCY, seed=seed,
-                                     kv_ttl=30.0, bootstrap_port=0 if sglang_prefill else None)
+                                     kv_ttl=30.0, bootstrap_port=0 if sglang_prefill else None,
+                                     fault_injection=True)  # the demo's faults are its own
             port = await nursery.start(partial(serve_worker, app, host="127.0.0.1", port=0))
             url = f"http://127.0.0.1:{port}"
             urls[role].append(url)

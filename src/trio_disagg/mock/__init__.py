@@ -10,6 +10,7 @@ token loop), and two faces on it: in-process engines (:func:`mock_cluster`,
 speak vLLM's, SGLang's or TensorRT-LLM's wire protocol (docs/protocols.md sections 2-4).
 """
 
+from ._answers import REASONING_HOOK as REASONING_HOOK
 from ._cluster import MockCluster as MockCluster
 from ._cluster import mock_cluster as mock_cluster
 from ._decode_engine import MockDecodeEngine as MockDecodeEngine
@@ -30,7 +31,12 @@ from ._kv import KVCounters as KVCounters
 from ._kv import KVState as KVState
 from ._kv import KVTransferError as KVTransferError
 from ._kv import StagedKV as StagedKV
+from ._kvwire import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN
+from ._kvwire import kv_block_bytes as kv_block_bytes
 from ._latency import LatencyModel as LatencyModel
+from ._metrics import KVCollector as KVCollector
+from ._options import SeenRequest as SeenRequest
+from ._options import WorkerStats as WorkerStats
 from ._registry import KVRegistry as KVRegistry
 from ._serve import KEEP_ALIVE_TIMEOUT as KEEP_ALIVE_TIMEOUT
 from ._serve import PROTOCOLS as PROTOCOLS
@@ -45,11 +51,5 @@ from ._text import resolve_max_tokens as resolve_max_tokens
 from ._trtllm import CTX_REQUEST_ID_HOOK as CTX_REQUEST_ID_HOOK
 from ._trtllm import MockTrtllmWorker as MockTrtllmWorker
 from ._vllm import MockVllmWorker as MockVllmWorker
-from ._worker import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN
-from ._worker import REASONING_HOOK as REASONING_HOOK
-from ._worker import KVCollector as KVCollector
 from ._worker import MockWorker as MockWorker
 from ._worker import Role as Role
-from ._worker import SeenRequest as SeenRequest
-from ._worker import WorkerStats as WorkerStats
-from ._worker import kv_block_bytes as kv_block_bytes

@@ -290,8 +290,13 @@ class Prefill:
         answered: the answer committed: an abort no longer frees the KV. Set once the
             sink's answer returns; a face whose answer commits before it is sent sets it
             first.
+        lease: stage the KV with a lease (sequential style); False for KV waiting in a
+            bootstrap room, which has its own timeout.
+        eos_ends_prefill: ``eos_first_token`` makes the prefill's first output final;
+            False where the EOS goes to the decode with the KV (SGLang).
         computed: the prefill computation ran to its end.
         entry: the KV staged, once staged.
+        aborted: the abort was counted (:meth:`abort`).
     """
 
     worker: str
@@ -303,9 +308,12 @@ class Prefill:
     prompt_tokens: int
     fault: Fault | None = None
     min_tokens: int = 0
+    lease: bool = True
+    eos_ends_prefill: bool = True
     answered: bool = False
     computed: bool = False
     entry: StagedKV | None = None
+    aborted: bool = False
 
     @property
     def kind(self) -> FaultKind | None:
@@ -350,16 +358,23 @@ class Prefill:
                 await sink.reset(self)
             elif kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
                 await sink.fail(self, self.message())
-            elif kind in TERMINAL_FINISH and (kind is not FaultKind.EOS_FIRST_TOKEN
-                                              or self.ends_on_first_token()):
+            elif kind in TERMINAL_FINISH and (kind is not FaultKind.EOS_FIRST_TOKEN or (
+                    self.eos_ends_prefill and self.ends_on_first_token())):
                 await sink.terminal(self, kind)
             elif not await sink.before_stage(self):
-                self.entry = self.pool.stage(sink.stage_key(self), self.prompt_tokens)
+                self.entry = self.pool.stage(sink.stage_key(self), self.prompt_tokens,
+                                             lease=self.lease)
                 await sink.handoff(self, self.entry)
             self.answered = True
         finally:
-            if not self.answered:
-                abort(self.pool, self.entry)
+            self.abort()
+
+    def abort(self) -> None:
+        """Unless its answer committed, count the request aborted (once), releasing what
+        it staged."""
+        if not self.answered and not self.aborted:
+            self.aborted = True
+            abort(self.pool, self.entry)
 
 
 def abort(pool: KVBlockPool, entry: StagedKV | None) -> None:

@@ -17,15 +17,8 @@ from .._protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
 )
+from . import _channel as channel
 from ._core import Decode, fault_message
-from ._engines import (
-    SendChannel,
-    Stopper,
-    cancelled_item,
-    check_seconds,
-    pick_fault,
-    usage,
-)
 from ._faults import Fault, FaultKind, FaultPlan
 from ._kv import (
     DEFAULT_BLOCK_SIZE,
@@ -121,21 +114,16 @@ class MockDecodeEngine:
         self.seed = seed
         self.default_max_tokens = default_max_tokens
         self.eos_rate = eos_rate
-        self.bootstrap_timeout = check_seconds("bootstrap_timeout", bootstrap_timeout)
+        self.bootstrap_timeout = channel.check_seconds("bootstrap_timeout", bootstrap_timeout)
         self.block_size = block_size
         self.fault_plan = fault_plan
 
     def __repr__(self) -> str:
         return f"<MockDecodeEngine {self.name!r}>"
 
-    async def generate(  # noqa: ASYNC114 (started by the router)
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: SendChannel,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
+    async def generate(self, request: PreprocessedRequest, context: RequestContext,
+                       send_channel: channel.SendChannel, *,
+                       task_status: channel.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the decode leg of ``request``; see the class docstring.
 
         Raises:
@@ -145,8 +133,8 @@ class MockDecodeEngine:
                 failures are sent as error items and nothing is raised.
         """
         with send_channel:
-            fault = pick_fault(request, "decode", self.fault_plan, self.name)
-            stopper = Stopper(context)
+            fault = channel.pick_fault(request, "decode", self.fault_plan, self.name)
+            stopper = channel.Stopper(context)
             task_status.started()
             try:
                 await self._run(request, send_channel, fault, stopper)
@@ -154,8 +142,8 @@ class MockDecodeEngine:
                 # the receiver is gone: an abort. send() only half-checkpointed.
                 await trio.lowlevel.checkpoint()
 
-    async def _run(self, request: PreprocessedRequest, send: SendChannel,
-                   fault: Fault | None, stopper: Stopper) -> None:
+    async def _run(self, request: PreprocessedRequest, send: channel.SendChannel,
+                   fault: Fault | None, stopper: channel.Stopper) -> None:
         body = request.body
         run = Decode(worker=self.name, request_id=request.request_id, seed=self.seed,
                      latency=self.latency, block_size=self.block_size, body=body,
@@ -171,8 +159,8 @@ class MockDecodeEngine:
             with stopper.scope:
                 await run.run(source, sink)
                 return
-            await stopper.send_cancelled(send, cancelled_item(
-                usage(run.prompt_tokens, sink.produced, run.cached)))
+            await stopper.send_cancelled(send, channel.cancelled_item(
+                channel.usage(run.prompt_tokens, sink.produced, run.cached)))
         finally:
             if isinstance(source, _Pull):
                 source.abandon()
@@ -184,7 +172,7 @@ class _DecodeSink:
 
     __slots__ = ("produced", "run", "send")
 
-    def __init__(self, send: SendChannel, run: Decode) -> None:
+    def __init__(self, send: channel.SendChannel, run: Decode) -> None:
         self.send = send.send
         self.run = run
         self.produced = 0  # tokens sent
@@ -205,14 +193,14 @@ class _DecodeSink:
         await self.send(Annotated(data=LLMEngineOutput(
             token_ids=[token], text=WORDS[token],
             finish_reason=FinishReason.EOS if finish == "stop" else FinishReason.LENGTH,
-            completion_usage=usage(run.prompt_tokens, count, run.cached))))
+            completion_usage=channel.usage(run.prompt_tokens, count, run.cached))))
 
     async def end(self, count: int, finish: str) -> None:
         if count == 0:  # max_tokens == 0: nothing to generate
             run = self.run
             await self.send(Annotated(data=LLMEngineOutput(
                 finish_reason=FinishReason.LENGTH,
-                completion_usage=usage(run.prompt_tokens, 0, run.cached))))
+                completion_usage=channel.usage(run.prompt_tokens, 0, run.cached))))
 
     async def at_fault(self, kind: FaultKind, count: int) -> None:
         if kind is FaultKind.DECODE_ERROR_AT:

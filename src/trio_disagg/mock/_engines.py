@@ -17,15 +17,24 @@ from .._errors import WorkerError
 from .._protocols import (
     Annotated,
     BootstrapInfo,
-    CompletionUsage,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
-    PromptTokensDetails,
     TraceLink,
 )
+from ._channel import (
+    Item,
+    SendChannel,
+    Stopper,
+    TaskStatus,
+    Usage,
+    cancelled_item,
+    check_seconds,
+    pick_fault,
+    usage,
+)
 from ._core import Handover, Prefill, abort, hand_over
-from ._faults import Fault, FaultKind, FaultPlan, fault_for
+from ._faults import FaultKind, FaultPlan
 from ._kv import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BOOTSTRAP_TIMEOUT,
@@ -38,15 +47,7 @@ from ._kv import (
 )
 from ._latency import LatencyModel
 from ._registry import KVRegistry
-from ._text import (
-    WORDS,
-    TokenStream,
-    cached_prompt_tokens,
-    count_prompt_tokens,
-)
-
-Item = Annotated[LLMEngineOutput]
-SendChannel = trio.MemorySendChannel[Annotated[LLMEngineOutput]]
+from ._text import WORDS, TokenStream, cached_prompt_tokens, count_prompt_tokens
 
 #: ``remote_host`` of an in-process handoff.
 INPROC_HOST = "inproc"
@@ -55,67 +56,6 @@ _TERMINAL_FIRST = frozenset({
     FaultKind.PREFILL_FAIL_BEFORE_HANDOFF, FaultKind.PREFILL_ERROR_FINISH,
     FaultKind.PREFILL_CANCELLED_FINISH, FaultKind.EOS_FIRST_TOKEN, FaultKind.PREFILL_RESET,
 })
-
-
-class Stopper:
-    """Connects one request's context to its cancel scope (one object and one scope per
-    request, nothing per token): a stop or a kill cancels :attr:`scope`; after a stop,
-    :meth:`send_cancelled` sends the ``cancelled`` finish unless a kill comes first."""
-
-    __slots__ = ("_context", "_kill_scope", "scope")
-
-    def __init__(self, context: RequestContext) -> None:
-        self.scope = trio.CancelScope()
-        self._kill_scope: trio.CancelScope | None = None
-        self._context = context
-        context.on_stop(self)
-
-    def __call__(self, killed: bool) -> None:
-        self.scope.cancel()
-        if killed and self._kill_scope is not None:
-            self._kill_scope.cancel()
-
-    async def send_cancelled(self, send: SendChannel, item: Item) -> None:
-        """Send the ``cancelled`` finish of a stopped request; a kill (before or during
-        the send) drops it."""
-        self._kill_scope = trio.CancelScope()
-        if self._context.is_killed:
-            self._kill_scope.cancel()
-        with self._kill_scope:
-            await send.send(item)
-
-
-def check_seconds(name: str, value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-    return value
-
-
-def pick_fault(request: PreprocessedRequest, role: str, plan: FaultPlan | None,
-                worker: str) -> Fault | None:
-    try:
-        fault = fault_for(request.body, role, request.request_id, plan)
-    except ValueError as exc:
-        raise WorkerError(f"{worker}: {exc}", status=400, worker=worker) from None
-    if fault is not None and fault.kind in (FaultKind.PREFILL_REJECT, FaultKind.DECODE_REJECT):
-        raise WorkerError(f"{worker} refused request {request.request_id!r} "
-                          f"(injected fault {fault})", status=fault.status or 503,
-                          worker=worker)
-    return fault
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None
-           ) -> CompletionUsage:
-    return CompletionUsage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=(None if cached_tokens is None
-                               else PromptTokensDetails(cached_tokens=cached_tokens)))
-
-
-def cancelled_item(usage: CompletionUsage | None = None) -> Item:
-    return Annotated(data=LLMEngineOutput(finish_reason=FinishReason.CANCELLED,
-                                          completion_usage=usage))
 
 
 class MockPrefillEngine:
@@ -215,14 +155,9 @@ class MockPrefillEngine:
         """This engine's KV counters, after expiring leases that are due."""
         return self.kv.counters()
 
-    async def generate(  # noqa: ASYNC114 (started by the router)
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: SendChannel,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
+    async def generate(self, request: PreprocessedRequest, context: RequestContext,
+                       send_channel: SendChannel, *,
+                       task_status: TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the prefill leg of ``request``; see the class docstring.
 
         Raises:
@@ -328,11 +263,13 @@ class MockPrefillEngine:
 
     # --- outputs -----------------------------------------------------------------------
 
-    def _usage(self, request: PreprocessedRequest, prompt_tokens: int,
-               completion_tokens: int) -> CompletionUsage:
-        cached = cached_prompt_tokens(self.seed, request.body, prompt_tokens,
-                                      self.kv.block_size)
-        return usage(prompt_tokens, completion_tokens, cached)
+    def _spent(self, request: PreprocessedRequest, prompt_tokens: int,
+               completion_tokens: int) -> Usage:
+        """The usage of a prefill output (``prompt_tokens_details.cached_tokens``: a
+        deterministic prefix-cache hit)."""
+        return usage(prompt_tokens, completion_tokens,
+                     cached_prompt_tokens(self.seed, request.body, prompt_tokens,
+                                          self.kv.block_size))
 
     def _trace(self, request: PreprocessedRequest) -> TraceLink:
         return TraceLink(worker_id=self.name, request_id=request.request_id)
@@ -353,20 +290,20 @@ class MockPrefillEngine:
         return Annotated(data=LLMEngineOutput(
             token_ids=[token], text=WORDS[token], finish_reason=FinishReason.LENGTH,
             disaggregated_params=params,
-            completion_usage=self._usage(request, prompt_tokens, 1),
+            completion_usage=self._spent(request, prompt_tokens, 1),
             worker_trace_link=self._trace(request)))
 
     def _bootstrap_output(self, request: PreprocessedRequest, info: BootstrapInfo,
                           prompt_tokens: int) -> Item:
         return Annotated(data=LLMEngineOutput(
             disaggregated_params=info.as_params(),
-            completion_usage=self._usage(request, prompt_tokens, 0),
+            completion_usage=self._spent(request, prompt_tokens, 0),
             worker_trace_link=self._trace(request)))
 
     def _terminal_output(self, run: Prefill, request: PreprocessedRequest,
                          kind: FaultKind) -> Item:
         """The first output of a prefill that ends the request (S7)."""
-        spent = self._usage(request, run.prompt_tokens, 1 if kind is FaultKind.EOS_FIRST_TOKEN
+        spent = self._spent(request, run.prompt_tokens, 1 if kind is FaultKind.EOS_FIRST_TOKEN
                             else 0)
         if kind is FaultKind.EOS_FIRST_TOKEN:
             output = LLMEngineOutput(token_ids=[run.token], text=WORDS[run.token],

@@ -11,66 +11,39 @@ the other.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, ClassVar
-from urllib.parse import quote, unquote
+from typing import Any, ClassVar, Unpack
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
-import trio
 
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
-from ._asgi import DONE_EVENT, Exchange, Receive, Scope, Send, run_until_disconnect
-from ._faults import Fault, FaultKind, FaultPlan
+from ._answers import AnswerFormat, usage_dict
+from ._asgi import (
+    DONE_EVENT,
+    Exchange,
+    Receive,
+    Scope,
+    Send,
+)
+from ._bootstrap import BOOTSTRAP_KEYS, MAX_ROOM, BootstrapJoin, BootstrapPort, bootstrap_triple
+from ._core import Handover, Prefill, hand_over
+from ._faults import Fault, FaultKind
 from ._kv import (
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_BOOTSTRAP_TIMEOUT,
-    DEFAULT_KV_TTL,
     BootstrapRoom,
-    KVState,
     KVTransferError,
     StagedKV,
 )
-from ._latency import LatencyModel
-from ._text import (
-    WORDS,
-    TokenStream,
-    cached_prompt_tokens,
-    count_prompt_tokens,
-    resolve_max_tokens,
-)
+from ._options import WorkerOptions
+from ._sinks import PrefillAnswers
+from ._text import WORDS, resolve_max_tokens
 from ._wire_faults import MockFault
-from ._worker import (
-    DEFAULT_KV_BYTES_PER_TOKEN,
-    OPENAI_PATHS,
-    PULL_TIMEOUT,
-    RELEASE_TIMEOUT,
-    AnswerFormat,
-    KVSource,
-    MockWorker,
-    Refusal,
-    Role,
-    Work,
-    answer_message,
-    header,
-    kv_bytes,
-    logger,
-    query_param,
-    send_octets,
-    url_host,
-    usage_dict,
-)
+from ._worker import OPENAI_PATHS, MockWorker, Refusal, Role, Work
 
 __all__ = ["BOOTSTRAP_KEYS", "MAX_ROOM", "BootstrapJoin", "MockSglangWorker", "NativeFormat"]
 
-#: The keys the router adds to both legs' bodies (docs/protocols.md section 3).
-BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-#: The largest bootstrap room, 2**63 - 1.
-MAX_ROOM = (1 << 63) - 1
 #: SGLang's native generation endpoint.
 GENERATE_PATH = "/generate"
 
@@ -126,97 +99,6 @@ class NativeFormat(AnswerFormat):
         self._ids = list(token_ids)
         return orjson.dumps({"text": text, "output_ids": token_ids, "index": 0,
                              "meta_info": self._meta(finish, usage)})
-
-
-def bootstrap_triple(body: Mapping[str, Any]) -> tuple[str, int, int] | str | None:
-    """The body's ``(bootstrap_host, bootstrap_port, bootstrap_room)``; None if it has
-    none; a message if they are malformed. A null ``bootstrap_port`` means SGLang's
-    default, 8998."""
-    host, port, room = (body.get(key) for key in BOOTSTRAP_KEYS)
-    if host is None and room is None:
-        return None
-    if isinstance(host, list) or isinstance(room, list):
-        return "batched bootstrap rooms (lists) are not supported by this mock worker"
-    if port is None:
-        port = DEFAULT_BOOTSTRAP_PORT
-    if not isinstance(host, str) or not host:
-        return f"bootstrap_host must be a host name, got {host!r:.60}"
-    if type(port) is not int or not 0 < port < 65536:
-        return f"bootstrap_port must be a TCP port, got {port!r:.60}"
-    if type(room) is not int or not 0 <= room <= MAX_ROOM:
-        return f"bootstrap_room must be an integer in [0, 2**63 - 1], got {room!r:.60}"
-    return host, port, room
-
-
-@attrs.frozen(kw_only=True)
-class BootstrapJoin(KVSource):
-    """A decode's way to its KV: join bootstrap room ``room`` on the prefill worker's
-    bootstrap port (``GET /bootstrap/{room}?timeout=T`` waits up to ``timeout`` seconds for
-    the prefill's KV, then transfers it) and leave it unused (``POST
-    /bootstrap/{room}/leave``)."""
-
-    host: str
-    port: int
-    room: int
-    timeout: float
-
-    @property
-    def where(self) -> str:  # type: ignore[override]
-        return f"{self.host}:{self.port}"
-
-    def url(self, suffix: str = "") -> str:
-        return f"http://{url_host(self.host.strip('[]'))}:{self.port}/bootstrap/{self.room}{suffix}"
-
-    async def pull(self, worker: MockWorker, request_id: str) -> str | None:
-        size = worker.kv.block_size * worker.kv_bytes_per_token
-        read = None if math.isinf(self.timeout) else self.timeout + PULL_TIMEOUT
-        try:
-            response = await worker.client().get(
-                self.url(), params={"timeout": f"{self.timeout:g}"},
-                headers={b"x-request-id": request_id.encode("latin-1")},
-                timeout=httpx.Timeout(PULL_TIMEOUT, read=read))
-        except httpx.HTTPError as exc:
-            worker.stats.kv_pull_failures += 1
-            return (f"joining bootstrap room {self.room} at {self.where} failed: "
-                    f"{type(exc).__name__}: {exc}")
-        if response.status_code != 200:
-            worker.stats.kv_pull_failures += 1
-            return (f"bootstrap room {self.room} at {self.where} answered "
-                    f"{response.status_code}: {answer_message(response)}")
-        engine = unquote(response.headers.get("x-kv-engine-id", ""))
-        key = unquote(response.headers.get("x-kv-key", ""))
-        try:
-            blocks = [int(b) for b in response.headers.get("x-kv-block-ids", "").split(",") if b]
-        except ValueError:
-            blocks = []
-        expected = kv_bytes(engine, key, blocks, size)
-        if not blocks or response.content != expected:
-            worker.stats.kv_pull_failures += 1
-            return (f"the KV of bootstrap room {self.room} from {self.where} was corrupt: "
-                    f"{len(response.content)} bytes, expected {len(expected)}")
-        worker.stats.kv_pulls += 1
-        return None
-
-    async def release(self, worker: MockWorker, request_id: str) -> None:
-        worker.stats.kv_releases += 1
-        try:
-            await worker.client().post(
-                self.url("/leave"), headers={b"x-request-id": request_id.encode("latin-1")},
-                timeout=RELEASE_TIMEOUT)
-        except httpx.HTTPError as exc:
-            logger.warning("%s could not leave bootstrap room %d on %s: %r", worker.name,
-                           self.room, self.where, exc)
-
-
-async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Return as soon as one of ``waits`` returns."""
-    async with trio.open_nursery() as nursery:
-        async def run(wait: Callable[[], Awaitable[object]]) -> None:
-            await wait()
-            nursery.cancel_scope.cancel()
-
-        for wait in waits:
-            nursery.start_soon(run, wait)
 
 
 class MockSglangWorker(MockWorker):
@@ -284,30 +166,10 @@ class MockSglangWorker(MockWorker):
     owned_by: ClassVar[str] = "sglang"
     flat_errors: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        role: Role,
-        *,
-        bootstrap_port: int | None = None,
-        bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
-        name: str | None = None,
-        model: str | None = None,
-        latency: LatencyModel | None = None,
-        seed: int = 0,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        kv_ttl: float = DEFAULT_KV_TTL,
-        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-        default_max_tokens: int = 16,
-        fault_plan: FaultPlan | None = None,
-        http_client: httpx.AsyncClient | None = None,
-        max_body_bytes: int = 4 * 1024 * 1024,
-        history: int = 256,
-    ) -> None:
-        super().__init__(
-            role, name=name, model=model, latency=latency, seed=seed, block_size=block_size,
-            kv_ttl=kv_ttl, kv_bytes_per_token=kv_bytes_per_token,
-            default_max_tokens=default_max_tokens, fault_plan=fault_plan,
-            http_client=http_client, max_body_bytes=max_body_bytes, history=history)
+    def __init__(self, role: Role, *, bootstrap_port: int | None = None,
+                 bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+                 **options: Unpack[WorkerOptions]) -> None:
+        super().__init__(role, **options)
         if not bootstrap_timeout > 0:
             raise ValueError(f"bootstrap_timeout must be > 0 seconds, got {bootstrap_timeout!r}")
         if bootstrap_port is not None:
@@ -322,9 +184,8 @@ class MockSglangWorker(MockWorker):
         #: The bound bootstrap port of a prefill worker, once served.
         self.bootstrap_port: int | None = None
         self._prefill_rooms: set[int] = set()  # rooms a prefill request of ours is in
-        self._joins: set[int] = set()  # rooms a decode is joined to (a GET in progress)
-        self._gone: dict[int, float] = {}  # rooms a decode left before any prefill came
-        self._gone_order: deque[tuple[float, int]] = deque()
+        #: The bootstrap port's endpoints (a prefill worker's).
+        self.rooms = BootstrapPort(self)
 
     @property
     def extra_listen_port(self) -> int | None:
@@ -348,7 +209,7 @@ class MockSglangWorker(MockWorker):
         server = scope.get("server")
         if (self.bootstrap_port is not None and server is not None
                 and server[1] == self.bootstrap_port):
-            await self._bootstrap_route(scope, receive, send)
+            await self.rooms.route(scope, receive, send)
             return
         if scope["path"] in ("/get_server_info", "/server_info") and scope["method"] == "GET":
             await self.exchange(send).respond(200, orjson.dumps({
@@ -419,96 +280,33 @@ class MockSglangWorker(MockWorker):
     async def _prefill(self, exchange: Exchange, body: Mapping[str, Any], fmt: AnswerFormat,
                        include_usage: bool, fault: Fault | None, room_id: int) -> None:
         """A prefill request: meet the decode in the room, hand the KV over, answer."""
-        kind = fault.kind if fault is not None else None
-        request_id = exchange.request_id or ""
         stream = body.get("stream") is True
-        prompt_tokens = count_prompt_tokens(body)
-        kv = self.kv
-        cached = cached_prompt_tokens(self.seed, body, prompt_tokens, kv.block_size)
-
-        def usage(n: int) -> dict[str, Any]:
-            return usage_dict(prompt_tokens, n, cached)
-
         try:
-            room = kv.room(room_id)
+            room = self.kv.room(room_id)
             room.enter("prefill")
         except KVTransferError as exc:
             exchange.failed = True
             await exchange.error(f"{self.name}: {exc}", 400)
             return
         self._prefill_rooms.add(room_id)
-        entry: StagedKV | None = None
-        answered = False
-        computed = False
+        run = self.prefill_run(exchange, body, fault)
+        run.lease = False  # the room has its own timeout
+        run.eos_ends_prefill = False  # the decode receives the EOS with the KV
+        sink = _PrefillSink(self, exchange, fmt, room, room_id, stream=stream,
+                            include_usage=include_usage)
         try:
-            if self._take_gone(room_id):
-                answered = True
+            if self.rooms.take_gone(room_id):
+                run.answered = True
                 await self._fail(exchange, f"{self.name}: the decode left bootstrap room "
                                            f"{room_id} before the prefill arrived")
                 return
             if stream:
                 await exchange.start_stream()  # accepted: headers now, as SGLang sends them
-            if kind is FaultKind.PREFILL_STALL:
-                await trio.sleep_forever()
-            if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                await trio.sleep(delay)
-            computed = True
-            self.stats.prefills_completed += 1
-            if kind is FaultKind.PREFILL_RESET:
-                answered = True
-                await self._reset(exchange, stream)
-                return
-            if kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
-                answered = True
-                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
-                                           f"request {request_id!r}")
-                return
-            if kind in _TERMINAL_FINISH:
-                assert kind is not None
-                answered = True
-                await self._answer(exchange, fmt, stream=stream, include_usage=include_usage,
-                                   token=None, finish=_TERMINAL_FINISH[kind], usage=usage(0))
-                return
-            entry = kv.stage(request_id, prompt_tokens, lease=False)
-            room.put(entry)
-            with trio.move_on_after(self.bootstrap_timeout):
-                await _first_of(room.wait_joined, room.wait_finished)
-            if self._take_gone(room_id):  # it gave up without joining
-                kv.release(entry)
-                answered = True
-                await self._fail(exchange, f"{self.name}: the decode left bootstrap room "
-                                           f"{room_id} before it joined")
-                return
-            if not room.joined:
-                kv.strand(entry)
-                answered = True
-                await self._fail(exchange, f"{self.name}: no decode joined bootstrap room "
-                                           f"{room_id} within {self.bootstrap_timeout:g} s; "
-                                           f"its {entry.num_blocks} KV blocks were dropped")
-                return
-            await room.wait_finished()
-            if not room.pulled:
-                kv.release(entry)  # normally already released by the decode's leaving
-                answered = True
-                await self._fail(exchange, f"{self.name}: the decode left bootstrap room "
-                                           f"{room_id} before the KV transfer completed")
-                return
-            answered = True
-            if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
-                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
-                                           f"request {request_id!r} (after the KV transfer)")
-                return
-            eos = self.ends_on_first_token(body, fault)
-            token = TokenStream(self.seed, request_id).next_id() if eos else None
-            await self._answer(exchange, fmt, stream=stream, include_usage=include_usage,
-                               token=token, finish="stop" if eos else "length",
-                               usage=usage(1 if eos else 0))
+            await run.run(sink)
         finally:
             self._prefill_rooms.discard(room_id)
-            if not answered and (entry is None or entry.state is not KVState.HELD
-                                 or not kv.release(entry)):
-                kv.note_aborted()  # aborted: one abort, whatever was staged is freed
-            if not computed and not answered:
+            run.abort()  # aborted: one abort, whatever was staged is freed
+            if not run.computed and not run.answered:
                 self.stats.prefills_aborted += 1
             room.leave("prefill")
 
@@ -529,107 +327,49 @@ class MockSglangWorker(MockWorker):
         parts.append(DONE_EVENT)
         await exchange.finish(b"".join(parts))
 
-    # --- the bootstrap port ----------------------------------------------------------------
 
-    async def _bootstrap_route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method = scope["method"]
-        path = scope["path"]
-        exchange = self.exchange(send, header(scope, b"x-request-id"))
-        if path == "/health" and method == "GET":
-            await exchange.respond(200, b"", b"text/plain")
-            return
-        parts = path.split("/")
-        if (len(parts) in (3, 4) and parts[1] == "bootstrap" and parts[2].isdigit()
-                and int(parts[2]) <= MAX_ROOM):
-            room_id = int(parts[2])
-            if len(parts) == 3 and method == "GET":
-                await self._join(scope, receive, exchange, room_id)
-                return
-            if len(parts) == 4 and parts[3] == "leave" and method == "POST":
-                left = self._leave(room_id)
-                await exchange.respond(200, orjson.dumps({"left": left}))
-                return
-        await exchange.error(f"Not found on the bootstrap port: {method} {path}", 404)
+@attrs.define
+class _PrefillSink(PrefillAnswers):
+    """An SGLang prefill's answers (the core's :class:`~._core.PrefillSink`): its handoff
+    is the hand-over in its bootstrap room, then an answer with no token (or EOS)."""
 
-    async def _join(self, scope: Scope, receive: Receive, exchange: Exchange,
-                    room_id: int) -> None:
-        """A decode joins ``room_id`` and receives its KV (see the class docstring)."""
-        text = query_param(scope, "timeout")
-        try:
-            timeout = float(text) if text else self.bootstrap_timeout
-        except ValueError:
-            timeout = math.nan
-        if not timeout > 0:
-            await exchange.error(f"timeout must be a number of seconds > 0, got {text!r}", 400)
-            return
-        room = self.kv.room(room_id)
-        try:
-            room.enter("decode")
-        except KVTransferError as exc:
-            await exchange.error(f"{self.name}: {exc}", 400)
-            return
-        self._joins.add(room_id)
-        size = self.kv.block_size * self.kv_bytes_per_token
-        pulled = False
+    worker: MockSglangWorker
+    exchange: Exchange
+    fmt: AnswerFormat
+    room: BootstrapRoom
+    room_id: int
+    stream: bool
+    include_usage: bool
 
-        async def transfer() -> None:
-            nonlocal pulled
-            with trio.move_on_after(timeout):
-                await room.wait_staged()
-            entry = room.entry
-            if entry is None:
-                await exchange.error(f"{self.name}: the prefill never staged KV in bootstrap "
-                                     f"room {room_id} within {timeout:g} s", 504)
-                return
-            try:
-                self.kv.claim_entry(entry)
-            except KVTransferError as exc:
-                await exchange.error(f"{self.name}: {exc}", 410)
-                return
-            if (delay := self.latency.kv_transfer_time(entry.num_tokens)) > 0:
-                await trio.sleep(delay)
-            await send_octets(exchange, kv_bytes(self.name, entry.key, entry.block_ids, size), [
-                (b"x-kv-engine-id", quote(self.name).encode()),
-                (b"x-kv-key", quote(entry.key).encode()),
-                (b"x-kv-block-ids", ",".join(map(str, entry.block_ids)).encode()),
-            ])
-            self.kv.complete(entry)
-            self.stats.kv_transfers += 1
-            room.finish(pulled=True)
-            pulled = True
+    async def terminal(self, run: Prefill, kind: FaultKind) -> None:
+        run.answered = True
+        await self._answer(run, token=None, finish=_TERMINAL_FINISH[kind])
 
-        try:
-            await run_until_disconnect(receive, exchange, transfer)
-        finally:
-            self._joins.discard(room_id)
-            if not pulled and room_id not in self._prefill_rooms:
-                self._mark_gone(room_id)
-            room.leave("decode")  # frees KV it did not pull; wakes a waiting prefill
+    async def handoff(self, run: Prefill, entry: StagedKV) -> None:
+        worker = self.worker
+        room_id = self.room_id
+        outcome = await hand_over(worker.kv, self.room, entry, worker.bootstrap_timeout,
+                                  gone=lambda: worker.rooms.take_gone(room_id))
+        run.answered = True
+        if outcome is Handover.GONE:  # it gave up without joining
+            await self.fail(run, f"{worker.name}: the decode left bootstrap room {room_id} "
+                                 f"before it joined")
+        elif outcome is Handover.NOT_JOINED:
+            await self.fail(run, f"{worker.name}: no decode joined bootstrap room {room_id} "
+                                 f"within {worker.bootstrap_timeout:g} s; its "
+                                 f"{entry.num_blocks} KV blocks were dropped")
+        elif outcome is Handover.LEFT:
+            await self.fail(run, f"{worker.name}: the decode left bootstrap room {room_id} "
+                                 f"before the KV transfer completed")
+        elif run.kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
+            await self.fail(run, run.message("after the KV transfer"))
+        else:
+            eos = run.kind is FaultKind.EOS_FIRST_TOKEN and run.min_tokens == 0
+            await self._answer(run, token=run.token if eos else None,
+                               finish="stop" if eos else "length")
 
-    def _leave(self, room_id: int) -> bool:
-        """A decode that never joined (or whose join is over) gives up ``room_id``; its
-        prefill, now or later, fails at once."""
-        if room_id in self._joins:
-            return False  # its join's connection closing lets go
-        self._mark_gone(room_id)
-        room: BootstrapRoom = self.kv.room(room_id)
-        room.leave("decode")
-        return True
-
-    def _prune_gone(self) -> None:
-        now = trio.current_time()
-        order = self._gone_order
-        while order and order[0][0] <= now:
-            expiry, room_id = order.popleft()
-            if self._gone.get(room_id) == expiry:
-                del self._gone[room_id]
-
-    def _mark_gone(self, room_id: int) -> None:
-        self._prune_gone()
-        expiry = trio.current_time() + min(self.bootstrap_timeout, 3600.0)
-        self._gone[room_id] = expiry
-        self._gone_order.append((expiry, room_id))
-
-    def _take_gone(self, room_id: int) -> bool:
-        self._prune_gone()
-        return self._gone.pop(room_id, None) is not None
+    async def _answer(self, run: Prefill, *, token: int | None, finish: str) -> None:
+        await self.worker._answer(
+            self.exchange, self.fmt, stream=self.stream, include_usage=self.include_usage,
+            token=token, finish=finish,
+            usage=usage_dict(run.prompt_tokens, 0 if token is None else 1, run.cached))
