@@ -1,248 +1,303 @@
-"""P4 and P5 (docs/design.md): the HTTP router against a direct connection to the decode worker,
-and the time from a client's disconnect to the decode worker's abort.
+"""P4 and P5 (docs/design.md, docs/performance.md): the HTTP router's cost per token beside a
+pass-through proxy and the Rust ``vllm-router``, its added latency, and the time from a
+client's disconnect to the decode worker's abort.
 
-Run it with ``uv run python benchmarks/http_overhead.py [--quick]`` (see ``--help`` for
-the sizes).
+Run it with ``uv run --group bench python benchmarks/http_overhead.py [--quick]`` (the
+``bench`` dependency group installs the two anchors; without them the anchors' rows are
+skipped and said so). ``--help`` lists the sizes.
 
-The servers run in a subprocess (this script with ``--serve``): one trio process holding
-two clusters on loopback ports, each a mock vLLM prefill worker, a mock vLLM decode worker
-and the router's OpenAI HTTP server (``create_app`` + ``serve``) driving them through
-:class:`~trio_disagg.engines.VllmEngine`. The "fast" cluster's workers have zero latency
-(P4); the "slow" one's produce a token every ``--itl`` seconds (P5). The load generator
-is this process: httpx on trio, one client (connection pool) per simulated user, reading
-the server-sent events as raw bytes and counting tokens by events, so its own CPU time
-(and its GIL) is not the servers'. On a 2-core machine that is one core each.
+Every server is a process of its own, so that each one's CPU time is read from ``/proc``
+on its own: the mock vLLM workers (``python -m trio_disagg mock-worker``), the router
+(``python -m trio_disagg serve --backend vllm``), the pass-through proxy anchor
+(``benchmarks/anchors/passthrough_proxy.py``: FastAPI on uvicorn with uvloop and httptools,
+one httpx client, the decode's bytes relayed unparsed) and the Rust ``vllm-router``
+(``--vllm-pd-disaggregation --kv-connector nixl``). The load generator is this process:
+raw trio sockets, one connection per request, the response parsed by httptools and its
+server-sent events counted, so that the client costs as little as it can.
 
-P4, side by side, alternated (the order flips each repetition), after a warm-up each:
+- **P4a**: S streams x T tokens, all at once, zero-latency workers; each target in turn,
+  alternated, after a warm-up. Tokens/s, and the CPU per token of the target's process
+  (router, proxy or vllm-router; the workers' own beside), as ratios to the proxy's.
+- **P4b**: S streams paced by the decode worker at ``--itl`` seconds per token. Tokens
+  delivered per second against the direct connection's, the added inter-token latency
+  (p99 of the gaps between a stream's events, target minus direct), and CPU per token.
+- **P4c**: one request at a time, alternated: time to first token added over the proxy.
+- **P5**: streams through the paced router, closed one at a time mid-stream; the decode
+  worker stamps each abort (``GET /stats``), the client each close (both
+  ``time.monotonic()``, one clock on Linux): p50 / p99 of the difference.
 
-- direct: S concurrent streamed ``/v1/completions`` requests of T tokens sent straight to
-  the decode worker, with no ``kv_transfer_params``: the worker computes its own prefill
-  (in zero time) and streams. The baseline: what a client gets with no router at all.
-- router: the same requests through the router: a prefill request to the prefill worker,
-  the decode request with the prefill's ``kv_transfer_params``, the decode worker's KV pull
-  from the prefill worker over loopback, then the stream relayed token by token.
-
-It prints the median tokens/s of each and the ratio router / direct (target >= 0.8x),
-with what explains it: the server process's CPU time per token (``/proc``; router and
-workers together), the load generator's CPU share (near 100% would mean the client, not
-the server, set the pace), and the reads each stream's body took (how many tokens the
-server put in one write). Then the time to first token (request sent to first token
-read): its p50 under that load, and its p50 unloaded (one request at a time, alternated),
-router minus direct (target <= 2 ms added, judged unloaded: under load the time to first
-token of a stream is mostly its wait behind the other streams' tokens, which is the
-throughput above), next to the cost of one bare loopback HTTP exchange on the machine.
-
-P5: R rounds of S streams through the slow cluster's router, every one mid-stream. They
-are then closed one at a time, ``--spacing`` seconds apart while the others keep
-streaming; each client stamps ``time.monotonic()`` just before closing its connection.
-The decode worker stamps each aborted request when its abort is done (``GET /stats`` of
-the mock worker, its ``aborts``); on Linux both stamps are ``CLOCK_MONOTONIC``, one clock
-for the host. It prints the p50 / p99 / max of the difference (target <= 50 ms p99;
-nearest rank, so with fewer than 100 requests the p99 is the max).
-
-Nothing is asserted on the timings. The script exits non-zero only if a request failed, a
-stream lost tokens or an abort was never seen.
+Nothing is asserted on the timings. The script exits non-zero only if a request failed,
+a stream lost tokens, or an abort was never seen.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import importlib.util
 import math
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncGenerator, Sequence
-from contextlib import AsyncExitStack
-from functools import partial
-from typing import cast
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+import httptools
 import orjson
 import trio
 
-import trio_disagg as td
-from trio_disagg.engines import LatencyModel, vllm_client, vllm_engines
-from trio_disagg.server import create_app, serve
-from trio_disagg.workers import serve_mock_worker
-
 MODEL = "trio-disagg-mock"
 PROMPT = "Explain why structured concurrency makes cancellation of a request tractable."
-TPUT_TARGET = 0.8
-TTFT_TARGET_MS = 2.0
-ABORT_TARGET_MS = 50.0
-DONE = b"data: [DONE]\n\n"
+HERE = Path(__file__).resolve().parent
+PROXY = HERE / "anchors" / "passthrough_proxy.py"
 EVENT = b"data: "
-SCRIPT = os.path.abspath(__file__)
+DONE = b"data: [DONE]"
+TARGETS = {"P4a_cpu": 0.33, "P4b_delivered": 0.95, "P4b_itl_ms": 5.0, "P4b_cpu": 0.5,
+           "P4c_ttft_ms": 0.5, "P5_ms": 50.0}
 
 
-# --- the servers (the subprocess) ------------------------------------------------------------
+class RunFailed(Exception):
+    """A request failed or a stream lost tokens: the run is invalid."""
 
 
-async def start_workers(nursery: trio.Nursery, latency: LatencyModel) -> dict[str, int]:
-    """A prefill and a decode mock vLLM worker; their ports."""
-    prefill = await nursery.start(partial(
-        serve_mock_worker, "prefill", "vllm", "127.0.0.1", 0, latency=latency, kv_ttl=60.0))
-    decode = await nursery.start(partial(
-        serve_mock_worker, "decode", "vllm", "127.0.0.1", 0, latency=latency))
-    return {"prefill": prefill, "decode": decode}
+# --- processes ---------------------------------------------------------------------------
 
 
-async def start_router(nursery: trio.Nursery, client: httpx.AsyncClient,
-                       keeper: td.TransferKeeper, workers: dict[str, int],
-                       stop: trio.Event) -> int:
-    """The router's HTTP server over ``workers`` (VllmEngine adapters); its port."""
-    prefill, decode = vllm_engines([f"http://127.0.0.1:{workers['prefill']}"],
-                                   [f"http://127.0.0.1:{workers['decode']}"], client=client)
-    router = td.DisaggRouter(td.WorkerPool(prefill), td.WorkerPool(decode), keeper)
-    app = create_app(router, models=[MODEL])
-    port: int = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,
-                                            shutdown_trigger=stop.wait, graceful_timeout=2.0))
-    return port
-
-
-async def wait_for_eof_on_stdin() -> None:
-    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    async with stream:
-        while await stream.receive_some():
-            pass
-
-
-class _NoBanner(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Running on")
-
-
-async def serve_main(itl: float) -> None:
-    """``--serve``: start both clusters, print their ports as one JSON line, and serve
-    until stdin closes (the parent is done, or gone)."""
-    logging.getLogger("hypercorn.error").addFilter(_NoBanner())
-    latencies = {
-        "fast": LatencyModel.zero(),
-        "slow": LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=itl,
-                             kv_transfer_per_token=0.0),
-    }
-    stop = trio.Event()
-    async with (
-        vllm_client() as client,
-        td.TransferKeeper(drain_window=5.0) as keeper,
-        trio.open_nursery() as workers,
-    ):
-        ports = {name: await start_workers(workers, latency)
-                 for name, latency in latencies.items()}
-        async with trio.open_nursery() as routers:
-            for cluster in ports.values():
-                cluster["router"] = await start_router(routers, client, keeper, cluster, stop)
-            print(json.dumps(ports), flush=True)
-            await wait_for_eof_on_stdin()
-            stop.set()  # the routers shut down gracefully ...
-        workers.cancel_scope.cancel()  # ... then the workers stop
-
-
-# --- the client (this process) ---------------------------------------------------------------
-
-
-class StreamFailed(Exception):
-    """A request failed, or its stream lost tokens: the run is invalid."""
-
-
-@attrs.define
-class Stream:
-    """What one streamed request saw: its time to first token (seconds), its tokens, and
-    how many reads its body took (how well the server coalesced its writes)."""
-
-    ttft: float
-    tokens: int
-    reads: int
-
-
-def body_bytes(tokens: int) -> bytes:
-    return orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": tokens,
-                         "stream": True})
-
-
-async def one_stream(client: httpx.AsyncClient, url: str, body: bytes, request_id: str,
-                     tokens: int) -> Stream:
-    """Send one streamed completion and read it to its end, counting token events."""
-    headers = {"content-type": "application/json", "x-request-id": request_id}
-    start = time.perf_counter()
-    ttft = math.nan
-    events = reads = 0
-    tail = b""
-    async with client.stream("POST", url, content=body, headers=headers) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise StreamFailed(f"{request_id}: HTTP {response.status_code}: "
-                               f"{response.text[:300]}")
-        async for chunk in response.aiter_raw():
-            reads += 1
-            # ``data: `` may straddle two reads: count it in (last 5 bytes + this read).
-            events += (tail[-5:] + chunk).count(EVENT)
-            tail = (tail + chunk)[-64:]
-            if events and math.isnan(ttft):
-                ttft = time.perf_counter() - start
-    got = events - 1  # every event is a token, then [DONE]
-    if got != tokens or not tail.endswith(DONE) or b'"error"' in tail:
-        raise StreamFailed(f"{request_id}: {got} token events of {tokens}, ending "
-                           f"{tail[-60:]!r}")
-    return Stream(ttft, got, reads)
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; NaN
-    elsewhere)."""
+    """User + system CPU seconds of process ``pid`` so far (``/proc``; NaN elsewhere)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
             stat = file.read()
     except OSError:
         return math.nan
-    fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) "; comm may have spaces
+    fields = stat[stat.rindex(b")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@attrs.define
+class Server:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.process.pid)
+
+
+class Servers:
+    """The processes of one run, stopped (SIGTERM, then SIGKILL) when it ends."""
+
+    def __init__(self) -> None:
+        self.all: list[Server] = []
+
+    async def start(self, name: str, argv: list[str], port: int) -> Server:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE)
+        server = Server(name, port, process)
+        self.all.append(server)
+        with trio.move_on_after(60):
+            while process.poll() is None:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                except OSError:
+                    await trio.sleep(0.05)
+                    continue
+                await stream.aclose()
+                return server
+        error = process.stderr.read().decode(errors="replace")[-2000:] if process.stderr \
+            and process.poll() is not None else "(still starting)"
+        raise RunFailed(f"{name} did not start listening on port {port}: {error}")
+
+    def stop(self) -> None:
+        for server in self.all:
+            if server.process.poll() is None:
+                server.process.terminate()
+        deadline = time.monotonic() + 10
+        for server in self.all:
+            try:
+                server.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait()
+
+
+def trio_disagg(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trio_disagg", *args]
+
+
+def mock_worker(role: str, port: int, itl: float) -> list[str]:
+    return trio_disagg("mock-worker", "--role", role, "--protocol", "vllm", "--host",
+                       "127.0.0.1", "--port", str(port), "--itl", str(itl),
+                       "--ttft-per-token", "0", "--kv-transfer-per-token", "0",
+                       "--kv-ttl", "60")
+
+
+def vllm_router_command() -> str | None:
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def has_proxy() -> bool:
+    return all(importlib.util.find_spec(name) is not None
+               for name in ("fastapi", "uvicorn", "uvloop", "httptools"))
+
+
+@attrs.define
+class Cluster:
+    """A prefill and a decode worker, and the targets in front of them."""
+
+    workers: list[Server]
+    targets: dict[str, Server]  # name -> the process a client sends to
+
+
+async def start_cluster(servers: Servers, itl: float, anchors: Sequence[str]) -> Cluster:
+    prefill = await servers.start("prefill worker", mock_worker("prefill", p := free_port(),
+                                                                  itl), p)
+    decode = await servers.start("decode worker", mock_worker("decode", p := free_port(),
+                                                                itl), p)
+    targets = {"direct": decode}
+    port = free_port()
+    targets["router"] = await servers.start("router", trio_disagg(
+        "serve", "--backend", "vllm", "--prefill", prefill.url, "--decode", decode.url,
+        "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
+        "--max-in-flight", "0", "--max-keeper-tasks", "0"), port)
+    if "proxy" in anchors:
+        port = free_port()
+        targets["proxy"] = await servers.start("proxy", [
+            sys.executable, str(PROXY), "--port", str(port), "--prefill", prefill.url,
+            "--decode", decode.url], port)
+    command = vllm_router_command()
+    if "vllm-router" in anchors and command is not None:
+        port = free_port()
+        targets["vllm-router"] = await servers.start("vllm-router", [
+            command, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--prefill", prefill.url, "--decode", decode.url, "--host", "127.0.0.1",
+            "--port", str(port), "--policy", "round_robin", "--log-level", "warning",
+            "--prometheus-port", str(free_port())], port)
+    return Cluster([prefill, decode], targets)
+
+
+# --- the load generator --------------------------------------------------------------------
+
+
+class _Body:
+    """Counts the events of one streamed answer as httptools hands its body over."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.events = 0
+        self.tail = b""
+        self.complete = False
+        self.parser = httptools.HttpResponseParser(self)
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        joined = self.tail + body
+        self.events += joined.count(EVENT) - self.tail.count(EVENT)
+        self.tail = joined[-64:]
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+@attrs.define
+class Stream:
+    ttft: float  # seconds from sending to the first event
+    tokens: int
+    gaps: list[float]  # seconds between events (0 within one read)
+
+
+def request_bytes(tokens: int, *, host: str = "x") -> bytes:
+    body = orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": tokens,
+                         "stream": True, "ignore_eos": True})
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % (host.encode(), len(body))
+            + body)
+
+
+async def one_stream(port: int, request: bytes, tokens: int, *,
+                     close_after: Callable[[int], bool] | None = None) -> Stream:
+    """Send one streamed completion; read it to its end (or until ``close_after`` says
+    so), counting token events."""
+    body = _Body()
+    gaps: list[float] = []
+    start = time.perf_counter()
+    first = last = math.nan
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        while not body.complete:
+            data = await stream.receive_some(65536)
+            if not data:
+                break
+            before = body.events
+            body.parser.feed_data(data)
+            if body.events > before:
+                now = time.perf_counter()
+                if math.isnan(first):
+                    first = now
+                else:
+                    gaps.append(now - last)
+                gaps.extend([0.0] * (body.events - before - 1))
+                last = now
+            if close_after is not None and close_after(body.events):
+                return Stream(first - start, body.events, gaps)
+    got = body.events - 1  # then [DONE]
+    if body.status != 200 or got != tokens or DONE not in body.tail:
+        raise RunFailed(f"HTTP {body.status}, {got} token events of {tokens}, ending "
+                        f"{body.tail[-80:]!r}")
+    return Stream(first - start, got, gaps)
 
 
 @attrs.define
 class LoadRun:
     wall: float
     streams: list[Stream]
-    server_cpu: float  # seconds of the server process (router + workers)
-    client_cpu: float  # seconds of this process
+    cpu: dict[str, float]  # seconds, per process name
 
     @property
     def tokens(self) -> int:
         return sum(stream.tokens for stream in self.streams)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.wall
 
-
-async def load(clients: Sequence[httpx.AsyncClient], url: str, tokens: int, tag: str,
-               server_pid: int) -> LoadRun:
-    """One stream of ``tokens`` tokens per client, all at once; the wall time of them all."""
-    body = body_bytes(tokens)
+async def load(cluster: Cluster, target: str, streams: int, tokens: int) -> LoadRun:
+    server = cluster.targets[target]
+    request = request_bytes(tokens)
+    watched = {target: server, **{w.name: w for w in cluster.workers}}
+    before = {name: proc.cpu() for name, proc in watched.items()}
     results: list[Stream] = []
 
-    async def one(i: int) -> None:
-        results.append(await one_stream(clients[i], url, body, f"{tag}-{i}", tokens))
+    async def one() -> None:
+        results.append(await one_stream(server.port, request, tokens))
 
-    server_cpu, client_cpu = cpu_seconds(server_pid), time.process_time()
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for i in range(len(clients)):
-            nursery.start_soon(one, i)
+        for _ in range(streams):
+            nursery.start_soon(one)
     wall = time.perf_counter() - start
-    return LoadRun(wall, results, cpu_seconds(server_pid) - server_cpu,
-                   time.process_time() - client_cpu)
+    return LoadRun(wall, results, {name: proc.cpu() - before[name]
+                                   for name, proc in watched.items()})
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q``-th percentile."""
     ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else math.nan
 
 
 def verdict(ok: bool) -> str:
@@ -253,260 +308,239 @@ def alternated(names: list[str], rep: int) -> list[str]:
     return names if rep % 2 == 0 else names[::-1]
 
 
-async def p4(clients: Sequence[httpx.AsyncClient], ports: dict[str, int], server_pid: int,
-             *, tokens: int, repeat: int, samples: int) -> None:
-    """The load: one stream per client (a user with its own connection), all at once."""
-    streams = len(clients)
-    urls = {
-        "direct": f"http://127.0.0.1:{ports['decode']}/v1/completions",
-        "router": f"http://127.0.0.1:{ports['router']}/v1/completions",
-    }
-    labels = {"direct": "direct to the decode worker", "router": "through the router"}
-    names = list(urls)
-    print(f"P4: {streams} concurrent streams x {tokens} tokens, zero-latency mock vLLM "
-          f"workers on loopback; {repeat} runs per variant, alternated, after a warm-up "
-          "each; medians")
+async def runs(cluster: Cluster, names: list[str], streams: int, tokens: int,
+               repeat: int) -> dict[str, list[LoadRun]]:
     for name in names:
-        await load(clients, urls[name], tokens, f"warm-{name}", server_pid)
-    runs: dict[str, list[LoadRun]] = {name: [] for name in names}
+        await load(cluster, name, streams, tokens)  # warm-up: connections, caches
+    done: dict[str, list[LoadRun]] = {name: [] for name in names}
     for rep in range(repeat):
         for name in alternated(names, rep):
-            runs[name].append(await load(clients, urls[name], tokens, f"p4-{name}-{rep}",
-                                         server_pid))
-    rate = {name: statistics.median(run.tokens_per_second for run in runs[name])
-            for name in names}
-    print(f"  {'':<28} {'tokens/s':>9}  {'(min..max)':<16} {'server CPU':>10} "
-          f"{'client CPU':>10} {'reads per':>9}  TTFT under load")
-    print(f"  {'':<28} {'':>9}  {'':<16} {'per token':>10} {'(of wall)':>10} "
-          f"{'stream':>9}  p50 / p99")
-    for name in names:
-        done = runs[name]
-        spread = [run.tokens_per_second for run in done]
-        server = statistics.median(run.server_cpu / run.tokens for run in done) * 1e6
-        client_share = statistics.median(run.client_cpu / run.wall for run in done)
-        reads = statistics.median(s.reads for run in done for s in run.streams)
-        ttfts = [s.ttft for run in done for s in run.streams]
-        print(f"  {labels[name]:<28} {rate[name]:>9,.0f}  "
-              f"{f'({min(spread):,.0f}..{max(spread):,.0f})':<16} {server:>7.0f} us "
-              f"{client_share:>10.0%} {reads:>9.0f}  {percentile(ttfts, 50) * 1e3:.0f} / "
-              f"{percentile(ttfts, 99) * 1e3:.0f} ms")
-    ratio = rate["router"] / rate["direct"]
-    print(f"  tokens/s router / direct: {ratio:.2f}x (target >= {TPUT_TARGET}x): "
-          f"{verdict(ratio >= TPUT_TARGET)}")
-    print("  (server CPU: the one server process, router and workers together; a client CPU "
-          "share well under 100% means the load generator was not the bottleneck)")
+            done[name].append(await load(cluster, name, streams, tokens))
+    return done
 
-    # Unloaded: one request at a time, alternated, so the time to first token is the
-    # latency each path adds to a request, not a wait behind the other streams' tokens.
-    # For scale, one bare exchange: a 1-token answer, not streamed, from the decode worker.
-    client = clients[0]
+
+def us_per_token(runs_: list[LoadRun], process: str) -> float:
+    return statistics.median(run.cpu[process] / run.tokens for run in runs_) * 1e6
+
+
+def tokens_per_second(runs_: list[LoadRun]) -> float:
+    return statistics.median(run.tokens / run.wall for run in runs_)
+
+
+# --- the measures ---------------------------------------------------------------------------
+
+
+def p4a(done: dict[str, list[LoadRun]], streams: int, tokens: int) -> None:
+    names = [name for name in ("direct", "router", "proxy", "vllm-router") if name in done]
+    print(f"P4a: {streams} streams x {tokens} tokens, zero-latency mock vLLM workers; "
+          "medians of the runs")
+    print(f"  {'target':<13} {'tokens/s':>9} {'CPU/token':>10} {'vs proxy':>9}   "
+          "workers' CPU/token (prefill, decode)")
+    proxy = us_per_token(done["proxy"], "proxy") if "proxy" in done else math.nan
+    for name in names:
+        runs_ = done[name]
+        own = us_per_token(runs_, name) if name != "direct" else math.nan
+        ratio = own / proxy if name != "direct" else math.nan
+        print(f"  {name:<13} {tokens_per_second(runs_):>9,.0f} {own:>7.1f} us "
+              f"{ratio:>8.2f}x   {us_per_token(runs_, 'prefill worker'):.1f} us, "
+              f"{us_per_token(runs_, 'decode worker'):.1f} us")
+    if "proxy" in done:
+        cpu = us_per_token(done["router"], "router") / proxy
+        rate = tokens_per_second(done["router"]) / tokens_per_second(done["proxy"])
+        print(f"  router CPU per token / proxy's: {cpu:.2f}x (target <= "
+              f"{TARGETS['P4a_cpu']}x): {verdict(cpu <= TARGETS['P4a_cpu'])}; tokens/s "
+              f"router / proxy: {rate:.2f}x (target >= 1): {verdict(rate >= 1)}")
+    else:
+        print("  (no proxy anchor: `uv sync --group bench` installs it)")
+
+
+def p4b(done: dict[str, list[LoadRun]], streams: int, tokens: int, itl: float) -> None:
+    names = [name for name in ("direct", "router", "proxy") if name in done]
+    print(f"P4b: {streams} streams x {tokens} tokens paced at {itl * 1e3:g} ms per token")
+    offered = streams / itl
+    itl_p99 = {name: percentile([g for run in done[name] for s in run.streams
+                                 for g in s.gaps], 99) * 1e3 for name in names}
+    for name in names:
+        rate = tokens_per_second(done[name])
+        own = us_per_token(done[name], name) if name != "direct" else math.nan
+        print(f"  {name:<8} delivered {rate:>7,.0f} tokens/s ({rate / offered:.2f} of "
+              f"offered), ITL p99 {itl_p99[name]:.2f} ms, CPU/token {own:.1f} us")
+    delivered = tokens_per_second(done["router"]) / tokens_per_second(done["direct"])
+    added = itl_p99["router"] - itl_p99["direct"]
+    print(f"  delivered router / direct: {delivered:.2f}x (target >= "
+          f"{TARGETS['P4b_delivered']}x): {verdict(delivered >= TARGETS['P4b_delivered'])}; "
+          f"added ITL p99 {added:+.2f} ms (target <= {TARGETS['P4b_itl_ms']:g} ms): "
+          f"{verdict(added <= TARGETS['P4b_itl_ms'])}")
+    if "proxy" in done:
+        cpu = us_per_token(done["router"], "router") / us_per_token(done["proxy"], "proxy")
+        print(f"  router CPU per token / proxy's: {cpu:.2f}x (target <= "
+              f"{TARGETS['P4b_cpu']}x): {verdict(cpu <= TARGETS['P4b_cpu'])}")
+
+
+async def p4c(cluster: Cluster, samples: int, tokens: int) -> None:
+    names = [name for name in ("direct", "router", "proxy", "vllm-router")
+             if name in cluster.targets]
+    request = request_bytes(tokens)
     ttft: dict[str, list[float]] = {name: [] for name in names}
-    bare: list[float] = []
-    body = body_bytes(tokens)
-    one_token = orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
-    for i in range(samples + 2):
+    for i in range(samples + 3):
         for name in alternated(names, i):
-            stream = await one_stream(client, urls[name], body, f"ttft-{name}-{i}", tokens)
-            if i >= 2:  # two rounds of warm-up
-                ttft[name].append(stream.ttft)
-        start = time.perf_counter()
-        response = await client.post(urls["direct"], content=one_token,
-                                     headers={"content-type": "application/json"})
-        bare.append(time.perf_counter() - start)
-        if response.status_code != 200:
-            raise StreamFailed(f"a 1-token request answered HTTP {response.status_code}")
-    p50 = {name: percentile(ttft[name], 50) * 1e3 for name in names}
-    print(f"  time to first token, one request at a time ({samples} per variant, "
-          "alternated):")
+            stream = await one_stream(cluster.targets[name].port, request, tokens)
+            if i >= 3:  # warm-up rounds
+                ttft[name].append(stream.ttft * 1e3)
+    print(f"P4c: one request at a time, {samples} per target, alternated; time to first "
+          "token p50 / p99")
     for name in names:
-        print(f"    {labels[name]:<28} p50 {p50[name]:6.2f} ms, "
-              f"p99 {percentile(ttft[name], 99) * 1e3:6.2f} ms")
-    added = p50["router"] - p50["direct"]
-    print(f"  TTFT p50 added by the router: {added:+.2f} ms (target <= {TTFT_TARGET_MS:g} ms): "
-          f"{verdict(added <= TTFT_TARGET_MS)}")
-    print(f"  (for scale: one bare loopback HTTP exchange, a 1-token answer from the decode "
-          f"worker, takes p50 {percentile(bare, 50) * 1e3:.2f} ms here; before its first "
-          "token the router path makes three more: router -> prefill, router -> decode, "
-          "decode -> prefill KV pull)")
+        print(f"  {name:<13} {percentile(ttft[name], 50):6.2f} / "
+              f"{percentile(ttft[name], 99):6.2f} ms")
+    anchor = "proxy" if "proxy" in ttft else "direct"
+    added = percentile(ttft["router"], 50) - percentile(ttft[anchor], 50)
+    print(f"  TTFT p50 added by the router over the {anchor}: {added:+.2f} ms (target <= "
+          f"+{TARGETS['P4c_ttft_ms']:g} ms over the proxy): "
+          f"{verdict(added <= TARGETS['P4c_ttft_ms'])}")
 
 
-async def p5(clients: Sequence[httpx.AsyncClient], ports: dict[str, int], *, itl: float,
-             spacing: float, rounds: int) -> None:
-    """Rounds of one stream per client, all mid-stream, then closed one at a time: how
-    long after each close did the decode worker abort its request?"""
-    streams = len(clients)
-    print(f"P5: {rounds} round(s) of {streams} concurrent streams through the router at "
-          f"{itl * 1e3:g} ms per token; once all are mid-stream, they are closed one at a "
-          f"time, {spacing * 1e3:g} ms apart")
-    latencies: list[float] = []
-    for round_ in range(rounds):
-        closed_at = await close_streams(clients, ports, spacing, f"p5-{round_}")
-        aborted = await aborts_seen(clients[0], ports, closed_at)
-        latencies += [(aborted[rid] - closed_at[rid]) * 1e3 for rid in closed_at]
-    p99 = percentile(latencies, 99)
-    print(f"  client closes its connection -> the decode worker aborted the request: "
-          f"p50 {percentile(latencies, 50):.2f} ms, p99 {p99:.2f} ms, "
-          f"max {max(latencies):.2f} ms ({len(latencies)} requests)")
-    print(f"  P5 target p99 <= {ABORT_TARGET_MS:g} ms: {verdict(p99 <= ABORT_TARGET_MS)}")
-
-
-async def close_streams(clients: Sequence[httpx.AsyncClient], ports: dict[str, int],
-                        spacing: float, tag: str) -> dict[str, float]:
-    """Open a stream per client, wait until all are mid-stream, close them one at a time.
-
-    Returns:
-        Each request id and the ``time.monotonic()`` just before its client closed it.
-    """
-    url = f"http://127.0.0.1:{ports['router']}/v1/completions"
-    body = body_bytes(30_000)  # far longer than the run
+async def p5(cluster: Cluster, streams: int, spacing: float) -> None:
+    """Streams mid-way through the paced router, closed one at a time."""
+    router = cluster.targets["router"]
+    decode = cluster.workers[1]
     ready = trio.Semaphore(0)
-    turns = [trio.Event() for _ in clients]
+    turns = [trio.Event() for _ in range(streams)]
     closed_at: dict[str, float] = {}
 
     async def one(i: int) -> None:
-        request_id = f"{tag}-{i}"
-        headers = {"content-type": "application/json", "x-request-id": request_id}
-        async with clients[i].stream("POST", url, content=body,
-                                     headers=headers) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise StreamFailed(f"{request_id}: HTTP {response.status_code}")
-            events = 0
-            # An async generator (typed as an iterator): closed explicitly below.
-            chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
-            try:
-                async for chunk in chunks:
-                    if events < 3 <= events + chunk.count(EVENT):
-                        ready.release()  # mid-stream
-                    events += chunk.count(EVENT)
-                    if turns[i].is_set():
-                        closed_at[request_id] = time.monotonic()
-                        break
-                else:
-                    raise StreamFailed(f"{request_id}: the stream ended by itself")
-            finally:
-                await chunks.aclose()
-            await response.aclose()  # unfinished, so httpx closes the connection
+        rid = f"p5-{i}-{time.monotonic_ns()}"
+        body = orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 30_000,
+                             "stream": True})
+        request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                   b"application/json\r\nx-request-id: %s\r\ncontent-length: %d\r\n\r\n"
+                   % (rid.encode(), len(body)) + body)
+        seen = False
+
+        def close_after(events: int) -> bool:
+            nonlocal seen
+            if events >= 3 and not seen:
+                seen = True
+                ready.release()
+            if turns[i].is_set():
+                closed_at[rid] = time.monotonic()
+                return True
+            return False
+
+        await one_stream(router.port, request, 30_000, close_after=close_after)
 
     async with trio.open_nursery() as nursery:
-        for i in range(len(clients)):
+        for i in range(streams):
             nursery.start_soon(one, i)
-        for _ in clients:
+        for _ in range(streams):
             await ready.acquire()
-        await trio.sleep(0.1)
         for turn in turns:
-            turn.set()  # the client closes at its next read, at most one ITL later
+            turn.set()  # that client closes at its next read, at most one ITL later
             await trio.sleep(spacing)
-    return closed_at
-
-
-async def aborts_seen(client: httpx.AsyncClient, ports: dict[str, int],
-                      closed_at: dict[str, float]) -> dict[str, float]:
-    """When the decode worker aborted each request (``GET /stats``, ``time.monotonic()``)."""
-    url = f"http://127.0.0.1:{ports['decode']}/stats"
     aborted: dict[str, float] = {}
     with trio.move_on_after(20):
-        while True:
-            response = await client.get(url)
-            response.raise_for_status()
-            aborted = {entry["request_id"]: entry["at"] for entry in response.json()["aborts"]
+        while len(aborted) < len(closed_at):
+            stats = await get_json(decode.port, "/stats")
+            aborted = {entry["request_id"]: entry["at"] for entry in stats["aborts"]
                        if entry["request_id"] in closed_at}
-            if len(aborted) == len(closed_at):
-                return aborted
             await trio.sleep(0.05)
-    missing = sorted(set(closed_at) - set(aborted))
-    raise StreamFailed(f"the decode worker never aborted {len(missing)} request(s): "
-                       f"{missing[:5]}")
+    if len(aborted) < len(closed_at):
+        raise RunFailed(f"the decode worker never aborted {len(closed_at) - len(aborted)} "
+                        "request(s)")
+    latencies = [(aborted[rid] - closed_at[rid]) * 1e3 for rid in closed_at]
+    p99 = percentile(latencies, 99)
+    print(f"P5: {streams} streams through the paced router, closed one at a time "
+          f"{spacing * 1e3:g} ms apart: client close -> decode worker abort p50 "
+          f"{percentile(latencies, 50):.2f} ms, p99 {p99:.2f} ms (target <= "
+          f"{TARGETS['P5_ms']:g} ms): {verdict(p99 <= TARGETS['P5_ms'])}")
 
 
-async def read_line(stream: trio.abc.ReceiveStream) -> bytes:
-    data = b""
-    while b"\n" not in data:
-        part = await stream.receive_some()
-        if not part:
-            raise RuntimeError(f"the server process exited before it was ready: {data!r}")
-        data += part
-    return data
+async def get_json(port: int, path: str) -> dict[str, list[dict[str, object]]]:
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(b"GET %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+                              % path.encode())
+        data = b""
+        while part := await stream.receive_some(65536):
+            data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    if b"chunked" in head.lower():
+        body = dechunk(body)
+    answer: dict[str, list[dict[str, object]]] = orjson.loads(body)
+    return answer
+
+
+def dechunk(data: bytes) -> bytes:
+    out = bytearray()
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += data[:size]
+        data = data[size + 2:]
+    return bytes(out)
 
 
 def cores() -> str:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    total = os.cpu_count()
-    return f"{usable if usable is not None else total} CPU core(s) usable ({total} in all)"
+    return f"{usable or os.cpu_count()} CPU core(s) usable"
 
 
 async def run(args: argparse.Namespace) -> int:
-    print("trio-disagg HTTP router benchmarks: P4 and P5 (docs/design.md)")
-    print(f"machine: {cores()}; the servers (router + mock workers, one trio process) run "
-          "in a subprocess, the load generator (httpx on trio) in this one, so each gets "
-          "about one core")
-    failed = False
-    command = [sys.executable, SCRIPT, "--serve", "--itl", str(args.itl)]
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(partial(
-            trio.run_process, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            check=False))
-        assert process.stdin is not None and process.stdout is not None
-        try:
-            with trio.fail_after(60):
-                clusters = json.loads(await read_line(process.stdout))
-            async with AsyncExitStack() as stack:
-                # A client (a connection pool) per simulated user: httpcore's pool scans
-                # all of its connections on every request event, which would make one
-                # shared pool the load generator's bottleneck.
-                clients = [await stack.enter_async_context(httpx.AsyncClient(
-                    timeout=httpx.Timeout(60.0), trust_env=False))
-                    for _ in range(max(args.streams, args.abort_streams))]
-                with trio.fail_after(args.timeout):
-                    await p4(clients[:args.streams], clusters["fast"], process.pid,
-                             tokens=args.tokens, repeat=args.repeat, samples=args.samples)
-                with trio.fail_after(args.timeout):
-                    await p5(clients[:args.abort_streams], clusters["slow"], itl=args.itl,
-                             spacing=args.spacing, rounds=args.abort_rounds)
-        except* StreamFailed as group:
-            for exc in group.exceptions[:5]:
-                print(f"FAILED: {exc}")
-            failed = True
-        finally:
-            with trio.move_on_after(10, shield=True) as waiting:
-                await process.stdin.aclose()  # the server process shuts down
-                await process.wait()
-            if waiting.cancelled_caught:
-                process.kill()
-    return 1 if failed else 0
+    anchors = []
+    if has_proxy():
+        anchors.append("proxy")
+    if vllm_router_command() is not None:
+        anchors.append("vllm-router")
+    print("trio-disagg HTTP router benchmarks: P4a-c and P5 (docs/performance.md)")
+    print(f"machine: {cores()}; every server a process of its own, CPU read from /proc; "
+          f"anchors: {', '.join(anchors) or 'none (uv sync --group bench)'}")
+    servers = Servers()
+    try:
+        with trio.fail_after(args.timeout):
+            fast = await start_cluster(servers, 0.0, anchors)
+            done = await runs(fast, list(fast.targets), args.streams, args.tokens,
+                              args.repeat)
+            p4a(done, args.streams, args.tokens)
+            await p4c(fast, args.samples, 4)
+            paced = await start_cluster(servers, args.itl, [a for a in anchors
+                                                             if a == "proxy"])
+            done = await runs(paced, list(paced.targets), args.paced_streams,
+                              args.paced_tokens, max(1, args.repeat // 2))
+            p4b(done, args.paced_streams, args.paced_tokens, args.itl)
+            await p5(paced, args.abort_streams, args.spacing)
+    except RunFailed as exc:
+        print(f"FAILED: {exc}")
+        return 1
+    finally:
+        servers.stop()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--streams", type=int, default=64, help="P4 concurrent streams")
-    parser.add_argument("--tokens", type=int, default=256, help="P4 tokens per stream")
-    parser.add_argument("--repeat", type=int, default=7, help="P4 runs per variant")
+    parser.add_argument("--streams", type=int, default=64, help="P4a concurrent streams")
+    parser.add_argument("--tokens", type=int, default=256, help="P4a tokens per stream")
+    parser.add_argument("--repeat", type=int, default=5, help="P4a runs per target")
     parser.add_argument("--samples", type=int, default=100,
-                        help="P4 unloaded time-to-first-token requests per variant")
-    parser.add_argument("--abort-streams", type=int, default=32,
-                        help="P5 concurrent streams per round")
-    parser.add_argument("--abort-rounds", type=int, default=3, help="P5 rounds")
-    parser.add_argument("--itl", type=float, default=0.01,
-                        help="P5 seconds between tokens (the slow cluster)")
+                        help="P4c requests per target, one at a time")
+    parser.add_argument("--itl", type=float, default=0.02,
+                        help="P4b and P5 seconds between tokens")
+    parser.add_argument("--paced-streams", type=int, default=64, help="P4b streams")
+    parser.add_argument("--paced-tokens", type=int, default=100, help="P4b tokens per stream")
+    parser.add_argument("--abort-streams", type=int, default=32, help="P5 streams")
     parser.add_argument("--spacing", type=float, default=0.02,
                         help="P5 seconds between two closes")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds each of P4 and P5 may take before the run fails")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the whole run may take before it fails")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run (a few seconds) that only checks the script works; "
-                        "overrides the sizes")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+                        help="a short run that only checks the script works")
     args = parser.parse_args(argv)
-    if args.serve:
-        trio.run(serve_main, args.itl)
-        return 0
     if args.quick:
-        args.streams, args.tokens, args.repeat, args.samples = 8, 32, 2, 5
-        args.abort_streams, args.abort_rounds, args.spacing = 8, 1, 0.01
-        args.timeout = min(args.timeout, 60.0)  # fail here, before a test's own timeout
-    if min(args.streams, args.tokens, args.repeat, args.samples, args.abort_streams,
-           args.abort_rounds) < 1 or \
-            args.itl <= 0 or args.spacing < 0:
+        args.streams, args.tokens, args.repeat, args.samples = 8, 32, 1, 5
+        args.paced_streams, args.paced_tokens, args.abort_streams = 8, 10, 4
+        args.timeout = min(args.timeout, 100.0)
+    if min(args.streams, args.tokens, args.repeat, args.samples, args.paced_streams,
+           args.paced_tokens, args.abort_streams) < 1 or args.itl <= 0 or args.spacing < 0:
         parser.error("sizes must be >= 1, --itl > 0 and --spacing >= 0")
     return trio.run(run, args)
 

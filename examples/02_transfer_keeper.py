@@ -81,13 +81,13 @@ def kv_lease(request_id: str) -> Iterator[None]:
 
 async def start_prefill(
     keeper: td.TransferKeeper, workers: trio.Nursery, request_id: str, rest: list[Item]
-) -> td.PrefillTask[None]:
-    """What the router does for a bootstrap prefill: read the first output here, in the
-    request, and hand the rest of the stream to the keeper (S5)."""
+) -> td.PrefillTask[td.Handoff]:
+    """Read a bootstrap prefill's first output here, in the request, and hand the rest of
+    the stream to the keeper (S5), under the request's name (its logs and task names)."""
     send, receive = trio.open_memory_channel[Item](0)
     workers.start_soon(fake_prefill_worker, send, [handoff(request_id), *rest], 0.02)
     completion = await td.consume_prefill_stream(
-        receive, keeper=keeper, guard=kv_lease(request_id)
+        receive, keeper=keeper, name=request_id, guard=kv_lease(request_id)
     )
     assert isinstance(completion, td.Handoff) and completion.drain is not None
     print(f"  {now()}  handoff received (bootstrap={completion.bootstrap}); "

@@ -167,16 +167,20 @@ async def main() -> None:
         print(f"mock vLLM workers: prefill {prefill_url}, decode {decode_url}")
 
         # The router, as `trio-disagg serve --backend vllm --prefill URL --decode URL`
-        # builds it: VllmEngine adapters sharing one httpx client, a keeper, a router, the
-        # OpenAI app, and hypercorn (trio worker) serving it.
-        async with vllm_client() as http, td.TransferKeeper() as keeper:
-            prefill, decode = vllm_engines([prefill_url], [decode_url], client=http)
+        # builds it: VllmEngine adapters sharing one worker client, a keeper, a router, the
+        # OpenAI app, and hypercorn (trio worker) serving it. (`http`, an httpx client, is
+        # this script's own, to read the workers' /metrics.)
+        async with (vllm_client() as workers_client, httpx.AsyncClient() as http,
+                    td.TransferKeeper() as keeper):
+            prefill, decode = vllm_engines([prefill_url], [decode_url], client=workers_client)
             # vLLM's cancel window (B10), said explicitly; `serve --cancel-window` sets it
             # from the command line.
             windows = {prefill_url: td.CancelWindow.ANYTIME}
             router = td.DisaggRouter(td.WorkerPool(prefill, cancel_windows=windows),
                                      td.WorkerPool(decode), keeper)
-            app = create_app(router, models=[MODEL])
+            # Step 4 injects a fault through the body: only a router started with
+            # fault injection passes the "fault" field on to the workers.
+            app = create_app(router, models=[MODEL], fault_injection=True)
             stop = trio.Event()
             async with trio.open_nursery() as server:
                 port = await server.start(partial(serve, app, host="127.0.0.1", port=0,

@@ -228,7 +228,9 @@ async def main() -> None:
                                              [decode_url], client=client)
             held = HeldPrefill(prefill[0])
             router = td.DisaggRouter(td.WorkerPool([held]), td.WorkerPool(decode), keeper)
-            app = create_app(router, models=[MODEL])
+            # The failures are injected through the body's "fault" field: only a router
+            # started with fault injection passes it on to the workers.
+            app = create_app(router, models=[MODEL], fault_injection=True)
             stop = trio.Event()
             async with trio.open_nursery() as server:
                 port = await server.start(partial(serve, app, host="127.0.0.1", port=0,

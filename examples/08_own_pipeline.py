@@ -4,36 +4,43 @@ Run it with ``uv run python examples/08_own_pipeline.py``.
 
 :class:`~trio_disagg.DisaggRouter` is one way to put the core together. When you need a
 different one (another placement, another transport, a pipeline inside your own server),
-the pieces are public and compose in a few lines. This tutorial wires one request by
-hand:
+the pieces are public and compose without glue of your own. This tutorial wires one
+request by hand:
 
-- a :class:`~trio_disagg.TransferKeeper`, opened once, outside every request: the
-  prefill leg (the engine *and* the reading of its stream) is started with
-  ``keeper.start(...)``, so no request's cancellation is its parent (T1);
+- a :class:`~trio_disagg.TransferKeeper`, opened once, outside every request. The whole
+  prefill leg runs in it, so no request's cancellation is its parent (T1): the engine as a
+  transfer leg (``keeper.spawn_leg``), and the reading of its stream with
+  :func:`~trio_disagg.consume_prefill_stream` (``keeper.start``);
+- :func:`~trio_disagg.consume_prefill_stream` classifies the first output (S1-S10) and,
+  for a bootstrap handoff, hands the rest of the stream to the keeper as a drain named
+  after the request (``name=``), which checks every later output (T4). It returns as soon
+  as the handoff is known;
 - the prefill leg runs on ``client_context.detached_copy()`` (C5), the decode leg on a
   context linked with ``client_context.link_child(...)`` (C4);
-- the prefill's first output is classified with
-  :func:`~trio_disagg.classify_first_output` (S1-S10) and the rest of its stream read with
-  :func:`~trio_disagg.drain_prefill_outputs`, which checks every later output (T4);
-- a :class:`~trio_disagg.Gatekeeper` dispatches the decode with ``gate.dispatch(...)``,
-  racing the prefill (G1, G2), then ``gate.forward(...)`` moves the decode's outputs to
-  the client, holding the success terminal until the prefill's outcome is known (G5).
+- a :class:`~trio_disagg.Gatekeeper` takes that handoff as it is (it watches the drain):
+  ``gate.dispatch(...)`` starts the decode, racing the prefill (G1, G2), then
+  ``gate.forward(...)`` moves the decode's outputs to the client, holding the success
+  terminal until the prefill's outcome is known (G5). A prefill failure is logged once,
+  by the keeper, under the request's name (T2).
 
-The fake engines send their handoff first and go on "transferring" for a while, as a
-bootstrap (SGLang) prefill does, so the decode runs while the prefill's fate is open.
+The fake prefill hands off a bootstrap room at once and goes on "transferring" for a
+while, as an SGLang prefill does, so the decode runs while the prefill's fate is open.
 
 1. A normal request: tokens flow at once; the decode's terminal waits for the prefill.
 2. The client kills its context mid-transfer, then leaves: the decode leg is killed
    through its linked context, the request's nursery is cancelled, but the prefill leg,
    on its detached context in the keeper, runs to its end and succeeds (T1, C5, G9).
 3. The prefill fails after the decode's last token: the held terminal becomes ONE error
-   item, and the client's and decode's contexts are stopped (G5).
+   item, the client's and decode's contexts are stopped (G5), and the failure is logged
+   once (T2).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
+from functools import partial
 
 import attrs
 import trio
@@ -41,6 +48,7 @@ import trio
 import trio_disagg as td
 
 Item = td.Annotated[td.LLMEngineOutput]
+ROOMS = itertools.count(1)
 T0 = 0.0
 
 
@@ -60,11 +68,14 @@ async def fake_prefill(
     *,
     transfer: float,
     fail: bool,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A prefill worker: the handoff at once, then ``transfer`` seconds of KV transfer,
-    then its last output (an error item if ``fail``)."""
+    """A bootstrap prefill worker: accepts, hands off its room at once, then ``transfer``
+    seconds of KV transfer, then its last output (an error item if ``fail``)."""
     with send:
-        handoff = td.LLMEngineOutput(disaggregated_params={"kv_key": request.request_id})
+        task_status.started()
+        assert request.bootstrap_info is not None  # the room the pipeline chose (S5)
+        handoff = td.LLMEngineOutput(disaggregated_params=request.bootstrap_info.as_params())
         await send.send(td.Annotated.from_data(handoff))
         await trio.sleep(transfer)
         if context.is_stopped:  # never, here: nobody stops a detached context (C5)
@@ -81,9 +92,10 @@ async def fake_decode(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A decode worker: accepts, then three tokens 10 ms apart; a kill stops it at once."""
+    """A decode worker: joins the room, then three tokens 10 ms apart; a kill stops it at
+    once."""
     with send:
-        assert request.prefill_result is not None  # the handoff, as the prefill sent it
+        assert request.bootstrap_info is not None  # where the KV comes from
         task_status.started()
         with trio.CancelScope() as scope:
             context.on_stop(lambda killed: scope.cancel())
@@ -103,8 +115,9 @@ class Pipeline:
     client: td.RequestContext
     prefill_context: td.RequestContext
     decode_context: td.RequestContext
-    prefill: td.PrefillTask[td.PrefillCompletion]
-    received: list[tuple[float, Item]] = attrs.Factory(list)
+    prefill: td.PrefillTask[td.Handoff] | None = None  # the drain the gate watches
+    #: (when, item, the prefill's state then) for each item the client received
+    received: list[tuple[float, Item, str]] = attrs.Factory(list)
 
 
 async def serve(
@@ -118,50 +131,43 @@ async def serve(
 ) -> None:
     """One request through the hand-built pipeline; the caller's cancel scope is the
     client's connection."""
-    prefill_context = client.detached_copy()  # C5: same id, not linked
-    decode_context = td.RequestContext(request.request_id, client.metadata)
-    client.link_child(decode_context)  # C4: the client's stop or kill reaches the decode
-    handed_off = trio.Event()
-    handoffs: list[td.PrefillResult] = []
-
-    async def prefill_leg() -> td.PrefillCompletion:
-        """The whole prefill leg, run by the keeper: the engine and its stream (T1)."""
-        send, receive = trio.open_memory_channel[Item](8)
-        async with trio.open_nursery() as leg:
-            leg.start_soon(lambda: fake_prefill(request, prefill_context, send,
-                                                transfer=transfer, fail=fail))
-            with receive:
-                try:
-                    first = await receive.receive()
-                except trio.EndOfChannel:
-                    raise td.PrefillError("Prefill returned no output") from None  # S1
-                completion = td.classify_first_output(first)  # S2, S7, S8: may raise
-                if isinstance(completion, td.Handoff):
-                    handoffs.append(completion.result)
-                    handed_off.set()  # the decode may start now
-                await td.drain_prefill_outputs(receive)  # T4: a late failure raises here
-        return completion
-
-    prefill = keeper.start(prefill_leg, name=request.request_id)
-    legs = Pipeline(client, prefill_context, decode_context, prefill)
+    name = request.request_id
+    room = td.BootstrapInfo(host="127.0.0.1", port=8998, room=next(ROOMS))
+    request = attrs.evolve(request, bootstrap_info=room)
+    legs = Pipeline(client, client.detached_copy(),  # C5: same id, not linked
+                    td.RequestContext(name, client.metadata))
+    client.link_child(legs.decode_context)  # C4: the client's stop or kill reaches the decode
     pipeline.append(legs)
-    gate = td.Gatekeeper(prefill, client)
+
+    # The prefill leg, all of it in the keeper (T1): the engine as a transfer leg, and the
+    # reading of its stream; consume_prefill_stream hands the rest of a bootstrap stream to
+    # the keeper as a drain named after the request (S5, T4).
+    prefill_send, prefill_receive = trio.open_memory_channel[Item](8)
+    keeper.spawn_leg(partial(fake_prefill, transfer=transfer, fail=fail), request,
+                     legs.prefill_context, prefill_send, name=name, kind="prefill engine")
+    reader = keeper.start(partial(td.consume_prefill_stream, prefill_receive,
+                                  keeper=keeper, name=name), name=name, kind="prefill stream")
+    completion = await reader.result()  # the handoff; a failed first output raises (S2)
+
+    gate = td.Gatekeeper(completion, client)  # watches the drain: no glue needed
+    legs.prefill = completion.drain if isinstance(completion, td.Handoff) else None
     decode_send, decode_receive = trio.open_memory_channel[Item](8)
     client_send, client_receive = trio.open_memory_channel[Item](8)
 
     async def start_decode(*, task_status: trio.TaskStatus[None]) -> None:
-        await handed_off.wait()  # a prefill failure before this cancels it (G1)
-        decoded = attrs.evolve(request, prefill_result=handoffs[0])
-        await fake_decode(decoded, decode_context, decode_send, task_status=task_status)
+        assert isinstance(completion, td.Handoff)  # a Terminal dispatches nothing (S7)
+        decoded = attrs.evolve(request, prefill_result=completion.result)
+        await fake_decode(decoded, legs.decode_context, decode_send, task_status=task_status)
 
     async with trio.open_nursery() as nursery:  # the request: decode leg, gate, writer
         await gate.dispatch(nursery, start_decode)  # G1, G2
-        nursery.start_soon(gate.forward, decode_receive, client_send, decode_context)
+        nursery.start_soon(gate.forward, decode_receive, client_send, legs.decode_context)
         async with client_receive:  # the client writer
             async for item in client_receive:
-                legs.received.append((trio.current_time(), item))
+                prefill = gate.prefill
                 state = ("failed" if prefill.failed else "succeeded" if prefill.done
                          else "pending")
+                legs.received.append((trio.current_time(), item, state))
                 print(f"  {now()}  client <- {describe(item)}   (prefill {state})")
 
 
@@ -178,9 +184,22 @@ def make_request(request_id: str) -> td.PreprocessedRequest:
                                   body={"model": "fake", "prompt": "own pipeline"})
 
 
+class Collect(logging.Handler):
+    """Keeps the keeper's log records, to count them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 async def main() -> None:
-    # The keeper logs a failed prefill leg (T2) to "trio_disagg.keeper"; show it inline.
+    # The keeper logs a failed prefill (T2) to "trio_disagg.keeper"; show it inline.
     logging.basicConfig(stream=sys.stdout, format="  [log] %(name)s: %(message)s")
+    logs = Collect()
+    logging.getLogger("trio_disagg.keeper").addHandler(logs)
     legs: list[Pipeline] = []
     async with td.TransferKeeper() as keeper:  # once, outside every request
         print("1. A normal request; the prefill's transfer ends at 40 ms (G3, G5).")
@@ -188,9 +207,10 @@ async def main() -> None:
         await serve(keeper, make_request("req-1"), td.RequestContext("req-1"),
                     transfer=0.04, pipeline=legs)
         one = legs[-1]
-        terminal_at, terminal = one.received[-1]
+        terminal_at, terminal, state = one.received[-1]
         assert terminal.data is not None and terminal.data.finish_reason is td.FinishReason.EOS
-        assert one.prefill.succeeded and terminal_at - T0 >= 0.04  # held for the prefill
+        assert state == "succeeded", "the terminal waited for the prefill's outcome (G5)"
+        assert terminal_at - T0 >= 0.04  # the transfer's end, not the decode's (30 ms)
         print("   the tokens came at once; eos waited for the prefill's outcome.\n")
 
         print("2. The client kills its context at 15 ms, then disconnects (T1, C5, G9).")
@@ -209,35 +229,42 @@ async def main() -> None:
               f"client {client!r}, decode {two.decode_context!r}, "
               f"prefill {two.prefill_context!r}")
         assert two.decode_context.is_killed and not two.prefill_context.is_stopped
-        assert not two.prefill.done, "the prefill leg still runs, in the keeper"
+        assert two.prefill is not None and not two.prefill.done, \
+            "the prefill leg still runs, in the keeper"
         await two.prefill.wait_done()
         assert two.prefill.succeeded, "the prefill leg survived its client (T1, G9)"
         print(f"  {now()}  {two.prefill!r}: the KV transfer ran to its end\n")
 
-        print("3. The prefill fails at 60 ms, after the decode's last token (G5).")
+        print("3. The prefill fails at 60 ms, after the decode's last token (G5, T2).")
         restart_clock()
         await serve(keeper, make_request("req-3"), td.RequestContext("req-3"),
                     transfer=0.06, fail=True, pipeline=legs)
         three = legs[-1]
-        items = [item for _, item in three.received]
+        items = [item for _, item, _ in three.received]
         assert [item.is_error for item in items] == [False, False, True], \
             "two tokens, then ONE error item in place of the held eos"
         assert three.client.is_stopped and three.decode_context.is_stopped
         print(f"  client {three.client!r}, decode {three.decode_context!r}")
-    print(f"keeper: started={keeper.started_total} failed={keeper.failed_total} "
-          f"in_flight={keeper.in_flight}")
+        failures = [record for record in logs.records if "req-3" in record.getMessage()]
+        assert len(failures) == 1, "the failure is logged once, under the request's name"
+        print(f"  the keeper logged it {len(failures)} time, as "
+              f"{failures[0].getMessage()[:30]!r}...")
+    print(f"keeper: started={dict(keeper.started_by_kind)}\n"
+          f"        failed={keeper.failed_total} in_flight={keeper.in_flight}")
 
 
 # tests/test_examples.py runs this file and checks that its output contains each line
-# that starts with `# expect: `.
-# expect: client <- ' t2', finish=eos   (prefill succeeded)
+# that starts with `# expect: client <- ' t2', finish=eos   (prefill succeeded)
 # expect: decode: <RequestContext 'req-2' killed>, stops at once
 # expect: request cancelled=True
 # expect: prefill <RequestContext 'req-2' live>
 # expect: <PrefillTask 'req-2' succeeded>: the KV transfer ran to its end
+# expect: [log] trio_disagg.keeper: prefill drain req-3 failed: Prefill returned an error
 # expect: client <- ERROR item: Prefill returned an error in its output stream: prefill worker
 # expect: client <RequestContext 'req-3' stopped>, decode <RequestContext 'req-3' stopped>
-# expect: keeper: started=3 failed=1 in_flight=0
+# expect: the keeper logged it 1 time, as 'prefill drain req-3 failed: Pr'...
+# expect: keeper: started={'prefill engine': 3, 'prefill stream': 3, 'prefill drain': 3}
+# expect: failed=1 in_flight=0
 
 if __name__ == "__main__":
     trio.run(main)

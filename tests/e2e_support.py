@@ -11,6 +11,7 @@ for the protocol, so the protocol modules can import this one.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
@@ -50,6 +51,19 @@ async def wait_until(predicate: Callable[[], bool], *, seconds: float = 5.0) -> 
             if predicate():
                 return
             await trio.sleep(0.002)
+
+
+async def banner_port(process: trio.Process) -> int:
+    """The port in the first line a ``trio-disagg`` command prints (its banner)."""
+    assert process.stdout is not None
+    banner = b""
+    while b"\n" not in banner:
+        data = await process.stdout.receive_some()
+        assert data, "the command exited before it printed its banner"
+        banner += data
+    match = re.search(rb"http://127\.0\.0\.1:(\d+)", banner)
+    assert match, banner
+    return int(match.group(1))
 
 
 async def in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter | None = None) -> T:
@@ -101,7 +115,7 @@ async def served(protocol: ProtocolName, **options: Any) -> AsyncIterator[Served
     """``protocol``'s mock workers and router (``options`` go to its cluster factory),
     served over HTTP by the router's own server."""
     async with cluster_factory(protocol)(**options) as cluster:
-        app = create_app(cluster.router, models=[MODEL])
+        app = create_app(cluster.router, models=[MODEL], fault_injection=True)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,

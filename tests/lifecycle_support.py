@@ -21,6 +21,7 @@ from protocol_support import Cluster, open_cluster
 
 from trio_disagg import CancelWindow, Deadlines, Engine, HandoffStyle
 from trio_disagg.engines import (
+    Client,
     LatencyModel,
     sglang_engines,
     trtllm_engines,
@@ -85,7 +86,7 @@ async def routed(
         decode = create_mock_worker("decode", protocol, fault_injection=True,
                                     latency=decode_latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         if protocol == "vllm":
             return vllm_engines([prefill_url], [decode_url], client=client)
@@ -109,7 +110,7 @@ async def routed(
     client = vllm_client() if protocol == "vllm" else worker_client()
     async with open_cluster(prefill, decode, client, engines, deadlines=deadlines,
                             wrap_prefill=wrap_prefill, wrap_decode=style) as cluster:
-        app = create_app(cluster.router, models=[MODEL])
+        app = create_app(cluster.router, models=[MODEL], fault_injection=True)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,

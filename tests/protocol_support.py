@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import trio
 from e2e_support import MODEL, PROMPT, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,13 +32,14 @@ from trio_disagg import (
     TrioDisaggError,
     WorkerPool,
 )
+from trio_disagg.engines import Client
 from trio_disagg.workers import MockWorker, serve_worker
 
 Item = Annotated[LLMEngineOutput]
 W = TypeVar("W", bound=MockWorker)
 
 #: Builds a protocol's prefill and decode engines from the two workers' URLs.
-EngineFactory = Callable[[str, str, httpx.AsyncClient],
+EngineFactory = Callable[[str, str, Client],
                          tuple[Sequence[Engine], Sequence[Engine]]]
 
 
@@ -91,7 +91,7 @@ class Cluster(Generic[W]):
     decode: W
     prefill_url: str
     decode_url: str
-    client: httpx.AsyncClient
+    client: Client
     keeper: TransferKeeper
     router: DisaggRouter
     decode_scope: trio.CancelScope  # cancelling it kills the decode worker
@@ -119,7 +119,7 @@ async def _serve_in(scope: trio.CancelScope, app: MockWorker, *,
 async def open_cluster(
     prefill: W,
     decode: W,
-    client: httpx.AsyncClient,
+    client: Client,
     engines: EngineFactory,
     *,
     deadlines: Deadlines | None = None,

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import trio
+from e2e_support import banner_port
 
 from trio_disagg._cli import StartupError, cancel_windows
 from trio_disagg._demo import Backend, in_process_backend, run_demo
@@ -108,18 +109,6 @@ async def _read_into(
             event.set()
 
 
-async def _banner_port(process: trio.Process) -> int:
-    assert process.stdout is not None
-    banner = b""
-    while b"\n" not in banner:
-        data = await process.stdout.receive_some()
-        assert data, "the command exited before it printed its banner"
-        banner += data
-    match = re.search(rb"http://127\.0\.0\.1:(\d+)", banner)
-    assert match, banner
-    return int(match.group(1))
-
-
 SERVE = ["serve", "--port", "0", "--drain-window", "30"]
 MOCK_DECODE = ["mock-worker", "--role", "decode", "--port", "0", "--itl", "0.02"]
 
@@ -149,7 +138,7 @@ async def test_a_second_signal_stops_at_once_with_one_line(
             assert process.stderr is not None
             nursery.start_soon(_read_into, process.stderr, stderr,
                                b"shutting down gracefully", graceful)
-            port = await _banner_port(process)
+            port = await banner_port(process)
 
             async def stream() -> None:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
@@ -192,7 +181,7 @@ async def test_one_sigint_is_a_graceful_shutdown_and_exit_0() -> None:
             ))
             assert process.stderr is not None
             nursery.start_soon(_read_into, process.stderr, stderr)
-            await _banner_port(process)
+            await banner_port(process)
             process.send_signal(signal.SIGINT)
             assert await process.wait() == 0
     assert "Traceback" not in stderr.decode()

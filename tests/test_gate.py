@@ -21,13 +21,16 @@ from trio_disagg import (
     DeadlineExceeded,
     FinishReason,
     Gatekeeper,
+    Handoff,
     LLMEngineOutput,
     PrefillDeadlineExceeded,
     PrefillError,
     PrefillTask,
     RequestContext,
+    Terminal,
     TransferKeeper,
     WorkerError,
+    consume_prefill_stream,
 )
 
 Item = Annotated[LLMEngineOutput]
@@ -792,3 +795,155 @@ async def test_B2_terminal_hold_deadline_ends_stream_with_one_error(
         assert not prefill.task.done  # the keeper still owns the prefill
         prefill.succeed()
 
+
+
+# --- the gate takes what the core gives: consume_prefill_stream's completion ----------
+
+BOOTSTRAP_PARAMS = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 7}
+
+
+def prefill_stream(*items: Item) -> trio.MemoryReceiveChannel[Item]:
+    send, receive = trio.open_memory_channel[Item](len(items))
+    with send:
+        for item in items:
+            send.send_nowait(item)
+    return receive
+
+
+def task_names(task: trio.lowlevel.Task) -> list[str]:
+    """The names of ``task`` and of every task below it."""
+    names = [task.name]
+    for nursery in task.child_nurseries:
+        for child in nursery.child_tasks:
+            names += task_names(child)
+    return names
+
+
+async def forward_all(gate: Gatekeeper, decode: list[Item]) -> list[Item]:
+    """Run ``decode`` through ``gate.forward`` and return what the client received."""
+    decode_send, decode_receive = trio.open_memory_channel[Item](len(decode))
+    with decode_send:
+        for item in decode:
+            decode_send.send_nowait(item)
+    client_send, client_receive = trio.open_memory_channel[Item](math.inf)
+    await gate.forward(decode_receive, client_send)
+    with client_receive:
+        return [item async for item in client_receive]
+
+
+async def test_G5_gate_takes_a_named_bootstrap_drain_and_its_failure_is_logged_once(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pipeline of the core pieces, no glue: the Handoff that consume_prefill_stream
+    returned goes to the gate as it is; the drain is named after the request in the
+    keeper's task names and logs, and a late failure is logged once (T2) and reaches the
+    client as one error item in place of the held terminal (G5)."""
+    send, receive = trio.open_memory_channel[Item](0)
+
+    async def prefill_worker() -> None:
+        with send:
+            await send.send(Annotated.from_data(
+                LLMEngineOutput(disaggregated_params=BOOTSTRAP_PARAMS)))
+            await trio.sleep(5)
+            await send.send(Annotated[LLMEngineOutput].from_error("KV ack lost"))
+
+    async with TransferKeeper() as keeper, trio.open_nursery() as workers:
+        workers.start_soon(prefill_worker)
+        completion = await consume_prefill_stream(receive, keeper=keeper, name="req-7")
+        assert isinstance(completion, Handoff) and completion.drain is not None
+        root = trio.lowlevel.current_root_task()
+        assert root is not None and "prefill drain req-7" in task_names(root)
+        client = RequestContext("req-7")
+        gate = Gatekeeper(completion, client)
+        assert gate.prefill is completion.drain
+        received = await forward_all(gate, [token(1), finished(FinishReason.EOS, 2)])
+    assert trio.current_time() == 5.0  # the terminal was held for the prefill outcome
+    assert [item.is_error for item in received] == [False, True]
+    assert "KV ack lost" in (received[-1].error_message() or "")
+    assert client.is_stopped
+    failures = [record for record in caplog.records if "KV ack lost" in record.getMessage()]
+    assert [record.getMessage().split(":")[0] for record in failures] == [
+        "prefill drain req-7 failed"]
+
+
+async def test_T2_an_unnamed_bootstrap_drain_is_named_after_its_room(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with TransferKeeper() as keeper:
+        completion = await consume_prefill_stream(prefill_stream(
+            Annotated.from_data(LLMEngineOutput(disaggregated_params=BOOTSTRAP_PARAMS)),
+            Annotated[LLMEngineOutput].from_error("KV ack lost")), keeper=keeper)
+        assert isinstance(completion, Handoff) and completion.drain is not None
+        drain = completion.drain
+        await drain.wait_done()
+    assert drain.name == "room 7"
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == [
+        "prefill drain room 7 failed"]
+
+
+async def test_G7_gate_takes_a_handoff_read_to_its_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sequential handoff has no drain: its stream was read to its end before
+    consume_prefill_stream returned, so the gate knows the prefill succeeded, and the
+    drain's value is the completed handoff (S4)."""
+    async with TransferKeeper() as keeper:
+        completion = await consume_prefill_stream(prefill_stream(
+            Annotated.from_data(LLMEngineOutput(disaggregated_params={"kv": 1})),
+            Annotated.from_data(LLMEngineOutput.length())), keeper=keeper)
+        assert keeper.started_total == 0
+    assert isinstance(completion, Handoff) and completion.drain is None
+    client = RequestContext("r-1")
+    gate = Gatekeeper(completion, client)
+    assert gate.prefill.succeeded and gate.prefill.value is completion
+    decode = [token(1), finished(FinishReason.EOS, 2)]
+    with trio.fail_after(1):
+        dispatched = await dispatch_with(gate, "decode stream")
+        assert await forward_all(gate, decode) == decode
+    assert dispatched == "decode stream" and not client.is_stopped
+
+
+async def test_S7_gate_from_a_terminal_dispatches_nothing_and_sends_the_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    completion = await consume_prefill_stream(prefill_stream(
+        Annotated.from_data(LLMEngineOutput(token_ids=[9], finish_reason=FinishReason.EOS))))
+    assert isinstance(completion, Terminal)
+    gate = Gatekeeper(completion, RequestContext("r-1"))
+    with trio.fail_after(1):
+        assert await dispatch_with(gate, "never") is None
+        received = await forward_all(gate, [])
+    assert received == [completion.output]
+
+
+async def test_G1_bootstrap_drain_already_failed_fails_the_dispatch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        completion = await consume_prefill_stream(prefill_stream(
+            Annotated.from_data(LLMEngineOutput(disaggregated_params=BOOTSTRAP_PARAMS)),
+            Annotated[LLMEngineOutput].from_error("KV ack lost")), keeper=keeper, name="r-1")
+        assert isinstance(completion, Handoff) and completion.drain is not None
+        await completion.drain.wait_done()
+        client = RequestContext("r-1")
+        gate = Gatekeeper(completion, client)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(PrefillError, match="KV ack lost"):
+                await gate.dispatch(nursery, trio.sleep_forever)
+    assert client.is_stopped
+
+
+def test_gate_refuses_what_is_not_a_prefill() -> None:
+    with pytest.raises(TypeError, match="PrefillTask, a Handoff or a Terminal"):
+        Gatekeeper("prefill", RequestContext("r-1"))  # type: ignore[arg-type]
+
+
+async def dispatch_with(gate: Gatekeeper, value: str) -> Any:
+    """``gate.dispatch`` of a decode leg that accepts at once with ``value``."""
+
+    async def accepts(*, task_status: trio.TaskStatus[str]) -> None:  # noqa: ASYNC114
+        task_status.started(value)
+
+    async with trio.open_nursery() as nursery:
+        started = await gate.dispatch(nursery, accepts)
+    return started

@@ -27,6 +27,7 @@ import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import orjson
 import pytest
 import trio
+import trio.testing
 from e2e_support import FAST, MODEL, PROMPT, PROMPT_TOKENS, ProtocolName, wait_until
 from lifecycle_support import (
     KV_TTL,
@@ -113,17 +114,15 @@ async def test_B6_trtllm_generation_leg_queued_past_the_client_is_kept_until_it_
     stream: bool,
 ) -> None:
     """The generation leg waits 1.2 s in its worker's queue before it fetches the context's
-    KV; the client leaves at 0.6 s. The generation leg is kept until it fetched the KV (a
-    TRT-LLM generation server aborted before its fetch leaves the KV to the context's
-    transfer timeout), then ends; no cleanup request is sent."""
+    KV; the client leaves while it is queued. The generation leg is kept until it fetched
+    the KV (a TRT-LLM generation server aborted before its fetch leaves the KV to the
+    context's transfer timeout), then ends; no cleanup request is sent."""
     async with routed("trtllm") as r:
-        start = trio.current_time()
-
-        async def at_six_tenths() -> None:
+        async def queued() -> None:
             await wait_until(lambda: r.decode.stats.running == 1)
-            await trio.sleep_until(start + 0.6)
+            await trio.testing.wait_all_tasks_blocked()  # accepted: the leg waits in its queue
 
-        await client_leaves(r, "queued", at_six_tenths, stream=stream,
+        await client_leaves(r, "queued", queued, stream=stream,
                             fault="decode_queue:1.2")
         assert r.decode.stats.kv_pulls == 0  # still queued when the client left
         await eventually("the generation leg fetched the KV",

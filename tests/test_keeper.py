@@ -12,7 +12,19 @@ import pytest
 import trio
 import trio.testing
 
-from trio_disagg import PrefillError, PrefillTask, TransferKeeper
+from trio_disagg import (
+    Annotated,
+    DisaggRouter,
+    HandoffStyle,
+    LLMEngineOutput,
+    PrefillError,
+    PrefillTask,
+    PreprocessedRequest,
+    RequestContext,
+    TransferKeeper,
+    WorkerPool,
+)
+from trio_disagg.engines import mock_cluster
 
 KEEPER_LOGGER = "trio_disagg.keeper"
 
@@ -180,6 +192,76 @@ async def test_T3_crashed_drain_reports_did_not_complete(
         healthy.finish()
         assert await other.result() == "ok"
     assert keeper.failed_total == 1
+
+
+async def test_T3_crash_inside_nested_nurseries_reads_as_one_message(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A drain whose engine crashed inside nurseries of its own: the error names the
+    crash once, in words, not the repr of the exception groups it arrived in; the
+    consequence (the stream ended with no output) is left out."""
+
+    async def engine() -> None:
+        raise RuntimeError("engine crash")
+
+    async def drain() -> None:
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(engine)
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(engine)
+                    inner.start_soon(trio.sleep_forever)
+        except* RuntimeError:
+            raise PrefillError("Prefill returned no output (stream ended)") from None
+
+    async def crashing_leg() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine)
+            await drain()
+
+    async with TransferKeeper() as keeper:
+        task = keeper.start(crashing_leg, name="r-1")
+        with pytest.raises(PrefillError) as info:
+            await task.wait()
+    assert str(info.value) == (
+        "Prefill background task did not complete: r-1 crashed: RuntimeError: engine crash")
+
+
+async def test_T3_engine_crash_through_the_router_is_one_readable_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A prefill engine that raises after started() (a broken engine): the client's
+    error is one PrefillError, raised bare, whose message says what crashed."""
+
+    class CrashingPrefill:
+        name = "crashing"
+        handoff_style = HandoffStyle.SEQUENTIAL
+        bootstrap_host: str | None = None
+        bootstrap_port: int | None = None
+
+        async def generate(
+            self,
+            request: PreprocessedRequest,
+            context: RequestContext,
+            send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+            *,
+            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            with send_channel:
+                task_status.started()
+                await trio.sleep(0.01)
+                raise RuntimeError("engine crash")
+
+    cluster = mock_cluster()
+    request = PreprocessedRequest(request_id="r-1", model="m", body={"prompt": "x"})
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool([CrashingPrefill()]), WorkerPool(cluster.decode),
+                              keeper)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(PrefillError) as info:
+                await router.stream(nursery, request, RequestContext("r-1"))
+    assert str(info.value) == (
+        "Prefill background task did not complete: r-1 crashed: RuntimeError: engine crash")
 
 
 async def test_T3_cancelled_drain_reports_did_not_complete(

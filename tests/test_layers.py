@@ -97,8 +97,7 @@ def _in_alias_block(path: Path, line: int) -> bool:
     """Whether ``line`` is under ``if TYPE_CHECKING:`` or in a package's ``__getattr__``."""
     tree = ast.parse(path.read_text(), str(path))
     for node in tree.body:
-        alias = ((isinstance(node, ast.If) and isinstance(node.test, ast.Name)
-                  and node.test.id == "TYPE_CHECKING")
+        alias = ((isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"))
                  or (path.name == "__init__.py" and isinstance(node, ast.FunctionDef)
                      and node.name == "__getattr__"))
         if alias and node.lineno <= line <= (node.end_lineno or node.lineno):

@@ -8,7 +8,6 @@ import trio
 
 from trio_disagg import (
     Annotated,
-    HandoffStyle,
     LeastOutstanding,
     LLMEngineOutput,
     NoWorkerAvailable,
@@ -25,10 +24,9 @@ from trio_disagg import (
 
 @attrs.define
 class NullEngine:
+    """A decode engine with only what the DecodeEngine protocol asks for."""
+
     name: str
-    handoff_style: HandoffStyle = HandoffStyle.SEQUENTIAL
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
 
     async def generate(
         self,
@@ -48,7 +46,7 @@ def request(session: str | None = None) -> PreprocessedRequest:
     )
 
 
-def pool(n: int, **kwargs: object) -> WorkerPool:
+def pool(n: int, **kwargs: object) -> WorkerPool[NullEngine]:
     return WorkerPool([NullEngine(f"w{i}") for i in range(n)], **kwargs)  # type: ignore[arg-type]
 
 

@@ -171,7 +171,7 @@ async def running(*, prefill: Callable[[Any], Any] = lambda engine: engine
     async with TransferKeeper(drain_window=5.0) as keeper:
         router = DisaggRouter(WorkerPool([prefill(cluster.prefill[0])]),
                               WorkerPool([decode]), keeper)
-        app = create_app(router, models=[MODEL])
+        app = create_app(router, models=[MODEL], fault_injection=True)  # tests inject faults
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(

@@ -24,6 +24,7 @@ import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import orjson
 import pytest
 import trio
+import trio.testing
 from e2e_support import (
     FAST,
     MODEL,
@@ -61,6 +62,7 @@ from trio_disagg import (
 )
 from trio_disagg.engines import (
     DEFAULT_BOOTSTRAP_PORT,
+    Client,
     LatencyModel,
     SglangEngine,
     parse_prefill_spec,
@@ -127,7 +129,7 @@ async def sglang_cluster(
                                  bootstrap_port=0)
     decode = create_mock_worker("decode", "sglang", fault_injection=True, latency=latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         # the prefill's bootstrap port is known once it is served
         return sglang_engines([f"{prefill_url},{prefill.bootstrap_port}"], [decode_url],
@@ -259,7 +261,8 @@ async def test_S5_bootstrap_handoff_with_cached_tokens_from_the_prefill() -> Non
         assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
         assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
         assert cluster.prefill.stats.completed == 1  # the keeper drained the prefill
-        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        async with httpx.AsyncClient() as http:
+            response = await http.get(cluster.prefill_url + "/metrics")
         samples = metric_samples(response.text)
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_bootstrap_rooms_open"] == 0
@@ -398,14 +401,13 @@ async def test_G6_prefill_failure_before_the_bootstrap_stops_the_waiting_decode(
     """The decode waits in the room for KV that never comes (SGLang: until its 300 s
     timeout); the gatekeeper stops it at once and the client gets a 502."""
     async with sglang_cluster() as cluster:
-        start = trio.current_time()
-        error, items = await prefill_failure(cluster, completion("p5", fault=fault))
-        assert isinstance(error, PrefillError)
-        assert cluster.prefill_url in str(error.__cause__ or error)
-        assert error_for_exception(error).status == 502
-        assert not any(item.data is not None and item.data.text for item in items)
-        await cluster.settled()
-        assert trio.current_time() - start < 5  # not the decode's bootstrap timeout
+        with trio.fail_after(5):  # not the decode's bootstrap timeout
+            error, items = await prefill_failure(cluster, completion("p5", fault=fault))
+            assert isinstance(error, PrefillError)
+            assert cluster.prefill_url in str(error.__cause__ or error)
+            assert error_for_exception(error).status == 502
+            assert not any(item.data is not None and item.data.text for item in items)
+            await cluster.settled()
         assert cluster.decode.stats.completed == 0
         assert cluster.prefill.kv.counters().staged_blocks == 0
 
@@ -469,7 +471,6 @@ async def test_T4_a_failed_finish_after_the_handoff_is_a_prefill_error(
 async def test_G4_decode_failure_while_the_prefill_is_still_running() -> None:
     slow_prefill = attrs.evolve(FAST, ttft_per_prompt_token=0.02)  # 0.9 s
     async with sglang_cluster(latency=slow_prefill) as cluster:
-        start = trio.current_time()
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 stream = await cluster.router.stream(
@@ -477,12 +478,12 @@ async def test_G4_decode_failure_while_the_prefill_is_still_running() -> None:
                     RequestContext("g4"))
                 with stream.outputs:
                     first = await stream.outputs.receive()
-                    passed_at = trio.current_time()
-                    assert not stream.prefill.done  # G4: it did not wait for the prefill
+                    # G4: it did not wait for the prefill, still computing on its worker
+                    assert not stream.prefill.done
+                    assert cluster.prefill.stats.prefills_completed == 0
                     rest = [item async for item in stream.outputs]
         assert first.is_error and not rest
         assert "decode_fail_before_first_token" in (first.error_message() or "")
-        assert passed_at - start < 0.9  # sooner than the prefill's own compute
         await cluster.settled()
         # the decode left the room, so the prefill gave its KV back at once
         counters = cluster.prefill.kv.counters()
@@ -580,7 +581,7 @@ async def test_G9_disconnect_during_prefill_leaves_no_kv() -> None:
                 await wait_until(lambda: cluster.prefill.stats.running == 1
                                  and cluster.decode.stats.running == 1
                                  and cluster.prefill.kv.open_rooms == 1)
-                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()  # the router's tasks are waiting
                 nursery.cancel_scope.cancel()  # the client goes away
         await cluster.settled()  # within 5 s: SGLang's own timeout is 300 s
         # G9: the router never closed the prefill's connection, and the decode leg, which

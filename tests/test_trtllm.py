@@ -64,6 +64,7 @@ from trio_disagg import (
 )
 from trio_disagg.engines import (
     PROMPT_TOKEN_IDS_KEY,
+    Client,
     LatencyModel,
     TrtllmEngine,
     context_body,
@@ -93,7 +94,7 @@ async def trtllm_cluster(
                                  model=prefill_model)
     decode = create_mock_worker("decode", "trtllm", fault_injection=True, latency=latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         return trtllm_engines([prefill_url], [decode_url], client=client,
                               cancel_window=cancel_window)
@@ -196,7 +197,8 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         counters = cluster.prefill.kv.counters()
         assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
         assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
-        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        async with httpx.AsyncClient() as http:
+            response = await http.get(cluster.prefill_url + "/metrics")
         samples = metric_samples(response.text)
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_kv_served_requests_total"] == 1
@@ -348,6 +350,7 @@ async def test_context_leg_is_never_aborted_after_its_handoff() -> None:
               "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
               "prompt_token_ids": [1, 2, 3]}
     answering = trio.Event()
+    computing = trio.Event()
     release = trio.Event()
     read_to_the_end: list[bool] = []
 
@@ -371,6 +374,7 @@ async def test_context_leg_is_never_aborted_after_its_handoff() -> None:
 
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.headers["x-request-id"] == "before":
+            computing.set()
             await trio.sleep_forever()  # still computing when stopped
         return httpx.Response(200, headers={"content-type": "application/json"},
                               content=Body())
@@ -386,7 +390,7 @@ async def test_context_leg_is_never_aborted_after_its_handoff() -> None:
                     if rid == "before":
                         nursery.start_soon(partial(engine.generate, completion(rid), context,
                                                    send))
-                        await trio.sleep(0.05)
+                        await computing.wait()
                     else:
                         await nursery.start(engine.generate, completion(rid), context, send)
                         await answering.wait()
@@ -515,7 +519,8 @@ async def test_mock_trtllm_workers_context_answers_and_lease() -> None:
             gen_url = f"http://127.0.0.1:{gen_port}/v1/completions"
             wrong = await client.post(gen_url, json=context_body(body, 1))
             assert wrong.status_code == 400  # a generation server takes no context request
-            await trio.sleep(0.3)  # nobody pulls: the lease expires, the blocks are stranded
+            # nobody pulls: the 0.2 s lease expires, the blocks are stranded
+            await wait_until(lambda: context.kv.counters().held_blocks == 0)
             samples = metric_samples((await client.get("/metrics")).text)
             assert samples["trio_disagg_mock_kv_held_blocks"] == 0
             assert samples["trio_disagg_mock_kv_stranded_blocks_total"] == 3

@@ -60,6 +60,7 @@ from trio_disagg import (
 )
 from trio_disagg.engines import (
     PREFILL_KV_TRANSFER_PARAMS,
+    Client,
     LatencyModel,
     VllmEngine,
     decode_body,
@@ -93,7 +94,7 @@ async def vllm_cluster(
                                  latency=latency, kv_ttl=KV_TTL, model=prefill_model)
     decode = create_mock_worker("decode", fault_injection=True, latency=latency)
 
-    def engines(prefill_url: str, decode_url: str, client: httpx.AsyncClient
+    def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
         return vllm_engines([prefill_url], [decode_url], client=client,
                             cancel_window=cancel_window)
@@ -190,7 +191,8 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         counters = cluster.prefill.kv.counters()
         assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
         assert cluster.prefill.stats.kv_transfers == 1 == cluster.decode.stats.kv_pulls
-        response = await cluster.client.get(cluster.prefill_url + "/metrics")
+        async with httpx.AsyncClient() as http:
+            response = await http.get(cluster.prefill_url + "/metrics")
         samples = metric_samples(response.text)
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_kv_served_requests_total"] == 1
@@ -470,7 +472,8 @@ async def test_mock_worker_endpoints_and_ttl() -> None:
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == \
                 expected_cached({"prompt": PROMPT})
             assert prefill.kv.counters().held_blocks == 3
-            await trio.sleep(0.3)  # nobody pulls: the lease expires, the blocks are stranded
+            # nobody pulls: the 0.2 s lease expires, the blocks are stranded
+            await wait_until(lambda: prefill.kv.counters().held_blocks == 0)
             samples = metric_samples((await client.get("/metrics")).text)
             assert samples["trio_disagg_mock_kv_held_blocks"] == 0
             assert samples["trio_disagg_mock_kv_stranded_blocks_total"] == 3

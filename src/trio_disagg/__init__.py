@@ -7,8 +7,10 @@ docs/semantics.md).
 
 from ._context import RequestContext as RequestContext
 from ._engine import CancelWindow as CancelWindow
+from ._engine import DecodeEngine as DecodeEngine
 from ._engine import Engine as Engine
 from ._engine import HandoffStyle as HandoffStyle
+from ._engine import PrefillEngine as PrefillEngine
 from ._engine import cancel_window_of as cancel_window_of
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import InvalidPrefillHandoff as InvalidPrefillHandoff
@@ -25,6 +27,11 @@ from ._gate import Gatekeeper as Gatekeeper
 from ._gate import is_decode_failure as is_decode_failure
 from ._handoff import HandoffOwner as HandoffOwner
 from ._handoff import HandoffState as HandoffState
+from ._health import HealthMonitor as HealthMonitor
+from ._health import HealthProbe as HealthProbe
+from ._health import HealthState as HealthState
+from ._health import RetryPolicy as RetryPolicy
+from ._health import WorkerHealth as WorkerHealth
 from ._keeper import PrefillTask as PrefillTask
 from ._keeper import TransferKeeper as TransferKeeper
 from ._keeper import TransferLeg as TransferLeg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -13,15 +14,15 @@ from functools import partial
 from typing import cast
 
 import attrs
-import httpx
 import trio
 
-from ._demo import ADAPTERS, DEMO_BACKENDS, demo_backends, run_demo
+from ._adapters import ADAPTERS, DEMO_BACKENDS
 from ._engine import CancelWindow, Engine, HandoffStyle
+from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import vllm_client
+from .engines import Client, vllm_client
 from .mock import (
     PROTOCOLS,
     KVCollector,
@@ -41,6 +42,9 @@ POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
 
 #: The exit code of a command that could not start (argparse's).
 EXIT_STARTUP = 2
+#: The environment variable ``serve`` reads its API key from when ``--api-key`` is not
+#: given: a key there stays out of process listings.
+API_KEY_ENV = "TRIO_DISAGG_API_KEY"
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 logger = logging.getLogger("trio_disagg")
@@ -99,6 +103,27 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def limit(text: str) -> int | None:
+    """A whole number >= 0, where 0 is no limit (None)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
+    return value or None
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def _address(host: str, port: int) -> str:
@@ -180,18 +205,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_cmd = commands.add_parser(
-        "serve", help="run the OpenAI-compatible router",
+        "serve", help="run the OpenAI-compatible router", formatter_class=DefaultsFormatter,
         description="Run the router. With no --prefill/--decode it runs the embedded "
-                    "default: in-process mock prefill and decode engines.")
-    serve_cmd.add_argument("--host", default="127.0.0.1")
-    serve_cmd.add_argument("--port", type=port_number, default=8000)
+                    "default: in-process mock prefill and decode engines. "
+                    "docs/router.md, 'Securing and limiting the router', explains the "
+                    "limits, the API key and fault injection.")
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve_cmd.add_argument("--port", type=port_number, default=8000,
+                           help="the TCP port; 0 picks a free one")
     serve_cmd.add_argument("--backend", default="mock",
-                           choices=["mock", "vllm", "sglang", "trtllm"])
+                           choices=["mock", "vllm", "sglang", "trtllm"],
+                           help="the workers' protocol; mock: in-process mock engines")
     serve_cmd.add_argument("--prefill", action="append", default=[], metavar="URL",
-                           help="a prefill worker (repeat for several); for sglang "
-                                "URL or URL,BOOTSTRAP_PORT")
+                           help="a prefill worker, http(s)://host[:port] (repeat for "
+                                "several); for sglang URL or URL,BOOTSTRAP_PORT (default: "
+                                "none; required with --backend vllm, sglang or trtllm)")
     serve_cmd.add_argument("--decode", action="append", default=[], metavar="URL",
-                           help="a decode worker (repeat for several)")
+                           help="a decode worker (repeat for several) (default: none; "
+                                "required with --backend vllm, sglang or trtllm)")
     serve_cmd.add_argument("--model", default="trio-disagg-mock",
                            help="the model name clients must ask for")
     serve_cmd.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES),
@@ -205,12 +236,48 @@ def build_parser() -> argparse.ArgumentParser:
              "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
              "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
              "and TensorRT-LLM before_handoff, the embedded mocks never)")
-    serve_cmd.add_argument("--drain-window", type=seconds, default=30.0,
+    serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
                            help="seconds in-flight streams and transfers get on shutdown")
+    serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
+                           help="seconds between two probes of each worker's GET /health "
+                                "(default 5; the embedded mocks are not probed)")
+    serve_cmd.add_argument("--health-timeout", type=positive_seconds, default=2.0,
+                           help="seconds a health probe may take (default 2)")
+    serve_cmd.add_argument("--max-attempts", type=positive_int, default=2,
+                           help="attempts per leg, on another worker each, for a leg that "
+                                "failed before the first byte (default 2; 1: no retry; "
+                                "rule B9 in docs/semantics.md)")
     for name, default in attrs_defaults(Deadlines()).items():
         serve_cmd.add_argument(f"--{name.replace('_', '-')}-deadline", type=positive_seconds,
-                               default=default, dest=f"deadline_{name}",
-                               help=f"seconds (default {default:g}; rule B2 in docs/semantics.md)")
+                               default=default, dest=f"deadline_{name}", metavar="SECONDS",
+                               help=f"seconds (default: {default:g}; rule B2 in "
+                                    "docs/semantics.md)")
+    limits = serve_cmd.add_argument_group(
+        "limits and security", "Checked before any worker is called (docs/router.md, "
+        "'Securing and limiting the router').")
+    limits.add_argument("--api-key", metavar="KEY",
+                        help=f"every /v1/* request must send 'Authorization: Bearer KEY', "
+                             f"else 401 (default: ${API_KEY_ENV} if set, else no key; "
+                             f"prefer the variable: it stays out of process listings)")
+    limits.add_argument("--protect-metrics", action="store_true",
+                        help="with an API key, /health and /metrics need it too")
+    limits.add_argument("--max-body-bytes", type=positive_int, default=2 * 1024 * 1024,
+                        metavar="BYTES", help="the largest request body; larger: 413")
+    limits.add_argument("--max-prompt-bytes", type=positive_int, default=1024 * 1024,
+                        metavar="BYTES",
+                        help="the largest prompt (a chat's messages, a completion's prompt, "
+                             "as JSON); larger: 400 prompt_too_long")
+    limits.add_argument("--max-in-flight", type=limit, default=1024, metavar="N",
+                        help="generation requests handled at once; past it: 503 with "
+                             "Retry-After at once (0: no limit)")
+    limits.add_argument("--max-keeper-tasks", type=limit, default=4096, metavar="N",
+                        help="KV transfers and cleanups in flight (prefill drains, decode "
+                             "legs kept for a transfer, cleanup decodes) at which new "
+                             "requests get 503; a transfer already started always runs "
+                             "(0: no limit)")
+    limits.add_argument("--fault-injection", action="store_true",
+                        help="pass a client's \"fault\" body field on to the workers "
+                             "(testing only; else it is removed from every request)")
 
     worker_cmd = commands.add_parser(
         "mock-worker", help="run one mock prefill or decode worker over HTTP",
@@ -271,6 +338,7 @@ async def serve_command(args: argparse.Namespace) -> int:
     deadlines = Deadlines(**{name: getattr(args, f"deadline_{name}")
                              for name in attrs_defaults(Deadlines())})
     policy = POLICIES[args.policy]
+    api_key = api_key_of(args)
     client = vllm_client()
     prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
     windows = cancel_windows(args.cancel_window, [engine.name for engine in prefill])
@@ -279,9 +347,17 @@ async def serve_command(args: argparse.Namespace) -> int:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
             router = DisaggRouter(WorkerPool(prefill, policy=policy(), cancel_windows=windows),
                                   WorkerPool(decode, policy=policy()), keeper,
-                                  deadlines=deadlines)
+                                  deadlines=deadlines,
+                                  retry=RetryPolicy(max_attempts=args.max_attempts))
+            health = HealthMonitor([*router.prefill.workers, *router.decode.workers],
+                                   interval=args.health_interval, timeout=args.health_timeout)
             try:
-                app = create_app(router, models=[args.model])
+                app = create_app(
+                    router, models=[args.model], max_body_bytes=args.max_body_bytes,
+                    max_prompt_bytes=args.max_prompt_bytes, api_key=api_key,
+                    protect_metrics=args.protect_metrics, max_in_flight=args.max_in_flight,
+                    max_keeper_tasks=args.max_keeper_tasks,
+                    fault_injection=args.fault_injection)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
             if cluster is not None:  # the embedded mocks' KV blocks (docs/protocols.md section 5)
@@ -291,7 +367,7 @@ async def serve_command(args: argparse.Namespace) -> int:
                     port = await nursery.start(partial(
                         serve, app, host=args.host, port=args.port,
                         shutdown_trigger=shutdown_trigger,
-                        graceful_timeout=args.drain_window))
+                        graceful_timeout=args.drain_window, health=health))
                 except* OSError as group:
                     raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
                                        f"{_reason(group)}") from None
@@ -301,6 +377,25 @@ async def serve_command(args: argparse.Namespace) -> int:
                       flush=True)
 
     return await run_until_signalled("serve", body)
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else :data:`API_KEY_ENV`, else None (no key).
+
+    Raises:
+        StartupError: the key given is empty or blank (an unset variable expanded to
+            nothing must not silently turn authentication off).
+    """
+    key: str | None = args.api_key
+    where = "--api-key"
+    if key is None:
+        key = os.environ.get(API_KEY_ENV)
+        where = API_KEY_ENV
+    if key is not None and not key.strip():
+        raise StartupError(f"{where} is empty; give a key, or unset it to serve without one")
+    if args.protect_metrics and key is None:
+        raise StartupError(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
+    return key
 
 
 def cancel_windows(specs: Sequence[str], workers: Sequence[str]) -> dict[str, CancelWindow]:
@@ -343,7 +438,7 @@ def cancel_windows(specs: Sequence[str], workers: Sequence[str]) -> dict[str, Ca
 
 
 def engines_for(
-    args: argparse.Namespace, client: httpx.AsyncClient
+    args: argparse.Namespace, client: Client
 ) -> tuple[list[Engine], list[Engine], MockCluster | None]:
     """The engines ``serve`` routes to: in-process mocks (and their cluster, whose KV
     counters ``/metrics`` then shows), or adapters over HTTP."""
@@ -436,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "mock-worker":
         return run_command("mock-worker", mock_worker_command, args)
     if args.command == "demo":
+        from ._demo import demo_backends, run_demo  # the demo extra: the openai client
+
         names = DEMO_BACKENDS if args.backend == "all" else (args.backend,)
         backends = demo_backends(names, args.seed)
         return trio.run(partial(run_demo, backends, requests=args.requests,

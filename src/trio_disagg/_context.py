@@ -21,12 +21,20 @@ class RequestContext:
     controller downgrades here, we do not).
 
     Every method is synchronous and safe to call from any task of the same trio run;
-    ``stopped()`` and ``killed()`` are level-triggered (C2).
+    ``stopped()`` and ``killed()`` are level-triggered (C2). A context is not a cancel
+    scope: stopping it cancels nothing by itself, the producer decides how to honour it
+    (``on_stop`` with a cancel scope is the usual way). Cancelling the task that waits on
+    a context does not change the context.
 
     Args:
         request_id: the request's id, shared by the client context and its prefill and
             decode legs.
-        metadata: read-only values carried along (trace ids, the session id, ...).
+        metadata: read-only values carried along (trace ids, the session id, ...); copied,
+            then exposed as a read-only mapping.
+
+    Attributes:
+        id: the request id.
+        metadata: the read-only metadata.
     """
 
     __slots__ = ("_callbacks", "_children", "_killed", "_state", "_stopped", "id", "metadata")
@@ -53,10 +61,18 @@ class RequestContext:
 
     @property
     def is_killed(self) -> bool:
+        """True once killed (C1); a killed context is also stopped."""
         return self._state == _KILLED
 
     def stop_generating(self) -> None:
-        """Ask the producer to stop; children are stopped first (C3, C4)."""
+        """Ask the producer to stop and end its stream with one ``cancelled`` finish;
+        what it already sent stays valid (C1).
+
+        Linked children are stopped first (C4), then this context's waiters are woken and
+        its ``on_stop`` callbacks called with ``killed=False``. A context already stopped
+        or killed is left as it is: a stop never downgrades a kill (C3). Never raises
+        (unless a callback does, which it must not).
+        """
         if self._state >= _STOPPED:
             return  # already stopped or killed: never downgrade a kill (C3)
         for child in self._children:
@@ -67,7 +83,12 @@ class RequestContext:
         self._notify(killed=False)
 
     def kill(self) -> None:
-        """Ask the producer to stop at once, without draining; children first (C3, C4)."""
+        """Ask the producer to stop at once and send nothing more (C1).
+
+        Linked children are killed first (C4), then waiters of both ``stopped()`` and
+        ``killed()`` are woken and the ``on_stop`` callbacks called with ``killed=True``.
+        Killing a killed context does nothing; killing a stopped one upgrades it (C3).
+        """
         if self._state == _KILLED:
             return
         for child in self._children:
@@ -80,7 +101,8 @@ class RequestContext:
         self._notify(killed=True)
 
     async def stopped(self) -> None:
-        """Return once the context is stopped or killed; at once if it already is (C2)."""
+        """Return once the context is stopped or killed; at once (after a checkpoint) if it
+        already is (C2). Cancelling the wait leaves the context as it is."""
         if self._state >= _STOPPED:
             await trio.lowlevel.checkpoint()
             return
@@ -89,7 +111,8 @@ class RequestContext:
         await self._stopped.wait()
 
     async def killed(self) -> None:
-        """Return once the context is killed; at once if it already is (C2)."""
+        """Return once the context is killed; at once (after a checkpoint) if it already
+        is (C2). Cancelling the wait leaves the context as it is."""
         if self._state == _KILLED:
             await trio.lowlevel.checkpoint()
             return
@@ -100,7 +123,12 @@ class RequestContext:
     def link_child(self, child: RequestContext) -> None:
         """Propagate this context's stop and kill to ``child`` (C4).
 
-        A child linked to an already stopped or killed context is brought to that state now.
+        The link is one way: stopping ``child`` leaves this context as it is. A child
+        linked to an already stopped or killed context is brought to that state now. The
+        router links a decode leg's context; never a prefill's (C5).
+
+        Args:
+            child: the context of a leg working for this request.
         """
         self._children.append(child)
         if self.is_killed:
@@ -117,11 +145,17 @@ class RequestContext:
         return RequestContext(self.id, self.metadata)
 
     def on_stop(self, callback: Callable[[bool], None]) -> None:
-        """Call ``callback(killed)`` on each state change (stop, then possibly kill).
+        """Call ``callback(killed)`` on each state change: ``False`` on a stop, ``True``
+        on a kill (a stop then a kill calls it twice) (C1, C2).
 
-        The usual callback cancels a producer's cancel scope on kill. Callbacks run
-        synchronously inside ``stop_generating()`` / ``kill()`` and must not raise. A
-        callback registered on a context already stopped or killed is called at once.
+        The usual callback cancels a producer's cancel scope. Callbacks run synchronously
+        inside ``stop_generating()`` / ``kill()`` and must not raise (nor await). A
+        callback registered on a context already stopped or killed is called at once,
+        with its current state. Callbacks cannot be removed; they live as long as the
+        context.
+
+        Args:
+            callback: called with ``killed``.
         """
         self._callbacks.append(callback)
         if self.is_killed:

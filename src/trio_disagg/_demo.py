@@ -23,6 +23,7 @@ import openai
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from ._adapters import ADAPTERS, DEMO_BACKENDS
 from ._demo_workload import (
     Outcome,
     Result,
@@ -37,7 +38,7 @@ from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import sglang_engines, trtllm_engines, vllm_engines, worker_client
+from .engines import WorkerClient, worker_client
 from .mock import KVCounters, LatencyModel, Role, create_mock_worker, mock_cluster, serve_worker
 from .server import create_app, serve
 
@@ -109,27 +110,20 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
             if role == "prefill":
                 bound = getattr(app, "bootstrap_port", None)
                 prefill_specs.append(url if bound is None else f"{url},{bound}")
-    client = worker_client()
-    nursery.start_soon(_close_at_cancel, client)
+    client = worker_client()  # the engines' worker legs
+    http = httpx.AsyncClient(trust_env=False)  # the demo's own reads of /metrics
+    nursery.start_soon(_close_at_cancel, client, http)
     prefill, decode = ADAPTERS[protocol](prefill_specs, urls["decode"], client=client)
 
     async def counters() -> KVCounters:
         total = KVCounters()
         for url in urls["prefill"]:
-            response = await client.get(f"{url}/metrics")
+            response = await http.get(f"{url}/metrics")
             response.raise_for_status()
             total += _kv_from_metrics(response.text)
         return total
 
     return Backend(protocol, True, list(prefill), list(decode), counters)
-
-
-#: The HTTP adapters by protocol name: ``(prefill specs, decode URLs, client=)`` to engines.
-ADAPTERS: dict[str, Callable[..., tuple[Sequence[Engine], Sequence[Engine]]]] = {
-    "vllm": vllm_engines,
-    "sglang": sglang_engines,
-    "trtllm": trtllm_engines,
-}
 
 
 def _kv_from_metrics(text: str) -> KVCounters:
@@ -154,12 +148,13 @@ def _kv_from_metrics(text: str) -> KVCounters:
     )
 
 
-async def _close_at_cancel(client: httpx.AsyncClient) -> None:
+async def _close_at_cancel(client: WorkerClient, http: httpx.AsyncClient) -> None:
     try:
         await trio.sleep_forever()
     finally:
         with trio.move_on_after(1, shield=True):
             await client.aclose()
+            await http.aclose()
 
 
 @attrs.define
@@ -193,7 +188,7 @@ async def drive_backend(
             keeper,
             deadlines=DEMO_DEADLINES,
         )
-        app = create_app(router, models=[MODEL])
+        app = create_app(router, models=[MODEL], fault_injection=True)  # faults: on purpose
         async with trio.open_nursery() as nursery:
             port = await nursery.start(
                 partial(serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait)
@@ -339,8 +334,5 @@ def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
         factories[protocol] = partial(http_backend, protocol, seed)
     return [factories[name] for name in names]
 
-
-#: Every backend the demo knows, in the order ``--backend all`` runs them.
-DEMO_BACKENDS = ("mock-sequential", "mock-bootstrap", *ADAPTERS)
 
 __all__ = ["DEMO_BACKENDS", "Outcome", "demo_backends", "run_demo"]

@@ -1,4 +1,5 @@
-"""The ``Engine`` protocol: how the router sees a prefill or decode worker."""
+"""The engine protocols: how the router sees a decode worker (:class:`DecodeEngine`) and a
+prefill worker (:class:`PrefillEngine`)."""
 
 from __future__ import annotations
 
@@ -47,17 +48,26 @@ class CancelWindow(enum.Enum):
 
 
 def cancel_window_of(engine: object) -> CancelWindow:
-    """The engine's ``cancel_window`` attribute, or :attr:`CancelWindow.NEVER` if it has
-    none (the attribute is optional in the :class:`Engine` protocol)."""
+    """The cancel window a prefill engine declares (rule B10 in docs/semantics.md).
+
+    Args:
+        engine: any engine; ``cancel_window`` is optional on a :class:`PrefillEngine`.
+
+    Returns:
+        Its ``cancel_window`` attribute, or :attr:`CancelWindow.NEVER` if it has none or
+        that is not a :class:`CancelWindow`.
+    """
     window = getattr(engine, "cancel_window", CancelWindow.NEVER)
     return window if isinstance(window, CancelWindow) else CancelWindow.NEVER
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """A prefill or decode worker, as the router drives it: the whole contract.
+class DecodeEngine(Protocol):
+    """A worker as the router drives it: the whole contract, and all a decode worker needs.
 
-    docs/howto-engine.md walks through it with a minimal prefill and decode engine
+    Every engine has a ``name`` and a ``generate`` method; a decode-only engine has
+    nothing else. A prefill engine is a :class:`PrefillEngine`, which adds how it hands
+    off. docs/howto-engine.md walks through both with a minimal pair
     (``examples/07_write_an_engine.py``). The rule ids are those of docs/semantics.md.
 
     **Dispatch.** The router calls ``generate(request, context, send_channel,
@@ -73,10 +83,10 @@ class Engine(Protocol):
     stream is the channel's end.
 
     **A prefill engine** serves the client's request as the router received it: the
-    ``body`` is the client's, ``max_tokens`` the client's budget. Cutting the prefill to
-    what a prefill needs (one token, not streamed, plus the worker's handoff options) is
-    the engine's job; the router adds nothing to the request (B8). Its FIRST output
-    decides what happens (S1-S10):
+    ``body`` is the client's, ``max_tokens`` the client's budget (tokens). Cutting the
+    prefill to what a prefill needs (one token, not streamed, plus the worker's handoff
+    options) is the engine's job; the router adds nothing to the request (B8). Its FIRST
+    output decides what happens (S1-S10):
 
     - a handoff: ``data.disaggregated_params`` carries what the decode worker needs to
       find the KV (an opaque JSON value), with no finish reason or ``length``. With it,
@@ -130,30 +140,11 @@ class Engine(Protocol):
     ``Annotated.from_exception(exc)`` (keeps the typed exception for the server) or
     ``Annotated.from_error(message)``, and end the stream.
 
-    **Cancel window** (optional, prefill engines, B10): a ``cancel_window`` attribute, a
-    :class:`CancelWindow`, says when the router may cancel the prefill of a client that
-    left without stranding KV. An engine without one is :attr:`CancelWindow.NEVER`: the
-    keeper runs its prefill to the end and the router consumes the staged KV (B1).
-
-    **Decode-only engines** must still have the ``handoff_style``, ``bootstrap_host``
-    and ``bootstrap_port`` attributes today: the protocol is shared by both pools. Use
-    ``HandoffStyle.SEQUENTIAL``, ``None`` and ``None``; the router reads them only on
-    prefill engines.
-
     Attributes:
         name: unique within its pool; shown in metrics and logs.
-        handoff_style: for prefill engines, how they hand off (a decode-only engine:
-            :attr:`HandoffStyle.SEQUENTIAL`).
-        bootstrap_host, bootstrap_port: for BOOTSTRAP prefill engines, where the decode
-            worker meets them (docs/protocols.md section 3); None otherwise.
-        cancel_window: optional, for prefill engines: a :class:`CancelWindow` (read with
-            :func:`cancel_window_of`; :attr:`CancelWindow.NEVER` if absent).
     """
 
     name: str
-    handoff_style: HandoffStyle
-    bootstrap_host: str | None
-    bootstrap_port: int | None
 
     async def generate(
         self,
@@ -162,4 +153,51 @@ class Engine(Protocol):
         send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None: ...
+    ) -> None:
+        """Serve ``request``, sending its outputs into ``send_channel`` (the contract
+        above).
+
+        Args:
+            request: the client's request; a decode's carries the handoff
+                (``prefill_result`` or ``bootstrap_info``).
+            context: this leg's context: stop or kill it as it says (C1-C3).
+            send_channel: where the outputs go; close it when the stream ends.
+            task_status: ``started()`` once the worker accepted the request.
+
+        Raises:
+            WorkerError: the worker refused the request, before ``started()`` only.
+        """
+        ...
+
+
+@runtime_checkable
+class PrefillEngine(DecodeEngine, Protocol):
+    """A prefill worker: a :class:`DecodeEngine` that also says how it hands KV off.
+
+    The router reads these attributes on the engines of its prefill pool only; a
+    decode-only engine need not have them. An engine that serves both pools (the
+    library's own do) is a :class:`PrefillEngine`.
+
+    **Cancel window** (optional, B10): a ``cancel_window`` attribute, a
+    :class:`CancelWindow`, says when the router may cancel the prefill of a client that
+    left without stranding KV. An engine without one is :attr:`CancelWindow.NEVER`: the
+    keeper runs its prefill to the end and the router consumes the staged KV (B1). It is
+    not a protocol member (a protocol cannot make an attribute optional): read it with
+    :func:`cancel_window_of`.
+
+    Attributes:
+        handoff_style: how the engine hands off (S5-S7): :class:`HandoffStyle`.
+        bootstrap_host, bootstrap_port: for ``BOOTSTRAP`` engines, where the decode
+            worker meets them (docs/protocols.md section 3); None otherwise (the router
+            refuses to route a bootstrap request to an engine without both).
+    """
+
+    handoff_style: HandoffStyle
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+
+
+#: An engine for either pool: a :class:`PrefillEngine` (which is also a
+#: :class:`DecodeEngine`). Kept for code written before the two protocols were split;
+#: annotate a decode-only engine with :class:`DecodeEngine`.
+Engine = PrefillEngine

@@ -1,26 +1,37 @@
-"""The typed errors of trio-disagg."""
+"""The typed errors of trio-disagg. Each is raised bare by the public call that documents
+it, never inside an exception group; the server maps each to an HTTP status
+(docs/protocols.md)."""
 
 from __future__ import annotations
 
 
 class TrioDisaggError(Exception):
-    """Base class of every error trio-disagg raises on purpose."""
+    """Base class of every error trio-disagg raises on purpose: catch it to catch them
+    all (a bug raises something else)."""
 
 
 class WireFormatError(TrioDisaggError, ValueError):
-    """A value on the wire did not have the expected shape (bad JSON, wrong type, ...)."""
+    """A value on the wire did not have the expected shape (bad JSON, wrong type, a
+    missing field): raised by :func:`~trio_disagg.from_wire`. It is also a
+    :exc:`ValueError`."""
 
 
 class PrefillError(TrioDisaggError):
     """The prefill leg failed, so the request cannot be decoded (rules S1-S9, T3, T4 in
     docs/semantics.md).
 
-    The message carries the prefill worker's own error text where there is one.
+    The message carries the prefill worker's own error text where there is one; a
+    worker's refusal is its ``__cause__`` (a :class:`WorkerError`, whose 4xx status the
+    server passes on). A prefill task that crashed or was cancelled reports "did not
+    complete" (T3). The server answers 502 (code ``prefill_failed``) unless a subclass or
+    the cause says otherwise.
     """
 
 
 class NoDisaggregatedParams(PrefillError):
-    """A prefill that needs a handoff returned nothing usable to hand off (S8, S9)."""
+    """A prefill that needs a handoff returned nothing usable to hand off (S8, S9): no
+    ``disaggregated_params`` on a non-terminal first output, or a TensorRT-LLM context
+    without a usable ``ctx_request_id``. No decode is dispatched."""
 
 
 class InvalidPrefillHandoff(NoDisaggregatedParams):
@@ -53,11 +64,15 @@ class DeadlineExceeded(TrioDisaggError, TimeoutError):
 
 
 class NoWorkerAvailable(TrioDisaggError):
-    """Every worker of a pool is unhealthy or the pool is empty."""
+    """A pool has no worker to offer: it is empty (a pool whose workers are all cooling
+    down still chooses one, S12). The server answers 503."""
 
 
 class WorkerError(TrioDisaggError):
     """A worker refused or failed a request.
+
+    An engine raises it from ``generate`` before ``task_status.started()`` only (after
+    that, a failure is one error item). The server answers with ``status``.
 
     Attributes:
         status: the HTTP-like status to show the client: the worker's own 4xx, or 502
@@ -86,15 +101,18 @@ class WorkerError(TrioDisaggError):
         self.handoff_lost = handoff_lost
 
 
-
 class PrefillCancelled(PrefillError):
     """The router ended the prefill on purpose: its client left inside the engine's cancel
-    window (B10), or no decode will ever take its KV (B6). Nothing was stranded."""
+    window (B10), or no decode will ever take its KV (B6). Nothing was stranded. The
+    keeper logs it at INFO, not as a failure."""
 
 
 class PrefillDeadlineExceeded(DeadlineExceeded, PrefillError):
-    """The prefill leg ran past its deadline (B2); it is both a deadline and a prefill error."""
+    """The prefill leg ran past its deadline (B2): ``what`` is ``"prefill"`` (the wait for
+    the handoff) or ``"transfer"`` (the whole prefill leg). It is both a
+    :class:`DeadlineExceeded` and a :class:`PrefillError`; the server answers 504."""
 
 
 class RouterClosed(TrioDisaggError):
-    """The router is shutting down and admits no new requests (rule B3 in docs/semantics.md)."""
+    """The router is shutting down and admits no new requests (rule B3 in
+    docs/semantics.md); the server answers 503."""

@@ -11,7 +11,7 @@ import trio
 from ._context import RequestContext
 from ._errors import DeadlineExceeded, PrefillError
 from ._keeper import PrefillTask
-from ._prefill import Terminal
+from ._prefill import Handoff, PrefillCompletion, Terminal
 from ._protocols import Annotated, FinishKind, LLMEngineOutput
 
 T = TypeVar("T")
@@ -43,8 +43,21 @@ class Gatekeeper:
     a check per item; a late prefill failure turns what would have been a success into
     one error item (G5, G6).
 
+    The gate takes the prefill as the core gives it: the :class:`PrefillTask` of a
+    prefill leg run by a :class:`TransferKeeper` (whose value, once it succeeded, is a
+    :class:`Handoff` or a :class:`Terminal`), or what :func:`consume_prefill_stream`
+    returned. A :class:`Handoff` with a ``drain`` (a bootstrap stream the keeper drains)
+    is watched through that drain; one without has been read to its end, so the prefill
+    succeeded. A :class:`Terminal` (the prefill answered the request itself, S7) makes a
+    gate that dispatches nothing and forwards that answer alone.
+
+    The gate logs nothing: a prefill failure is logged once, by the keeper, from inside
+    the drain that saw it (T2), and reaches the client as one error item (G5, G6) or as
+    the exception :meth:`dispatch` raises (G1).
+
     Args:
-        prefill: the request's prefill drain, owned by a :class:`TransferKeeper`.
+        prefill: the request's prefill: a :class:`PrefillTask`, a :class:`Handoff` or a
+            :class:`Terminal`.
         client_context: stopped when a prefill failure ends the request (G1, G5, G6).
         idle_timeout: seconds to wait for each decode output before failing the stream
             with a "decode idle" error (B2).
@@ -53,18 +66,26 @@ class Gatekeeper:
         on_first_output: called once, synchronously, when the first decode output (or
             the end of the decode stream) arrives. The router links the client's context
             to a decode leg that is part of a KV transfer only then (B6, G9).
+
+    Raises:
+        TypeError: ``prefill`` is none of those.
+
+    Attributes:
+        prefill: the :class:`PrefillTask` the gate watches.
     """
 
     def __init__(
         self,
-        prefill: PrefillTask[Any],
+        prefill: PrefillTask[Any] | PrefillCompletion,
         client_context: RequestContext,
         *,
         idle_timeout: float = math.inf,
         terminal_hold_timeout: float = math.inf,
         on_first_output: Callable[[], object] | None = None,
     ) -> None:
-        self.prefill = prefill
+        #: A Terminal: there is no decode to dispatch (S7).
+        self._answer_only = isinstance(prefill, Terminal)
+        self.prefill: PrefillTask[Any] = _as_task(prefill, client_context.id)
         self._on_first_output = on_first_output
         if on_first_output is not None:
             self._receive = self._receive_first  # type: ignore[method-assign]
@@ -88,13 +109,30 @@ class Gatekeeper:
         the dispatch is pending cancels the dispatch. If both are ready together the prefill
         is looked at first, so a failed prefill always wins (G1).
 
+        A gate made from a :class:`Terminal` starts nothing and returns None (S7): the
+        prefill's answer is all :meth:`forward` sends.
+
+        Args:
+            nursery: the request's nursery, where the decode leg runs.
+            start_decode: an async function that calls ``task_status.started()`` once the
+                decode worker accepted the request (an engine's ``generate``, or a
+                wrapper around it).
+            *args: passed to ``start_decode``.
+
         Returns:
             Whatever ``start_decode`` passed to ``task_status.started()``.
 
         Raises:
             PrefillError: the prefill failed first; the client context is stopped, and a
                 decode leg that was already started is stopped through it when linked.
+            Exception: what ``start_decode`` raised before it started (e.g. a
+                :class:`~trio_disagg.WorkerError`), bare, when the prefill did not fail.
+
+        Cancellation (the client left) cancels the dispatch; the prefill is the keeper's
+        and runs on (G9).
         """
+        if self._answer_only:
+            return None
         if self.prefill.succeeded:
             return await nursery.start(start_decode, *args)  # G2
         started: Any = None
@@ -323,6 +361,20 @@ class Gatekeeper:
             decode_context.stop_generating()
         # The item carries the exception itself: the server maps its type to a status.
         await send_channel.send(Annotated.from_exception(error))
+
+
+def _as_task(prefill: PrefillTask[Any] | PrefillCompletion, name: str) -> PrefillTask[Any]:
+    """The task a gate watches, from what the core gave for the prefill."""
+    if isinstance(prefill, PrefillTask):
+        return prefill
+    if isinstance(prefill, Handoff) and prefill.drain is not None:
+        return prefill.drain  # the keeper drains the rest: its outcome is the prefill's
+    if isinstance(prefill, (Handoff, Terminal)):
+        done: PrefillTask[PrefillCompletion] = PrefillTask(name)
+        done._finish(prefill, None)  # read to its end already: the prefill succeeded
+        return done
+    raise TypeError(f"a Gatekeeper needs a PrefillTask, a Handoff or a Terminal, "
+                    f"got {type(prefill).__name__}")
 
 
 __all__ = ["Gatekeeper", "PrefillError", "is_decode_failure"]

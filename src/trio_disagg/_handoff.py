@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._engine import CancelWindow, HandoffStyle
+from ._engine import CancelWindow, DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import WorkerError
 from ._keeper import PrefillTask, TransferLeg
 from ._pool import Worker
@@ -50,7 +50,9 @@ PREFILL_STOP_GRACE = 2.0
 
 
 class HandoffState(enum.Enum):
-    """Where a request's handoff stands (:attr:`HandoffOwner.state`)."""
+    """Where a request's handoff stands (:attr:`HandoffOwner.state`): PENDING, then
+    STAGED or DISPATCHED, and one of the settled states, CONSUMED, RELEASED, TERMINAL or
+    FAILED (B1, B6, B10). Once settled, the KV is accounted for."""
 
     #: The prefill runs; no KV is staged that a decode could take.
     PENDING = "pending"
@@ -75,7 +77,13 @@ _SETTLED = frozenset({HandoffState.CONSUMED, HandoffState.RELEASED, HandoffState
 
 @attrs.define(eq=False)
 class HandoffOwner:
-    """Owns one request's handoff from dispatch to its end (a strategy per handoff style).
+    """Owns one request's handoff from dispatch to its end (a strategy per handoff style;
+    rules B1, B6, B10 in docs/semantics.md).
+
+    The router makes one per request (:attr:`RequestStream.handoff
+    <trio_disagg.RequestStream.handoff>`) and drives it: its methods are facts the
+    prefill leg and the request side report, each synchronous (nothing awaits between a
+    fact and its decision) and none raising. Read it; do not call them yourself.
 
     Attributes:
         state: the :class:`HandoffState`.
@@ -95,8 +103,8 @@ class HandoffOwner:
     router: DisaggRouter
     request: PreprocessedRequest
     context: RequestContext
-    prefill_worker: Worker
-    decode_worker: Worker
+    prefill_worker: Worker[PrefillEngine]
+    decode_worker: Worker[DecodeEngine]
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER
@@ -113,6 +121,10 @@ class HandoffOwner:
     handoff: PrefillResult | None = None
     #: The decode leg's first output reached the gatekeeper (its KV was fetched).
     first_output_seen: bool = False
+    #: Why the decode leg ended before its worker accepted, if it did while the request
+    #: was still open: decided on again when the request closes (the leg may end before
+    #: or after that, whichever the scheduler runs first).
+    refusal: BaseException | None = None
 
     def __attrs_post_init__(self) -> None:
         self.window = self.prefill_worker.cancel_window
@@ -129,11 +141,29 @@ class HandoffOwner:
 
         Raises:
             PrefillError: the prefill failed.
+
+        Cancelling the wait does not affect the prefill leg (T1).
         """
         completion = await self.prefill_task.result()
         if isinstance(completion, Terminal):
             return completion
         return attrs.evolve(self.request, prefill_result=completion.result)
+
+    def switch_prefill_worker(self, worker: Worker[PrefillEngine]) -> None:
+        """The prefill is tried again on ``worker`` (B9): the first attempt was refused
+        before it answered, so it staged nothing."""
+        assert self.state is HandoffState.PENDING and self.request.bootstrap_info is None
+        self.prefill_worker = worker
+        self.window = worker.cancel_window
+        self.request = attrs.evolve(self.request, routing=attrs.evolve(
+            self.request.routing, prefill_worker=worker.name))
+
+    def switch_decode_worker(self, worker: Worker[DecodeEngine]) -> None:
+        """The decode is tried again on ``worker`` with the same handoff (B9): the first
+        decode worker did not accept it, so the KV is still staged."""
+        self.decode_worker = worker
+        self.request = attrs.evolve(self.request, routing=attrs.evolve(
+            self.request.routing, decode_worker=worker.name))
 
     # --- facts, reported by the prefill leg -------------------------------------------
 
@@ -208,6 +238,8 @@ class HandoffOwner:
         if not self.request_open:
             return
         self.request_open = False
+        if self.refusal is not None:
+            self.decode_not_accepted(self.refusal)  # now with nobody left to decide
         if self.state not in _SETTLED and self.state is not HandoffState.DISPATCHED:
             self._abandon(client_left=client_left)
 
@@ -276,6 +308,8 @@ class SequentialOwner(HandoffOwner):
             self.staged = None
         elif not self.request_open:
             self._consume()  # B1, for a leg the request had left to the keeper
+        else:
+            self.refusal = error  # the request decides when it closes
 
     def _abandon(self, *, client_left: bool) -> None:
         if self.state is HandoffState.STAGED:
@@ -325,7 +359,9 @@ class BootstrapOwner(HandoffOwner):
         # A decode that was not accepted never joined the room, and no other will: end the
         # prefill waiting in it at once instead of leaving it to the bootstrap timeout (B6).
         # While the request is open it sees the refusal first, then closes (G1).
-        if self.state is HandoffState.PENDING and not self.request_open:
+        if self.request_open:
+            self.refusal = error
+        elif self.state is HandoffState.PENDING:
             self._cancel_prefill(why="no decode will join its room")
 
     def _abandon(self, *, client_left: bool) -> None:

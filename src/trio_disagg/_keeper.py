@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import trio
+from trio_util import AsyncValue
 
 from ._errors import PrefillCancelled, PrefillError
 from ._tracker import PhasePermit
@@ -27,11 +28,16 @@ CLEANUP = "B1 cleanup"
 
 
 class PrefillTask(Generic[T]):
-    """The observable outcome of one prefill drain running in a :class:`TransferKeeper`.
+    """The observable outcome of one prefill drain running in a :class:`TransferKeeper`
+    (:meth:`TransferKeeper.start` returns it).
 
     The drain belongs to the keeper, not to whoever holds this object: cancelling or
     dropping the observer detaches it and the drain runs on until the prefill stream ends
-    (T1). Any number of tasks may wait on it.
+    (T1). Any number of tasks may wait on it. A :class:`~trio_disagg.Gatekeeper` takes
+    it as the request's prefill.
+
+    Attributes:
+        name: the drain's name, as the keeper's logs show it (usually the request id).
     """
 
     __slots__ = ("_done", "_error", "_value", "name")
@@ -48,14 +54,17 @@ class PrefillTask(Generic[T]):
 
     @property
     def done(self) -> bool:
+        """True once the drain ended, however it ended."""
         return self._done.is_set()
 
     @property
     def failed(self) -> bool:
+        """True once the drain failed, crashed or was cancelled (:attr:`error` says why)."""
         return self._error is not None
 
     @property
     def succeeded(self) -> bool:
+        """True once the drain returned (:attr:`value` is what it returned)."""
         return self._done.is_set() and self._error is None
 
     @property
@@ -77,7 +86,10 @@ class PrefillTask(Generic[T]):
 
         Raises:
             PrefillError: the drain failed; a drain that crashed with another exception or
-                was cancelled reports "did not complete" (T3).
+                was cancelled reports "did not complete" (T3). The same exception object
+                for every waiter.
+
+        Cancelling the wait does not affect the drain (T1).
         """
         await self._done.wait()
         if self._error is not None:
@@ -95,7 +107,8 @@ class PrefillTask(Generic[T]):
 
 
 class TransferKeeper:
-    """An async context manager owning the nursery in which prefill drains run.
+    """An async context manager owning the nursery in which prefill drains run (rules
+    T1-T3, B3, B5 in docs/semantics.md).
 
     Open it once for the life of the service, outside every request's nursery, so that a
     client's cancellation is never the parent of a KV transfer (T1, G9). A drain never
@@ -110,6 +123,16 @@ class TransferKeeper:
 
     Args:
         drain_window: seconds to let in-flight drains finish on exit.
+
+    Raises:
+        ValueError: a negative or NaN ``drain_window``.
+        RuntimeError: on entering a keeper a second time.
+
+    Attributes:
+        drain_window: as given.
+        started_total: drains and legs started, in all.
+        failed_total: drains that failed or crashed (not those ended on purpose, B6, B10).
+        cancelled_total: drains cancelled before they completed (B3).
     """
 
     def __init__(self, *, drain_window: float = 30.0) -> None:
@@ -119,8 +142,8 @@ class TransferKeeper:
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self._in_flight: dict[object, str] = {}  # drains and legs, by identity: their kind
-        self._idle = trio.Event()
-        self._idle.set()
+        # How many are in flight, for the tasks waiting for the keeper to go idle.
+        self._count = AsyncValue(0)
         #: Tasks started, by kind (:data:`PREFILL_DRAIN`, :data:`DECODE_LEG`, ...).
         self.started_by_kind: Counter[str] = Counter()
         self.started_total = 0
@@ -167,9 +190,9 @@ class TransferKeeper:
         return result
 
     async def wait_idle(self) -> None:
-        """Return once no drain is in flight."""
-        while not self._idle.is_set():
-            await self._idle.wait()
+        """Return once no drain or leg is in flight (B5); at once if none is. Cancelling
+        the wait affects nothing else."""
+        await self._count.wait_value(0)
 
     def start(
         self,
@@ -186,7 +209,8 @@ class TransferKeeper:
             async_fn: the drain, called with no arguments. Its return value becomes the
                 task's result; a :class:`PrefillError` it raises becomes the task's error;
                 any other exception, or cancellation, becomes "did not complete" (T3).
-            name: shown in logs; usually the request id.
+            name: shown in logs (``prefill drain <name> failed: ...``) and in the trio
+                task's name (``<kind> <name>``); usually the request id.
             guard: a teardown guard, entered here and held until the drain ends (S5).
             permit: the request's phase-transition permit, released as the drain
                 starts (S11).
@@ -253,7 +277,9 @@ class TransferKeeper:
                 raise
             self.failed_total += 1
             logger.warning("%s %s crashed", kind, task.name, exc_info=exc)  # T2
-            crash = PrefillError(f"Prefill background task did not complete: {exc!r}")
+            crash = PrefillError(
+                f"Prefill background task did not complete: {task.name} crashed: "
+                f"{_crash_message(exc)}")
             crash.__cause__ = exc
             task._finish(None, crash)
             if not isinstance(exc, Exception):
@@ -267,13 +293,11 @@ class TransferKeeper:
         self._in_flight[key] = kind
         self.started_by_kind[kind] += 1
         self.started_total += 1
-        if len(self._in_flight) == 1:
-            self._idle = trio.Event()
+        self._count.value = len(self._in_flight)
 
     def _leave(self, key: object) -> None:
         del self._in_flight[key]
-        if not self._in_flight:
-            self._idle.set()
+        self._count.value = len(self._in_flight)
 
     def spawn_leg(
         self,
@@ -291,6 +315,13 @@ class TransferKeeper:
         awaits :meth:`TransferLeg.wait_started` instead, which it may abandon. An exception
         the leg raises after it started is logged, never raised into the keeper's nursery.
         It counts as in flight until it ends.
+
+        Args:
+            async_fn: the leg (an engine's ``generate``, or a wrapper): it must call
+                ``task_status.started()`` once its worker accepted the request.
+            *args: passed to ``async_fn``.
+            name: shown in logs and in the trio task's name; usually the request id.
+            kind: what the leg is, for :meth:`in_flight_by_kind` and the task's name.
 
         Returns:
             The leg's :class:`TransferLeg`.
@@ -354,6 +385,7 @@ class TransferLeg:
 
     @property
     def started(self) -> bool:
+        """True once the leg's worker accepted the request."""
         return self.settled.is_set() and self.error is None
 
     async def wait_started(self) -> None:
@@ -384,3 +416,25 @@ def _first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:
         exc = exc.exceptions[0]
     assert isinstance(exc, PrefillError)
     return exc
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The leaf exceptions of ``exc``: itself, or every exception inside its groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _crash_message(exc: BaseException) -> str:
+    """What crashed a drain, in one readable line (never the repr of nested groups).
+
+    The leaves that caused the crash are named with their type and message; those that
+    are only its consequences (a :class:`PrefillError` such as "no output" for a stream
+    whose engine crashed, a cancellation) are left out when a cause is there.
+    """
+    leaves = _leaves(exc)
+    causes = [leaf for leaf in leaves
+              if not isinstance(leaf, (PrefillError, trio.Cancelled))] or leaves
+    named = (f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__
+             for leaf in causes)
+    return "; ".join(dict.fromkeys(named))

@@ -5,48 +5,49 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from ._engine import CancelWindow, Engine, cancel_window_of
-from ._errors import NoWorkerAvailable, WorkerError
+from ._engine import CancelWindow, DecodeEngine, cancel_window_of
+from ._errors import NoWorkerAvailable
+from ._health import HealthProbe, HealthState, WorkerHealth, worker_fault
 from ._protocols import PreprocessedRequest
 
+#: The engine type of a pool: a prefill pool holds PrefillEngines, a decode pool
+#: DecodeEngines (covariant: a pool of PrefillEngines is a pool of DecodeEngines too).
+E = TypeVar("E", bound=DecodeEngine, covariant=True)
 
-class Worker:
+
+class Worker(Generic[E]):
     """One engine in a pool, with the counters selection and metrics need.
 
     Attributes:
         engine: the engine itself.
         outstanding: requests dispatched to it and not yet finished (rule B5 in docs/semantics.md).
-        consecutive_failures: failures since its last success.
-        unhealthy_until: ``trio.current_time()`` before which it is skipped.
-        served_total, failures_total: lifetime counts.
+        health: its circuit breaker and probe results (docs/router.md "Worker health").
+        served_total, failures_total: lifetime counts (failures: its own faults only).
         cancel_window: when the router may cancel a prefill on this worker (B10): the
             engine's own ``cancel_window`` unless the pool overrides it.
     """
 
     __slots__ = (
         "cancel_window",
-        "consecutive_failures",
         "engine",
         "failures_total",
+        "health",
         "outstanding",
         "served_total",
-        "unhealthy_until",
     )
 
-    def __init__(self, engine: Engine, cancel_window: CancelWindow | None = None) -> None:
+    def __init__(self, engine: E, cancel_window: CancelWindow | None = None) -> None:
         self.engine = engine
         self.cancel_window = (cancel_window if cancel_window is not None
                               else cancel_window_of(engine))
         self.outstanding = 0
-        self.consecutive_failures = 0
-        self.unhealthy_until = -math.inf
+        self.health = WorkerHealth(probed=isinstance(engine, HealthProbe))
         self.served_total = 0
         self.failures_total = 0
 
@@ -54,14 +55,23 @@ class Worker:
     def name(self) -> str:
         return self.engine.name
 
+    @property
+    def state(self) -> HealthState:
+        """Its health state now (inside a trio run)."""
+        return self.health.state(trio.current_time())
+
     def __repr__(self) -> str:
         return f"<Worker {self.name!r} outstanding={self.outstanding}>"
+
+
+#: Any worker, of either pool: what a :class:`SelectionPolicy` chooses among.
+W = TypeVar("W", bound="Worker[DecodeEngine]")
 
 
 class SelectionPolicy(Protocol):
     """Chooses one of the healthy workers for a request."""
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker: ...
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W: ...
 
 
 class RoundRobin:
@@ -70,14 +80,14 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return workers[next(self._counter) % len(workers)]
 
 
 class LeastOutstanding:
     """The worker with the fewest outstanding requests (first one on a tie)."""
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return min(workers, key=lambda worker: worker.outstanding)
 
 
@@ -92,7 +102,7 @@ class SessionAffinity:
     def __init__(self, fallback: SelectionPolicy | None = None) -> None:
         self.fallback = fallback if fallback is not None else LeastOutstanding()
 
-    def choose(self, workers: Sequence[Worker], request: PreprocessedRequest) -> Worker:
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         session = request.routing.session_id
         if session is None:
             return self.fallback.choose(workers, request)
@@ -103,17 +113,23 @@ def _weight(session: str, worker: str) -> bytes:
     return hashlib.blake2b(f"{session}\x00{worker}".encode(), digest_size=8).digest()
 
 
-class WorkerPool:
+class WorkerPool(Generic[E]):
     """The workers of one role (prefill or decode) and how to pick among them.
 
-    A worker that fails ``failure_threshold`` times in a row is skipped for ``cooldown``
-    seconds; a success resets its count.
+    Each worker has a circuit breaker (docs/router.md "Worker health"): one that fails
+    ``failure_threshold`` times in a row by its own fault (a transport failure, a 5xx, no
+    answer in time) is ejected for ``cooldown`` seconds, then half-open: given one trial
+    request at a time, whose result closes the breaker or ejects it again (a trial whose
+    result never comes frees the next one after another ``cooldown``). A worker's 4xx counts as a
+    success (it answered), and an answer the router refused as a handoff (S8, S9, B7) as
+    nothing. A worker whose health probe failed (:class:`~trio_disagg.HealthMonitor`) is
+    skipped until a probe succeeds.
 
     Args:
         engines: the workers; names must be unique.
         policy: how to choose among healthy workers (default :class:`LeastOutstanding`).
-        failure_threshold: consecutive failures that make a worker unhealthy.
-        cooldown: seconds an unhealthy worker is skipped.
+        failure_threshold: consecutive faults that eject a worker.
+        cooldown: seconds an ejected worker is skipped before it is half-open.
         cancel_windows: per worker name, a cancel window that overrides the engine's own
             (B10); for the prefill pool.
 
@@ -123,7 +139,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        engines: Sequence[Engine],
+        engines: Sequence[E],
         *,
         policy: SelectionPolicy | None = None,
         failure_threshold: int = 3,
@@ -145,36 +161,62 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def healthy(self) -> list[Worker]:
+    def healthy(self) -> list[Worker[E]]:
+        """The workers that count towards readiness: healthy or half-open."""
         now = trio.current_time()
-        return [worker for worker in self.workers if worker.unhealthy_until <= now]
+        return [worker for worker in self.workers if worker.health.selectable(now)]
 
-    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker:
+    def _choose(self, candidates: Sequence[Worker[E]], request: PreprocessedRequest
+                ) -> Worker[E]:
+        worker = self.policy.choose(candidates, request)
+        worker.health.chosen(trio.current_time(), cooldown=self.cooldown)
+        return worker
+
+    def _choosable(self, tried: Collection[Worker[DecodeEngine]] = ()) -> list[Worker[E]]:
+        now = trio.current_time()
+        return [worker for worker in self.workers
+                if worker.health.choosable(now) and worker not in tried]
+
+    def select(self, request: PreprocessedRequest, *, pinned: str | None = None) -> Worker[E]:
         """Choose a worker for ``request``.
 
-        Workers cooling down are skipped, but never all of them: when every worker is
-        cooling down the policy chooses among all of them ("panic routing", as Envoy does
-        below its panic threshold), so a burst of failures cannot turn the whole service
-        into 503s; the health endpoint still reports the pool as unhealthy.
+        Ejected workers are skipped, but never all of them: when every worker that has
+        not failed its health probe is ejected, the policy chooses among those ("panic
+        routing", as Envoy does below its panic threshold), so a burst of failures cannot
+        turn the whole service into 503s; the health endpoint still reports the pool as
+        unhealthy. Workers whose probe failed are never chosen.
 
         Args:
             request: the request; session affinity reads ``request.routing.session_id``.
             pinned: a worker name the request asked for; used if healthy.
 
         Raises:
-            NoWorkerAvailable: the pool is empty.
+            NoWorkerAvailable: the pool is empty, or every worker failed its probe.
         """
         if not self.workers:
             raise NoWorkerAvailable("no workers configured")
         if pinned is not None:
             worker = self._by_name.get(pinned)
-            if worker is not None and worker.unhealthy_until <= trio.current_time():
+            now = trio.current_time()
+            if worker is not None and worker.health.choosable(now):
+                worker.health.chosen(now, cooldown=self.cooldown)
                 return worker
-        candidates = self.healthy() or self.workers
-        return self.policy.choose(candidates, request)
+        candidates = self._choosable() or [
+            worker for worker in self.workers if worker.health.probe_ok]
+        if not candidates:
+            raise NoWorkerAvailable("every worker failed its health probe")
+        return self._choose(candidates, request)
+
+    def alternative(
+        self, request: PreprocessedRequest, tried: Collection[Worker[DecodeEngine]]
+    ) -> Worker[E] | None:
+        """A healthy worker not in ``tried``, for a retry (rule B9 in docs/semantics.md);
+        None if there is none (no panic routing: a retry on an ejected worker is futile)."""
+        candidates = self._choosable(tried)
+        return self._choose(candidates, request) if candidates else None
 
     @contextmanager
-    def lease(self, worker: Worker) -> Iterator[Worker]:
+    def lease(self, worker: W) -> Iterator[W]:
         """Count ``worker`` as having one more outstanding request for the block."""
         worker.outstanding += 1
         try:
@@ -182,31 +224,32 @@ class WorkerPool:
         finally:
             worker.outstanding -= 1
 
-    def record_success(self, worker: Worker) -> None:
-        """Count a success of ``worker``; it ends a cool-down (the worker answered)."""
-        worker.consecutive_failures = 0
-        worker.unhealthy_until = -math.inf
+    def record_success(self, worker: Worker[DecodeEngine]) -> None:
+        """Count a success of ``worker``; it closes its breaker (the worker answered)."""
+        worker.health.success()
         worker.served_total += 1
 
-    def record_failure(self, worker: Worker, error: BaseException | None = None) -> None:
-        """Count a failure of ``worker``, or a success if ``error`` is the worker refusing
-        a bad request (a 4xx): that is the client's fault, not the worker's."""
-        if _client_error(error):
+    def record_failure(
+        self, worker: Worker[DecodeEngine], error: BaseException | None = None
+    ) -> None:
+        """Count a failure of ``worker`` with ``error`` (None: no answer in time).
+
+        Only the worker's own faults count against it: a transport failure, a 5xx, a
+        stream that ended with nothing. A 4xx is the worker refusing a bad request, so a
+        success; an answer the router refused as a handoff (S8, S9, B7) or a prefill it
+        ended on purpose (B6, B10) counts as neither.
+        """
+        fault = worker_fault(error)
+        if fault is None:
+            return
+        if not fault:
             self.record_success(worker)
             return
-        worker.consecutive_failures += 1
         worker.failures_total += 1
-        if worker.consecutive_failures >= self.failure_threshold:
-            worker.unhealthy_until = trio.current_time() + self.cooldown
+        worker.health.fault(trio.current_time(), threshold=self.failure_threshold,
+                            cooldown=self.cooldown)
 
     @property
     def outstanding(self) -> int:
         return sum(worker.outstanding for worker in self.workers)
 
-
-def _client_error(error: BaseException | None) -> bool:
-    while error is not None:
-        if isinstance(error, WorkerError):
-            return 400 <= error.status < 500
-        error = error.__cause__
-    return False

@@ -29,34 +29,59 @@ _BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 @attrs.frozen(slots=True, kw_only=True)
 class Handoff:
-    """The prefill staged KV for a decode worker (S10).
+    """The prefill staged KV for a decode worker (S10): the decode request needs
+    ``result``, set as its ``prefill_result``.
+
+    A :class:`~trio_disagg.Gatekeeper` takes a :class:`Handoff` as it is: it watches the
+    ``drain`` if there is one, and otherwise knows the prefill succeeded.
 
     Attributes:
-        result: what the decode request needs.
+        result: what the decode request needs (the prefill's ``disaggregated_params``,
+            and its ``prompt_tokens`` and ``prompt_tokens_details``, S4).
         worker_link: the prefill worker's trace link, if it sent one.
         bootstrap: True for an SGLang-style bootstrap handoff (S5).
-        drain: for a bootstrap handoff whose rest is drained by a keeper, the drain's task.
+        drain: for a bootstrap handoff whose rest is drained by a keeper
+            (:func:`consume_prefill_stream` with ``keeper=``), the drain's task. Its
+            value, once the stream ended well, is this handoff completed with the usage
+            of the later outputs (S4) and no ``drain``; its error, a late prefill
+            failure (T4). None when the whole stream was read before the handoff was
+            returned (S6).
     """
 
     result: PrefillResult
     worker_link: TraceLink | None = None
     bootstrap: bool = False
-    drain: PrefillTask[None] | None = None
+    drain: PrefillTask[Handoff] | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)
 class Terminal:
-    """The prefill already finished the request (S7): ``output`` is the client's answer,
-    with ``disaggregated_params`` removed. No decode is dispatched."""
+    """The prefill already finished the request (S7): its first output had a finish
+    reason other than ``length`` (``eos``, ``stop``, ...), so it staged nothing. No decode
+    is dispatched; a :class:`~trio_disagg.Gatekeeper` made from it dispatches nothing and
+    forwards ``output`` alone.
+
+    Attributes:
+        output: the client's answer, the prefill's first output with
+            ``disaggregated_params`` removed.
+    """
 
     output: Annotated[LLMEngineOutput]
 
 
+#: What a prefill stream comes to: a :class:`Handoff` for a decode, or a
+#: :class:`Terminal` answer (S7).
 PrefillCompletion = Handoff | Terminal
 
 
 def is_bootstrap_params(params: Any) -> bool:
-    """True if ``params`` is an object with the SGLang bootstrap triple (S5)."""
+    """True if ``params`` is an object with the SGLang bootstrap triple,
+    ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room`` (S5); the values are
+    not checked here.
+
+    Args:
+        params: a prefill output's ``disaggregated_params`` (any JSON value).
+    """
     return isinstance(params, Mapping) and all(key in params for key in _BOOTSTRAP_KEYS)
 
 
@@ -69,7 +94,10 @@ def _raise_carried(item: Annotated[LLMEngineOutput]) -> None:
 
 
 def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
-    """Check a later prefill output (T4).
+    """Check a prefill output after the first one (T4): anything but a failure passes.
+
+    Args:
+        item: the output.
 
     Raises:
         PrefillError: on an error envelope, ``finish_reason = error`` or
@@ -96,6 +124,15 @@ def classify_first_output(
     """Classify a prefill's first output (S2, S3, S5, S7-S10).
 
     Records prefill complete on ``tracker`` for any output that is not an error.
+
+    Args:
+        first: the prefill's first output.
+        tracker: the request's tracker, if any (S3).
+
+    Returns:
+        A :class:`Terminal` if the output has a finish reason other than ``length``
+        (S7); else a :class:`Handoff` with the output's ``disaggregated_params`` and
+        usage (S4, S10), ``bootstrap`` set for the SGLang triple (S5), and no ``drain``.
 
     Raises:
         PrefillError: the first output is an error (S2); the tracker is not touched. An
@@ -149,11 +186,18 @@ async def drain_prefill_outputs(
 ) -> PromptTokensDetails | None:
     """Read a prefill stream to its end, checking every output (S6, T4).
 
+    Args:
+        outputs: the rest of the stream, after its first output.
+
     Returns:
         The first ``prompt_tokens_details`` seen in a usage, if any (S4).
 
     Raises:
         PrefillError: on the first failed output (T4); the channel is closed either way.
+
+    On cancellation the channel is closed too: a prefill engine still sending gets
+    :exc:`trio.BrokenResourceError`. Run it in a :class:`TransferKeeper` when the
+    stream is part of a KV transfer (T1).
     """
     usage = await _drain(outputs)
     return usage.prompt_tokens_details if usage is not None else None
@@ -180,35 +224,47 @@ async def consume_prefill_stream(
     *,
     tracker: RequestTracker | None = None,
     keeper: TransferKeeper | None = None,
+    name: str | None = None,
     guard: AbstractContextManager[Any] | None = None,
     first: Annotated[LLMEngineOutput] | None = None,
 ) -> PrefillCompletion:
-    """Read a prefill stream and say what the router must do next (S1-S10, T4).
+    """Read a prefill stream and say what comes next: a decode with the handoff, or
+    nothing but the prefill's own answer (S1-S10, T4).
 
-    For a bootstrap handoff (S5) with a ``keeper``, the rest of the stream is drained by the
-    keeper, which holds ``guard`` until that drain ends; the returned :class:`Handoff`'s
-    ``drain`` observes it. Otherwise the whole stream is read here before returning (S6),
-    and ``guard`` is held meanwhile.
+    The first output is classified (:func:`classify_first_output`). For a bootstrap
+    handoff (S5) with a ``keeper``, the rest of the stream is then drained by the keeper,
+    which holds ``guard`` until that drain ends, and this returns at once: the returned
+    :class:`Handoff`'s ``drain`` observes the drain, and a
+    :class:`~trio_disagg.Gatekeeper` takes that handoff as it is. Otherwise the whole
+    stream is read here before returning (S6), ``guard`` held meanwhile. Either way a
+    later failure is raised or logged exactly once: here, or by the keeper from inside
+    the drain (T2).
 
     Args:
-        outputs: the prefill leg's stream; it is closed when fully read.
+        outputs: the prefill leg's stream; it is closed when fully read, and on any
+            error.
         tracker: records prefill complete on the first valid output (S3).
-        keeper: drains the rest of a bootstrap stream in the background.
+        keeper: drains the rest of a bootstrap stream in the background (T1).
+        name: the drain's name in the keeper's logs and trio task names (usually the
+            request id); default: the first output's ``id``, else the bootstrap room.
         guard: a teardown guard to hold until the stream is fully read.
         first: the first output, if the caller already read it from ``outputs`` (to
-            bound that wait by a deadline of its own, rule B2 in docs/semantics.md, without closing
-            the stream when the deadline expires).
+            bound that wait by a deadline of its own, rule B2 in docs/semantics.md,
+            without closing the stream when the deadline expires).
 
     Returns:
-        A :class:`Handoff` or a :class:`Terminal`.
+        A :class:`Handoff` (with a ``drain`` in the keeper for a bootstrap handoff and a
+        ``keeper``) or a :class:`Terminal`.
 
     Raises:
         PrefillError: no output at all (S1), an error first output (S2), or a later
             failed output (S6, T4) when the stream is read here.
         NoDisaggregatedParams: S8, S9.
+        RuntimeError: the keeper is not open.
 
-    On cancellation the channel is closed; with a keeper, a bootstrap drain already
-    started is not affected (T1).
+    On cancellation the channel is closed (a prefill engine still sending gets
+    :exc:`trio.BrokenResourceError`); with a keeper, a bootstrap drain already started is
+    not affected (T1).
     """
     if first is None:
         try:
@@ -225,22 +281,40 @@ async def consume_prefill_stream(
         outputs.close()
         raise
     if isinstance(completion, Handoff) and completion.bootstrap and keeper is not None:
-        async def drain_rest() -> None:
-            await drain_prefill_outputs(outputs)
+        handoff = completion
 
-        task = keeper.start(drain_rest, name=_task_name(first), guard=guard)
+        async def drain_rest() -> Handoff:
+            return _with_usage(handoff, await _drain(outputs))
+
+        try:
+            task = keeper.start(drain_rest, name=name or _task_name(first, handoff),
+                                guard=guard)
+        except BaseException:
+            outputs.close()
+            raise
         return attrs.evolve(completion, drain=task)
     with guard if guard is not None else contextlib.nullcontext():
         later = await _drain(outputs)
-    if isinstance(completion, Handoff) and later is not None:  # S4
-        result = completion.result
-        if result.prompt_tokens_details is None and later.prompt_tokens_details is not None:
-            result = attrs.evolve(result, prompt_tokens_details=later.prompt_tokens_details)
-        if result.prompt_tokens is None and later.prompt_tokens:
-            result = attrs.evolve(result, prompt_tokens=later.prompt_tokens)
-        completion = attrs.evolve(completion, result=result)
+    if isinstance(completion, Handoff):
+        completion = _with_usage(completion, later)
     return completion
 
 
-def _task_name(first: Annotated[LLMEngineOutput]) -> str:
-    return first.id or "prefill"
+def _with_usage(handoff: Handoff, later: CompletionUsage | None) -> Handoff:
+    """The handoff with what later outputs said of the prompt, where the first said
+    nothing (S4)."""
+    if later is None:
+        return handoff
+    result = handoff.result
+    if result.prompt_tokens_details is None and later.prompt_tokens_details is not None:
+        result = attrs.evolve(result, prompt_tokens_details=later.prompt_tokens_details)
+    if result.prompt_tokens is None and later.prompt_tokens:
+        result = attrs.evolve(result, prompt_tokens=later.prompt_tokens)
+    return handoff if result is handoff.result else attrs.evolve(handoff, result=result)
+
+
+def _task_name(first: Annotated[LLMEngineOutput], handoff: Handoff) -> str:
+    """A drain's name when its caller gave none: the output's id, else the room."""
+    if first.id:
+        return first.id
+    return f"room {handoff.result.disaggregated_params['bootstrap_room']}"

@@ -28,7 +28,11 @@ JSON = Any
 
 
 class FinishKind(enum.Enum):
-    """Why a stream ended; the wire form is the value (``"abort"`` is read as ``CANCELLED``)."""
+    """Why a stream ended; the wire form is the value (``"abort"`` is read as ``CANCELLED``).
+
+    ``ERROR`` and ``CANCELLED`` are failures (G4, T4); ``LENGTH`` on a prefill's first
+    output is a handoff, any other kind there a terminal answer (S7).
+    """
 
     EOS = "eos"
     STOP = "stop"
@@ -59,7 +63,11 @@ class FinishReason:
 
     @classmethod
     def error(cls, message: str) -> FinishReason:
-        """An ``error`` finish carrying the worker's message."""
+        """An ``error`` finish carrying the worker's message.
+
+        Args:
+            message: what failed, in the worker's words.
+        """
         return cls(FinishKind.ERROR, message)
 
     @property
@@ -91,7 +99,13 @@ _FINISH_BY_WIRE: dict[str, FinishReason] = {
 
 @attrs.define(slots=True, kw_only=True)
 class PromptTokensDetails:
-    """OpenAI's ``usage.prompt_tokens_details``; ``cached_tokens`` counts prompt tokens."""
+    """OpenAI's ``usage.prompt_tokens_details``.
+
+    Attributes:
+        cached_tokens: prompt tokens served from a prefix cache, in tokens; the router
+            reports the prefill's count, not the decode's (S4).
+        audio_tokens: audio prompt tokens, in tokens, if the worker reported them.
+    """
 
     cached_tokens: int | None = None
     audio_tokens: int | None = None
@@ -99,7 +113,14 @@ class PromptTokensDetails:
 
 @attrs.define(slots=True, kw_only=True)
 class CompletionUsage:
-    """OpenAI's ``usage`` object. All counts are tokens."""
+    """OpenAI's ``usage`` object. All counts are tokens.
+
+    Attributes:
+        prompt_tokens: tokens in the prompt.
+        completion_tokens: tokens generated.
+        total_tokens: their sum, as the worker reported it.
+        prompt_tokens_details: cached prompt tokens, if reported (S4).
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -109,7 +130,13 @@ class CompletionUsage:
 
 @attrs.frozen(slots=True, kw_only=True)
 class TraceLink:
-    """Where a worker served a request, for tracing across the handoff."""
+    """Where a worker served a request, for tracing across the handoff.
+
+    Attributes:
+        worker_id: the worker's id.
+        request_id: the worker's own id for the request, if it has one.
+        trace_id: the distributed trace id, if any.
+    """
 
     worker_id: str
     request_id: str | None = None
@@ -118,11 +145,18 @@ class TraceLink:
 
 @attrs.define(slots=True, kw_only=True)
 class LLMEngineOutput:
-    """One item of an engine's stream.
+    """One item of an engine's stream, wrapped in an :class:`Annotated`.
 
-    ``token_ids`` are the tokens produced by this item (not cumulative); ``text`` their
-    detokenized text if the engine has it; ``index`` the choice index for ``n > 1``.
-    ``disaggregated_params`` is the opaque handoff payload of a prefill worker.
+    Attributes:
+        token_ids: the token ids this item produced (not cumulative).
+        text: their detokenized text, if the engine has it.
+        finish_reason: set on the stream's last item: why it ended.
+        disaggregated_params: a prefill worker's handoff payload (any JSON value): what
+            the decode worker needs to find the KV (S10); the SGLang bootstrap triple
+            for the bootstrap style (S5).
+        completion_usage: token counts, usually on the first (prefill) or last item.
+        worker_trace_link: where the worker served the request.
+        index: the choice index for ``n > 1``.
     """
 
     token_ids: list[int] = attrs.Factory(list)
@@ -140,7 +174,7 @@ class LLMEngineOutput:
 
     @classmethod
     def length(cls) -> LLMEngineOutput:
-        """An empty output that finished on ``length``."""
+        """An empty output that finished on ``length``: a prefill's usual last output."""
         return cls(finish_reason=FinishReason.LENGTH)
 
 
@@ -149,7 +183,16 @@ class Annotated(Generic[T]):
     """Dynamo's envelope around a stream item.
 
     It *is an error* when ``event == "error"``; the message is then in ``error`` (or in
-    ``comment``, as Dynamo's older producers put it).
+    ``comment``, as Dynamo's older producers put it). An engine that fails after it
+    started sends ONE error item and ends its stream (S2, G4, T4).
+
+    Attributes:
+        data: the item (an :class:`LLMEngineOutput` in an engine's stream), None on an
+            error.
+        id: the request id, if the producer set one.
+        event: ``"error"`` for an error item; None otherwise.
+        comment: free text; older producers put the error message here.
+        error: the error message of an error item.
     """
 
     data: T | None = None
@@ -164,19 +207,24 @@ class Annotated(Generic[T]):
 
     @classmethod
     def from_data(cls, data: T) -> Annotated[T]:
+        """An item carrying ``data``."""
         return cls(data=data)
 
     @classmethod
     def from_error(cls, message: str) -> Annotated[T]:
+        """An error item whose message is ``message``."""
         return cls(event="error", error=message)
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> Annotated[T]:
-        """An error item carrying ``exc``; its message is ``str(exc)``."""
+        """An error item carrying ``exc`` in :attr:`exception`, so the server can answer
+        from its type (a 4xx :class:`~trio_disagg.WorkerError` stays a 4xx); its message
+        is ``str(exc)``, or the exception's type name if that is empty."""
         return cls(event="error", error=str(exc) or type(exc).__name__, exception=exc)
 
     @property
     def is_error(self) -> bool:
+        """True for an error item (``event == "error"``)."""
         return self.event == "error"
 
     def error_message(self) -> str | None:
@@ -194,7 +242,13 @@ class Annotated(Generic[T]):
 class PrefillResult:
     """What a prefill hands to the decode request (S10), and what the router reports
     from it: the prompt's token count and its cached tokens (the decode sees the whole
-    prompt as cached after the transfer)."""
+    prompt as cached after the transfer, S4).
+
+    Attributes:
+        disaggregated_params: the prefill's handoff payload, as it sent it.
+        prompt_tokens_details: the prefill's cached tokens, if it reported them.
+        prompt_tokens: the prompt's length in tokens, if the prefill reported it.
+    """
 
     disaggregated_params: JSON
     prompt_tokens_details: PromptTokensDetails | None = None
@@ -208,20 +262,35 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 
 @attrs.frozen(slots=True, kw_only=True)
 class BootstrapInfo:
-    """SGLang's bootstrap triple (docs/protocols.md section 3). ``room`` is in [0, 2**63 - 1]."""
+    """SGLang's bootstrap triple (docs/protocols.md section 3): where a decode worker
+    meets its prefill, chosen by the router before both legs are dispatched (S5).
+
+    Attributes:
+        host: the prefill worker's bootstrap host.
+        port: its bootstrap port (TCP).
+        room: a number unique among the requests in flight, in [0, 2**63 - 1].
+    """
 
     host: str
     port: int
     room: int
 
     def as_params(self) -> dict[str, Any]:
+        """The triple as ``disaggregated_params``: ``bootstrap_host``,
+        ``bootstrap_port`` and ``bootstrap_room``."""
         return {"bootstrap_host": self.host, "bootstrap_port": self.port,
                 "bootstrap_room": self.room}
 
 
 @attrs.define(slots=True, kw_only=True)
 class RoutingHints:
-    """What worker selection may use: a session id for affinity, pinned workers."""
+    """What worker selection may use (S12).
+
+    Attributes:
+        session_id: for :class:`~trio_disagg.SessionAffinity`.
+        prefill_worker, decode_worker: a worker name to use if it is healthy; the router
+            fills both in with the workers it chose.
+    """
 
     session_id: str | None = None
     prefill_worker: str | None = None
@@ -232,10 +301,18 @@ class RoutingHints:
 class PreprocessedRequest:
     """What the router needs of one client request.
 
-    ``body`` is the client's OpenAI request body as received; adapters build their wire
-    request from it. ``max_tokens`` is the resolved completion budget in tokens.
-    ``prefill_result`` is filled in after the handoff; ``bootstrap_info`` for the
-    concurrent (SGLang) style.
+    Attributes:
+        request_id: unique among the requests in flight; the contexts share it.
+        model: the model name the client asked for.
+        body: the client's OpenAI request body as received; adapters build their wire
+            request from it, and the router adds nothing to it (B8).
+        max_tokens: the resolved completion budget, in tokens; None if unbounded.
+        stream: whether the client streams.
+        routing: the :class:`RoutingHints`.
+        prefill_result: the handoff, filled in for the decode leg after a sequential
+            prefill (S10).
+        bootstrap_info: the bootstrap room, filled in for both legs in the bootstrap
+            (SGLang) style (S5).
     """
 
     request_id: str
@@ -379,12 +456,22 @@ converter = _make_converter()
 
 
 def to_wire(value: Any) -> Any:
-    """Turn a protocol object into JSON-ready Python values (omitting defaults)."""
+    """Turn a protocol object into JSON-ready Python values (omitting defaults; the
+    in-process-only fields, ``Annotated.exception`` and ``LLMEngineOutput.choice``, are
+    never written)."""
     return converter.unstructure(value)
 
 
 def from_wire(value: Any, cls: type[T]) -> T:
-    """Build ``cls`` from JSON-ready Python values.
+    """Build ``cls`` from JSON-ready Python values, exactly as typed: ``"3"`` is not an
+    integer, unknown keys are ignored.
+
+    Args:
+        value: what a JSON parser produced.
+        cls: the protocol class (``Annotated[LLMEngineOutput]``, ...).
+
+    Returns:
+        The ``cls`` instance.
 
     Raises:
         WireFormatError: if ``value`` does not have the shape of ``cls``; the message

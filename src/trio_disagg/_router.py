@@ -12,11 +12,13 @@ from typing import Any
 
 import attrs
 import trio
+from trio_util import AsyncValue
 
 from ._context import RequestContext
-from ._engine import Engine
+from ._engine import DecodeEngine, PrefillEngine
 from ._errors import (
     DeadlineExceeded,
+    NoWorkerAvailable,
     PrefillCancelled,
     PrefillDeadlineExceeded,
     PrefillError,
@@ -25,8 +27,9 @@ from ._errors import (
 )
 from ._gate import Gatekeeper
 from ._handoff import BootstrapOwner, HandoffOwner, HandoffState, owner_for
+from ._health import RetryPolicy, retry_reason
 from ._keeper import CLEANUP, PrefillTask, TransferKeeper
-from ._pool import Worker, WorkerPool
+from ._pool import E, Worker, WorkerPool
 from ._prefill import (
     Handoff,
     PrefillCompletion,
@@ -162,6 +165,12 @@ class RouterCounters:
     prefills_cancelled: int = 0
     prefills_released: int = 0
     prefills_drained: int = 0
+    #: Legs tried again on another worker (B9), by ``(leg, reason)``: leg ``prefill`` or
+    #: ``decode``, reason ``transport_error`` or ``server_error``.
+    retries: dict[tuple[str, str], int] = attrs.Factory(dict)
+
+    def count_retry(self, leg: str, reason: str) -> None:
+        self.retries[leg, reason] = self.retries.get((leg, reason), 0) + 1
 
 
 class _Accepted:
@@ -208,6 +217,8 @@ class DisaggRouter:
         decode: the decode workers.
         keeper: an open :class:`TransferKeeper` that outlives every request.
         deadlines: the bounded waits (B2).
+        retry: how a leg that failed before the first byte is tried again on another
+            worker (B9); default :class:`RetryPolicy` (two attempts per leg).
         channel_buffer: how many items a decode leg may run ahead of the gatekeeper, and
             the gatekeeper of the client. Smaller costs less memory per slow reader
             (P3: about 0.3 KiB an item); larger lets a worker's burst reach the client in
@@ -219,11 +230,12 @@ class DisaggRouter:
 
     def __init__(
         self,
-        prefill: WorkerPool,
-        decode: WorkerPool,
+        prefill: WorkerPool[PrefillEngine],
+        decode: WorkerPool[DecodeEngine],
         keeper: TransferKeeper,
         *,
         deadlines: Deadlines | None = None,
+        retry: RetryPolicy | None = None,
         channel_buffer: int = CHANNEL_BUFFER,
     ) -> None:
         if channel_buffer < 0:
@@ -233,17 +245,16 @@ class DisaggRouter:
         self.decode = decode
         self.keeper = keeper
         self.deadlines = deadlines if deadlines is not None else Deadlines()
+        self.retry = retry if retry is not None else RetryPolicy()
         self.counters = RouterCounters()
-        self._in_flight = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        self._in_flight = AsyncValue(0)  # tasks wait for it to be 0 (wait_idle)
         self._closing = False
         self._rooms: set[int] = set()
 
     @property
     def in_flight(self) -> int:
         """Requests admitted and not yet finished (B5)."""
-        return self._in_flight
+        return self._in_flight.value
 
     @property
     def closing(self) -> bool:
@@ -255,21 +266,16 @@ class DisaggRouter:
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight."""
-        while not self._idle.is_set():
-            await self._idle.wait()
+        await self._in_flight.wait_value(0)
 
     def _admit(self) -> None:
         if self._closing:
             raise RouterClosed("the router is shutting down")
         self.counters.requests_total += 1
-        self._in_flight += 1
-        if self._in_flight == 1:
-            self._idle = trio.Event()
+        self._in_flight.value += 1
 
     def _release(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._idle.set()
+        self._in_flight.value -= 1
 
     async def stream(
         self,
@@ -325,8 +331,9 @@ class DisaggRouter:
 
     def _route(self, request: PreprocessedRequest, context: RequestContext) -> HandoffOwner:
         """Choose the workers (S12) and make the request's handoff owner."""
-        prefill_worker = self.prefill.select(request, pinned=request.routing.prefill_worker)
-        decode_worker = self.decode.select(request, pinned=request.routing.decode_worker)
+        prefill_worker = _select(self.prefill, "prefill", request,
+                                 request.routing.prefill_worker)
+        decode_worker = _select(self.decode, "decode", request, request.routing.decode_worker)
         routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
                                decode_worker=decode_worker.name)
         request = attrs.evolve(request, routing=routing)
@@ -392,18 +399,15 @@ class DisaggRouter:
         )
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4
-        decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
-        start = self._kept_decode_leg if owner.holds_transfer else self._decode_leg
+        handoff_deadline = trio.current_time() + self.deadlines.handoff
+        with trio.move_on_at(handoff_deadline) as handoff_scope:
+            decode_receive = await self._accepted_decode(
+                nursery, owner, gate, decode_request, decode_context, handoff_deadline)
+        if handoff_scope.cancelled_caught:
+            raise DeadlineExceeded("handoff", self.deadlines.handoff)
         try:
-            with trio.move_on_after(self.deadlines.handoff) as handoff_scope:
-                await gate.dispatch(nursery, start, owner, decode_request, decode_context,
-                                    decode_send)
-            if handoff_scope.cancelled_caught:
-                raise DeadlineExceeded("handoff", self.deadlines.handoff)
             await owner.tracker.enter_decode()  # S11: waits for the drain to have started
         except BaseException:
-            # Nobody will read the decode stream: a decode leg that did start gets
-            # BrokenResourceError on its next send instead of blocking on a full channel.
             decode_receive.close()
             raise
         out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
@@ -416,6 +420,62 @@ class DisaggRouter:
         nursery.start_soon(self._forward, owner, gate, decode_receive, out_send,
                            decode_context, forward)
         return self._request_stream(owner, out_receive, gate)
+
+    async def _accepted_decode(
+        self,
+        nursery: trio.Nursery,
+        owner: HandoffOwner,
+        gate: Gatekeeper,
+        decode_request: PreprocessedRequest,
+        decode_context: RequestContext,
+        deadline: float,
+    ) -> trio.MemoryReceiveChannel[Item]:
+        """Dispatch the decode leg until a decode worker accepted it, and return its
+        stream. A worker that refused (a 5xx) or could not be reached is replaced by
+        another with the same handoff, the KV still staged (B9), up to the retry policy's
+        attempts; the backoff ends before ``deadline`` (the handoff deadline's end)."""
+        start = self._kept_decode_leg if owner.holds_transfer else self._decode_leg
+        tried: list[Worker[DecodeEngine]] = []
+        while True:
+            tried.append(owner.decode_worker)
+            decode_send, decode_receive = trio.open_memory_channel[Item](self.channel_buffer)
+            try:
+                await gate.dispatch(nursery, start, owner, decode_request, decode_context,
+                                    decode_send)
+                return decode_receive
+            except WorkerError as exc:
+                decode_receive.close()
+                error, reason = exc, retry_reason(exc)
+                delay = self.retry.delay(len(tried) + 1)
+                if (reason is None or len(tried) >= self.retry.max_attempts
+                        or trio.current_time() + delay >= deadline
+                        or self._decode_replacement(owner, tried) is None):
+                    raise
+            except BaseException:
+                # Nobody will read the decode stream: a decode leg that did start gets
+                # BrokenResourceError on its next send instead of blocking on a full channel.
+                decode_receive.close()
+                raise
+            await trio.sleep(delay)  # backoff with jitter (B9)
+            worker = self._decode_replacement(owner, tried)  # the pool may have changed
+            if worker is None:
+                raise error
+            self.counters.count_retry("decode", reason)
+            logger.info("decode of %s: %s on %s, trying %s (B9)", owner.request.request_id,
+                        reason, owner.decode_worker.name, worker.name)
+            owner.switch_decode_worker(worker)
+            decode_request = attrs.evolve(decode_request, routing=owner.request.routing)
+
+    def _decode_replacement(self, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+                            ) -> Worker[DecodeEngine] | None:
+        """The worker a refused decode is tried again on with the same handoff (B9), or
+        None: the KV is not staged any more (a decode took it, or its worker reported it
+        lost), the decode leg is part of the KV transfer (TensorRT-LLM, SGLang), the
+        request ended, or no healthy decode worker is left."""
+        if (owner.holds_transfer or owner.state is not HandoffState.STAGED
+                or not owner.request_open or owner.context.is_stopped):
+            return None
+        return self.decode.alternative(owner.request, tried)
 
     def _request_stream(
         self,
@@ -561,12 +621,57 @@ class DisaggRouter:
     async def _run_prefill(
         self, owner: HandoffOwner, context: RequestContext
     ) -> PrefillCompletion:
-        """Dispatch the prefill and classify its stream (S1-S10, T4).
+        """Dispatch the prefill and classify its stream (S1-S10, T4); a prefill worker that
+        refused before it answered anything (a transport failure, a 5xx) is replaced by
+        another, up to the retry policy's attempts, all within the prefill deadline (B9).
+        """
+        deadline = trio.current_time() + self.deadlines.prefill
+        tried: list[Worker[DecodeEngine]] = []
+        while True:
+            tried.append(owner.prefill_worker)
+            try:
+                return await self._prefill_attempt(owner, context, deadline)
+            except _Retryable as retryable:
+                error, reason = retryable.error, retryable.reason
+            delay = self.retry.delay(len(tried) + 1)
+            if (len(tried) >= self.retry.max_attempts or trio.current_time() + delay >= deadline
+                    or self._prefill_replacement(owner, tried) is None):
+                raise error from error.__cause__
+            await trio.sleep(delay)  # backoff with jitter (B9)
+            worker = self._prefill_replacement(owner, tried)  # the pool may have changed
+            if worker is None:
+                raise error from error.__cause__
+            self.counters.count_retry("prefill", reason)
+            logger.info("prefill of %s: %s on %s, trying %s (B9)", owner.request.request_id,
+                        reason, owner.prefill_worker.name, worker.name)
+            owner.switch_prefill_worker(worker)
 
-        The prefill deadline bounds the wait for the first output (the handoff), and for a
+    def _prefill_replacement(self, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+                             ) -> Worker[PrefillEngine] | None:
+        """The worker a refused prefill is tried again on (B9), or None: no healthy worker
+        of the same handoff style left, or the request ended, or the router stopped the
+        prefill (B6, B10), or the prefill pairs with a decode in a bootstrap room."""
+        if (not owner.request_open or owner.state is not HandoffState.PENDING
+                or owner.prefill_scope.cancel_called or owner.context.is_stopped
+                or owner.request.bootstrap_info is not None):
+            return None
+        style = owner.prefill_worker.engine.handoff_style
+        other_styles = [worker for worker in self.prefill.workers
+                        if worker.engine.handoff_style is not style]
+        return self.prefill.alternative(owner.request, [*tried, *other_styles])
+
+    async def _prefill_attempt(
+        self, owner: HandoffOwner, context: RequestContext, deadline: float
+    ) -> PrefillCompletion:
+        """One prefill attempt on ``owner.prefill_worker``.
+
+        ``deadline`` bounds the wait for the first output (the handoff), and for a
         bootstrap prefill also its answer (which comes after the KV transfer). The engine
         runs outside it, so an answer already on its way when the deadline expires can
         still be read, and its staged KV consumed (B1).
+
+        Raises:
+            _Retryable: the worker refused before it answered anything (B9).
         """
         worker = owner.prefill_worker
         with self.prefill.lease(worker):
@@ -578,7 +683,7 @@ class DisaggRouter:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_run_engine, worker.engine, owner.request, context,
                                        send, refusal)
-                    first = await self._first_prefill_output(owner, receive, refusal)
+                    first = await self._first_prefill_output(owner, receive, refusal, deadline)
                     # A bootstrap prefill answers once its KV reached the decode, and an
                     # adapter may hand off the room before that: its deadline bounds the
                     # answer, so a stalled bootstrap prefill is a prefill deadline too.
@@ -593,6 +698,9 @@ class DisaggRouter:
             except* PrefillError as group:
                 leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
                 self.prefill.record_failure(worker, leaf.__cause__ or leaf)
+                reason = retry_reason(refusal[0]) if refusal and first is None else None
+                if reason is not None:
+                    raise _Retryable(leaf, reason) from None
                 raise leaf from leaf.__cause__
             finally:
                 if owner.prefill_scope.cancel_called:
@@ -608,15 +716,17 @@ class DisaggRouter:
         owner: HandoffOwner,
         receive: trio.MemoryReceiveChannel[Item],
         refusal: list[WorkerError],
+        deadline: float,
     ) -> Item | None:
-        """The prefill's first output, or None if the prefill deadline expired first.
+        """The prefill's first output, or None if the prefill deadline (``deadline``, on
+        the trio clock) expired first.
 
         An answer already on its way when the deadline expires is read within a short
         grace; if it staged KV, the owner has it consumed (B1) instead of leaving it to
         the worker's lease.
         """
         worker = owner.prefill_worker
-        with trio.move_on_after(self.deadlines.prefill):
+        with trio.move_on_at(deadline):
             return await _receive_first(worker, receive, refusal)
         with trio.move_on_after(min(LATE_ANSWER_GRACE, 0.1 * self.deadlines.prefill)):
             with contextlib.suppress(PrefillError):
@@ -677,6 +787,26 @@ class DisaggRouter:
             logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
 
 
+def _select(
+    pool: WorkerPool[E], role: str, request: PreprocessedRequest, pinned: str | None
+) -> Worker[E]:
+    """``pool.select()``, its :class:`NoWorkerAvailable` naming the pool's role."""
+    try:
+        return pool.select(request, pinned=pinned)
+    except NoWorkerAvailable as exc:
+        raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None
+
+
+class _Retryable(Exception):
+    """A prefill attempt failed in a way B9 lets the router retry: ``error`` to raise if
+    it does not, ``reason`` for the ``retries_total`` metric."""
+
+    def __init__(self, error: PrefillError, reason: str) -> None:
+        super().__init__(reason)
+        self.error = error
+        self.reason = reason
+
+
 def _is_bootstrap(item: Item) -> bool:
     return item.data is not None and is_bootstrap_params(item.data.disaggregated_params)
 
@@ -687,7 +817,7 @@ def _cancelled(owner: HandoffOwner) -> PrefillCancelled:
 
 
 async def _run_engine(
-    engine: Engine,
+    engine: DecodeEngine,
     request: PreprocessedRequest,
     context: RequestContext,
     send: trio.MemorySendChannel[Item],
@@ -703,7 +833,9 @@ async def _run_engine(
 
 
 async def _receive_first(
-    worker: Worker, receive: trio.MemoryReceiveChannel[Item], refusal: list[WorkerError]
+    worker: Worker[DecodeEngine],
+    receive: trio.MemoryReceiveChannel[Item],
+    refusal: list[WorkerError],
 ) -> Item:
     """The first output of a prefill stream.
 
@@ -735,7 +867,7 @@ _ANSWER_FIELDS = frozenset({"stream_options", "fault", "min_tokens", "n", "best_
                             "logprobs", "top_logprobs", "echo", "prompt_logprobs"})
 
 
-def _naming(worker: Worker, exc: BaseException) -> str:
+def _naming(worker: Worker[DecodeEngine], exc: BaseException) -> str:
     """The error's message, naming the prefill worker once (adapters' messages often do)."""
     text = str(exc)
     return text if worker.name in text else f"prefill worker {worker.name} failed: {text}"

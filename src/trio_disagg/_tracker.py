@@ -8,7 +8,8 @@ import trio
 
 
 class Phase(enum.Enum):
-    """Where a request is in its life."""
+    """Where a request is in its life (:attr:`RequestTracker.phase`): queued, prefill,
+    decode, done. It only moves forward (S11)."""
 
     QUEUED = "queued"
     PREFILL = "prefill"
@@ -19,7 +20,12 @@ class Phase(enum.Enum):
 class PhasePermit:
     """The request's one phase-transition permit, held by the prefill phase (S11).
 
-    Release it when the prefill drain starts; releasing twice is harmless.
+    :meth:`RequestTracker.enter_prefill` hands it out; :meth:`release` it when the
+    prefill drain starts (:meth:`TransferKeeper.start` does, given ``permit=``), which lets
+    :meth:`RequestTracker.enter_decode` go on.
+
+    Attributes:
+        released: True once released.
     """
 
     __slots__ = ("_sem", "released")
@@ -29,17 +35,26 @@ class PhasePermit:
         self.released = False
 
     def release(self) -> None:
+        """Let the decode phase begin (S11); releasing twice is harmless."""
         if not self.released:
             self.released = True
             self._sem.release()
 
 
 class RequestTracker:
-    """Phase and timing of one request.
+    """Phase and timing of one request (S3, S11).
 
     Times are ``trio.current_time()`` values in seconds, so they follow a test's autojump
-    clock. ``record_prefill_complete()`` and ``record_decode_first_token()`` are first-call
-    wins: only the first call records and returns True (S3).
+    clock; a tracker made outside a trio run records None. ``record_prefill_complete()``
+    and ``record_decode_first_token()`` are first-call wins: only the first call records
+    and returns True (S3).
+
+    Attributes:
+        phase: the :class:`Phase`.
+        created_at: when the tracker was made (seconds, trio clock).
+        prefill_complete_at: when the prefill's first valid output arrived (S3).
+        decode_first_token_at: when the decode's first token arrived.
+        finished_at: when :meth:`finish` was first called.
     """
 
     __slots__ = (
@@ -67,6 +82,9 @@ class RequestTracker:
     def enter_prefill(self) -> PhasePermit:
         """Enter the prefill phase and take the phase-transition permit (S11).
 
+        Returns:
+            The :class:`PhasePermit`; release it when the prefill drain starts.
+
         Raises:
             RuntimeError: if the permit is already held (one prefill per request).
         """
@@ -78,17 +96,25 @@ class RequestTracker:
         return PhasePermit(self._permit)
 
     async def enter_decode(self) -> None:
-        """Flip to the decode phase once the prefill phase released its permit (S11)."""
+        """Flip to the decode phase once the prefill phase released its permit (S11).
+
+        Waits until then; cancelling the wait leaves the phase as it was.
+        """
         async with self._permit:
             self.phase = Phase.DECODE
 
     def finish(self) -> None:
+        """Mark the request done; the first call records ``finished_at``."""
         self.phase = Phase.DONE
         if self.finished_at is None:
             self.finished_at = _now()
 
     def record_prefill_complete(self) -> bool:
-        """Record that the prefill produced its first valid output; first call wins (S3)."""
+        """Record that the prefill produced its first valid output (S3).
+
+        Returns:
+            True if this call recorded it; False if an earlier call had (first call wins).
+        """
         if self._prefill_recorded:
             return False
         self._prefill_recorded = True
@@ -96,7 +122,11 @@ class RequestTracker:
         return True
 
     def record_decode_first_token(self) -> bool:
-        """Record the decode worker's first token; first call wins."""
+        """Record the decode worker's first token (S3).
+
+        Returns:
+            True if this call recorded it; False if an earlier call had (first call wins).
+        """
         if self._decode_recorded:
             return False
         self._decode_recorded = True
@@ -113,7 +143,7 @@ class RequestTracker:
 
     @property
     def time_to_first_token(self) -> float | None:
-        """Seconds from creation to the decode's first token (TTFT)."""
+        """Seconds from creation to the decode's first token (TTFT); None until known."""
         if self.created_at is None or self.decode_first_token_at is None:
             return None
         return self.decode_first_token_at - self.created_at

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Callable, Mapping
-from contextlib import aclosing
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
+from urllib.parse import urlsplit
 
 import attrs
 import cattrs
@@ -25,7 +25,6 @@ import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio nati
 import orjson
 import trio
 from cattrs.errors import AttributeValidationNote, IterableValidationNote
-from httpx_sse import EventSource
 
 from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
@@ -41,27 +40,40 @@ from .._protocols import (
     describe_value,
     make_strict_converter,
 )
+from ._wire import HttpxWorkerClient, TransportError, WorkerClient
 
 Item = Annotated[LLMEngineOutput]
 SendChannel = trio.MemorySendChannel[Annotated[LLMEngineOutput]]
 Role = Literal["prefill", "decode"]
 
-#: Connections to all workers together (``max_connections``), and idle ones kept
-#: (``max_keepalive_connections``). An idle connection is dropped after 4 s, before the
-#: workers' own 5 s keep-alive timeout (uvicorn's) closes it under a request.
-DEFAULT_LIMITS = httpx.Limits(
-    max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0
-)
-#: Seconds: to connect; between two reads (a prefill answers only when done, and a decode
-#: may pause; the router's deadlines are the real bounds); to write the body; to wait for
-#: a free connection of the pool.
-DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
+
+class Response(Protocol):
+    """What an engine reads of a worker's answer (:class:`~trio_disagg.engines.WorkerResponse`)."""
+
+    status_code: int
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def read(self) -> bytes: ...
+
+    async def aread(self, limit: int | None = None) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+#: What HTTP engines accept as ``client``: the project's :class:`WorkerClient` (the
+#: default, and the fast one), or an :class:`httpx.AsyncClient` of the caller's own.
+Client = WorkerClient | httpx.AsyncClient
 
 #: Seconds a stopped prefill gets for an answer the worker may already have sent before
 #: its response is closed (B10, B1): longer than a loaded event loop's lag, short next to
 #: a prefill's compute. (An answer that is still unread after that, on a loop lagging
 #: this much, is left to the worker's lease.)
 PREFILL_STOP_GRACE = 0.5
+#: Seconds to wait for the end of a streamed body after its ``[DONE]``, to keep the
+#: connection (a worker ends the body at once; one that does not loses its connection).
+BODY_END_GRACE = 0.05
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of a worker's error answer read for its message
 JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
@@ -180,19 +192,35 @@ def needs_handoff(output: LLMEngineOutput) -> bool:
 
 
 def worker_client(
-    *, limits: httpx.Limits | None = None, timeout: httpx.Timeout | None = None
-) -> httpx.AsyncClient:
-    """A new :class:`httpx.AsyncClient` for HTTP engines to share.
+    *,
+    max_connections: int = 1024,
+    max_idle_per_worker: int = 256,
+    keepalive_expiry: float = 4.0,
+    connect_timeout: float = 5.0,
+    read_timeout: float = 300.0,
+    write_timeout: float = 30.0,
+    pool_timeout: float = 30.0,
+) -> WorkerClient:
+    """A new :class:`~trio_disagg.engines.WorkerClient` for HTTP engines to share.
 
-    Its pool is bounded by ``limits`` (default :data:`DEFAULT_LIMITS`); its timeouts are
-    ``timeout`` (default :data:`DEFAULT_TIMEOUT`). Environment proxies are ignored: worker
-    traffic stays inside the cluster. The caller owns it: ``async with`` it, or
-    ``await client.aclose()``.
+    Args:
+        max_connections: connections open at once, over all workers.
+        max_idle_per_worker: idle keep-alive connections kept per worker.
+        keepalive_expiry: seconds an idle connection is kept: shorter than the workers'
+            own keep-alive timeout (uvicorn's 5 s), so none is closed under a request.
+        connect_timeout: seconds to open a connection.
+        read_timeout: seconds between two reads of an answer (a prefill answers only when
+            done, and a decode may pause; the router's deadlines are the real bounds).
+        write_timeout: seconds to write a request.
+        pool_timeout: seconds to wait for a free connection.
+
+    Environment proxies are not consulted: worker traffic stays inside the cluster. The
+    caller owns the client: ``async with`` it, or ``await client.aclose()``.
     """
-    return httpx.AsyncClient(
-        limits=limits if limits is not None else DEFAULT_LIMITS,
-        timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
-        trust_env=False,
+    return WorkerClient(
+        max_connections=max_connections, max_idle_per_worker=max_idle_per_worker,
+        keepalive_expiry=keepalive_expiry, connect_timeout=connect_timeout,
+        read_timeout=read_timeout, write_timeout=write_timeout, pool_timeout=pool_timeout,
     )
 
 
@@ -240,11 +268,23 @@ def check_worker_url(url: str, protocol: str) -> str:
     """``url`` without a trailing slash.
 
     Raises:
-        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host, has a
+            port that is not 1 to 65535, or has a query or a fragment (the adapter
+            appends the endpoint's path to it).
     """
-    parsed = httpx.URL(url)
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}")
+    problem = f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}"
+    try:
+        parsed = urlsplit(url)
+        port = parsed.port  # raises on a port that is not a number, or out of range
+    except ValueError as exc:
+        detail = ": the port must be 1 to 65535" if "range" in str(exc) else ""
+        raise ValueError(problem + detail) from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(problem)
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{problem}: the port must be 1 to 65535")
+    if parsed.query or parsed.fragment or "?" in url or "#" in url:
+        raise ValueError(f"{problem}: no query or fragment")
     return url.rstrip("/")
 
 
@@ -355,13 +395,16 @@ class HttpEngine:
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.NEVER
     #: How this protocol's prefill hands off (S5-S7); decode engines are SEQUENTIAL.
     prefill_handoff_style: ClassVar[HandoffStyle] = HandoffStyle.SEQUENTIAL
+    #: The worker's health endpoint (vLLM, SGLang and TensorRT-LLM all serve
+    #: ``GET /health``: docs/protocols.md section 1).
+    health_path: ClassVar[str] = "/health"
 
     def __init__(
         self,
         url: str,
         role: Role,
         *,
-        client: httpx.AsyncClient,
+        client: Client,
         name: str | None = None,
         cancel_window: CancelWindow | None = None,
     ) -> None:
@@ -372,6 +415,8 @@ class HttpEngine:
         self.url = check_worker_url(url, self.protocol)
         self.role: Role = role
         self.client = client
+        self._transport = (client if isinstance(client, WorkerClient)
+                           else HttpxWorkerClient(client))
         self.name = name if name is not None else self.url
         self.handoff_style = (self.prefill_handoff_style if role == "prefill"
                               else HandoffStyle.SEQUENTIAL)
@@ -426,7 +471,7 @@ class HttpEngine:
 
     async def _relay(
         self,
-        response: httpx.Response,
+        response: Response,
         request: PreprocessedRequest,
         path: str,
         body: Mapping[str, Any],
@@ -478,7 +523,7 @@ class HttpEngine:
             refusal: WorkerError | None = None
             try:
                 with stopper.scope:
-                    async with self.client.stream(
+                    async with self._transport.stream(
                         "POST", self.url + path, content=orjson.dumps(body), headers=headers
                     ) as response:
                         if not 200 <= response.status_code < 300:
@@ -491,7 +536,7 @@ class HttpEngine:
                             started = True
                             await self._relay(response, request, path, body, stopper,
                                               send_channel)
-            except httpx.HTTPError as exc:
+            except TransportError as exc:
                 if not started:
                     raise WorkerError(
                         f"{self.role} worker {self.url} failed: {describe(exc)}",
@@ -515,7 +560,28 @@ class HttpEngine:
                 except trio.BrokenResourceError:
                     await trio.lowlevel.checkpoint()
 
-    async def _status_error(self, response: httpx.Response) -> WorkerError:
+    async def check_health(self) -> None:
+        """Probe the worker's health endpoint once (``GET`` :attr:`health_path`), for a
+        :class:`~trio_disagg.HealthMonitor`, which bounds it with its timeout.
+
+        Raises:
+            WorkerError: the worker could not be reached (``worker_status`` None), or
+                answered anything but 2xx (``worker_status`` is that status).
+        """
+        try:
+            async with self._transport.stream("GET", self.url + self.health_path, content=b"",
+                                              headers={}) as response:
+                status = response.status_code
+                await response.aread(ERROR_BODY_LIMIT)
+        except TransportError as exc:
+            raise WorkerError(f"{self.role} worker {self.url} health check failed: "
+                              f"{describe(exc)}", status=502, worker=self.name) from exc
+        if not 200 <= status < 300:
+            raise WorkerError(
+                f"{self.role} worker {self.url} health check answered {status}",
+                status=502, worker=self.name, worker_status=status)
+
+    async def _status_error(self, response: Response) -> WorkerError:
         """The error for a worker's non-2xx answer; the answer is read and closed.
 
         The worker's answer is final, so reading and closing it is shielded from the
@@ -524,14 +590,17 @@ class HttpEngine:
         would see a timeout instead of the worker's 4xx or 5xx).
         """
         status = response.status_code
-        # Collected part by part: httpx closes the answer once its end is read, so the
-        # grace may run out after the last part arrived.
+        # Collected part by part, so that the grace may run out after the last part
+        # arrived and keep what came.
         data = bytearray()
         with trio.move_on_after(ERROR_CLOSE_GRACE, shield=True):
-            async for part in response.aiter_bytes():
-                data += part
-                if len(data) >= ERROR_BODY_LIMIT:
-                    break
+            try:
+                while part := await response.read():
+                    data += part
+                    if len(data) >= ERROR_BODY_LIMIT:
+                        break
+            except TransportError:
+                pass  # the status says enough
             await response.aclose()
         message = error_message(bytes(data), status)
         lost = self.role == "decode" and reports_lost_kv(message)
@@ -552,10 +621,10 @@ class HttpEngine:
         return Annotated.from_exception(WorkerError(
             f"{self.role} worker {self.url} {what}", status=502, worker=self.name))
 
-    async def _read_answer(self, response: httpx.Response) -> tuple[dict[str, Any] | Item, bytes]:
+    async def _read_answer(self, response: Response) -> tuple[dict[str, Any] | Item, bytes]:
         """A whole JSON answer (or the error item saying what is wrong with it), and its
         bytes."""
-        data = await read_limited(response, JSON_BODY_LIMIT)
+        data = await response.aread(JSON_BODY_LIMIT)
         if len(data) >= JSON_BODY_LIMIT:
             return self._error(f"answered more than {JSON_BODY_LIMIT} bytes"), data
         try:
@@ -570,7 +639,7 @@ class HttpEngine:
 
     async def _relay_json(
         self,
-        response: httpx.Response,
+        response: Response,
         request: PreprocessedRequest,
         body: Mapping[str, Any],
         parser: ChunkParser,
@@ -597,7 +666,7 @@ class HttpEngine:
 
     async def _relay_any(
         self,
-        response: httpx.Response,
+        response: Response,
         request: PreprocessedRequest,
         body: Mapping[str, Any],
         parser: ChunkParser,
@@ -612,28 +681,47 @@ class HttpEngine:
             await send.send(self._error(f"answered content-type {content_type!r}"))
 
     async def _relay_stream(
-        self, response: httpx.Response, parser: ChunkParser, send: SendChannel
+        self, response: Response, parser: ChunkParser, send: SendChannel
     ) -> None:
-        """Server-sent events -> outputs; the finish is held until the usage chunk."""
+        """Server-sent events -> outputs; the finish is held until the usage chunk.
+
+        The hot path of the relay (docs/performance.md): what one socket read brought is
+        split into its events at once, and their outputs go to the channel without a
+        schedule point while it has room, so a burst of tokens moves on as a burst.
+        """
         final: LLMEngineOutput | None = None  # the finish, waiting for its usage chunk
         done = False
+        pending = b""  # the start of an event the next read completes
+        send_nowait = send.send_nowait
+        output_of = parser.output
         try:
-            async with aclosing(EventSource(response).aiter_sse()) as events:
-                async for event in events:
-                    text = event.data
-                    if text == "[DONE]":
+            while part := await response.read():
+                if pending:
+                    part = pending + part
+                if b"\r" in part:
+                    part, pending_cr = normalise_line_ends(part)
+                else:
+                    pending_cr = b""
+                events = part.split(b"\n\n")
+                pending = events.pop() + pending_cr
+                for event in events:
+                    if event[:6] == b"data: " and b"\n" not in event:
+                        data: bytes | None = event[6:]  # the common case: one data line
+                    else:
+                        data = sse_data(event)
+                    if data is None:
+                        continue
+                    if data == b"[DONE]":
                         done = True
                         break
-                    if not text:
-                        continue
                     try:
-                        chunk = orjson.loads(text)
+                        chunk = orjson.loads(data)
                     except orjson.JSONDecodeError:
-                        await send.send(self._error(f"sent a malformed chunk: {text[:200]!r}"))
+                        await send.send(self._error(f"sent a malformed chunk: {data[:200]!r}"))
                         return
-                    if not isinstance(chunk, dict):
-                        await send.send(self._error(f"sent a chunk that is not an object: "
-                                                    f"{text[:200]!r}"))
+                    if type(chunk) is not dict:
+                        await send.send(self._error(
+                            f"sent a chunk that is not an object: {data[:200]!r}"))
                         return
                     if is_error_object(chunk):
                         await send.send(self._error(f"reported an error: {error_text(chunk)}"))
@@ -643,7 +731,7 @@ class HttpEngine:
                         if usage is not None:
                             final.completion_usage = usage
                         continue
-                    output = parser.output(chunk, final=False)
+                    output = output_of(chunk, final=False)
                     if output is None:
                         continue
                     if output.finish_reason is not None:
@@ -651,12 +739,17 @@ class HttpEngine:
                         continue
                     item = Annotated(data=output)
                     try:
-                        # Without a schedule point while the channel has room: the worker's
-                        # burst of events (one TCP read) moves on as a burst.
-                        send.send_nowait(item)
+                        send_nowait(item)
                     except trio.WouldBlock:
                         await send.send(item)
-        except httpx.HTTPError as exc:
+                if done:
+                    # The body's end follows [DONE] at once: read it, so that the
+                    # connection goes back to the pool instead of being closed.
+                    with trio.move_on_after(BODY_END_GRACE):
+                        while await response.read():
+                            pass
+                    break
+        except TransportError as exc:
             if final is None:
                 await send.send(self._error(f"failed mid-stream: {describe(exc)}"))
                 return
@@ -680,16 +773,26 @@ async def send_quietly(send: SendChannel, item: Item) -> None:
         await trio.lowlevel.checkpoint()
 
 
-async def read_limited(response: httpx.Response, limit: int) -> bytes:
-    """Up to ``limit`` bytes of the body (a few more if the last chunk overshoots)."""
-    parts: list[bytes] = []
-    size = 0
-    async for part in response.aiter_bytes():
-        parts.append(part)
-        size += len(part)
-        if size >= limit:
-            break
-    return b"".join(parts)
+def normalise_line_ends(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` with CRLF and CR line ends made LF (server-sent events allow all three),
+    and a trailing CR held back (its LF may come with the next read)."""
+    held = b""
+    if data.endswith(b"\r"):
+        data, held = data[:-1], b"\r"
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n"), held
+
+
+def sse_data(event: bytes) -> bytes | None:
+    """The data of one server-sent event (its ``data:`` lines joined by LF), or None for
+    an event without data (a comment, a bare ``event:`` or ``id:``)."""
+    lines: list[bytes] = []
+    for line in event.split(b"\n"):
+        field, colon, value = line.partition(b":")
+        if field == b"data":
+            lines.append(value[1:] if value[:1] == b" " else value)
+        elif not field and not colon:
+            continue  # a blank line
+    return b"\n".join(lines) if lines else None
 
 
 def reports_lost_kv(message: str) -> bool:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import trio
 
 from .._context import RequestContext
@@ -39,7 +39,9 @@ from .._protocols import (
 )
 from ._http import (
     ChunkParser,
+    Client,
     HttpEngine,
+    Response,
     Role,
     SendChannel,
     Stopper,
@@ -308,7 +310,7 @@ class SglangEngine(HttpEngine):
         url: str,
         role: Role,
         *,
-        client: httpx.AsyncClient,
+        client: Client,
         name: str | None = None,
         bootstrap_port: int | None = None,
         cancel_window: CancelWindow | None = None,
@@ -319,7 +321,7 @@ class SglangEngine(HttpEngine):
             port = DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else bootstrap_port
             if type(port) is not int or not 0 < port < 65536:
                 raise ValueError(f"bootstrap_port must be in 1-65535, got {port!r}")
-            host = httpx.URL(self.url).host
+            host = urlsplit(self.url).hostname or ""
             self.bootstrap_host = f"[{host}]" if ":" in host else host
             self.bootstrap_port = port
         elif bootstrap_port is not None:
@@ -363,7 +365,7 @@ class SglangEngine(HttpEngine):
 
     async def _relay(
         self,
-        response: httpx.Response,
+        response: Response,
         request: PreprocessedRequest,
         path: str,
         body: Mapping[str, Any],
@@ -384,7 +386,7 @@ def sglang_engines(
     prefill_specs: Sequence[str],
     decode_urls: Sequence[str],
     *,
-    client: httpx.AsyncClient | None = None,
+    client: Client | None = None,
     cancel_window: CancelWindow | None = None,
 ) -> tuple[list[SglangEngine], list[SglangEngine]]:
     """Make the prefill and decode engines of an SGLang deployment, sharing one client.
@@ -412,7 +414,7 @@ def sglang_engines(
     check_unique("decode", list(decode_urls))
     for url in [url for url, _ in parsed] + list(decode_urls):
         check_worker_url(url, SglangEngine.protocol)  # before a client is made
-    addresses = [(httpx.URL(url).host, port) for url, port in parsed]
+    addresses = [(urlsplit(url).hostname, port) for url, port in parsed]
     if len(set(addresses)) != len(addresses):
         raise ValueError(f"two prefill workers bootstrap at the same host and port: "
                          f"{list(prefill_specs)}")

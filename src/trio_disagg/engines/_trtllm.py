@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
@@ -34,6 +33,7 @@ from ._http import (
     FINISH,
     NON_EMPTY,
     ChunkParser,
+    Client,
     HttpEngine,
     Must,
     NonNegativeInt,
@@ -273,7 +273,7 @@ def trtllm_engines(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],
     *,
-    client: httpx.AsyncClient | None = None,
+    client: Client | None = None,
     cancel_window: CancelWindow | None = None,
 ) -> tuple[list[TrtllmEngine], list[TrtllmEngine]]:
     """Make the context and generation engines of a TensorRT-LLM deployment, sharing one

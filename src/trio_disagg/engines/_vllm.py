@@ -8,7 +8,7 @@ router then sends the decode worker the client's request plus those ``kv_transfe
 verbatim, and the decode worker pulls the blocks before it produces tokens.
 
 :class:`VllmEngine` implements :class:`~trio_disagg.Engine` for either role over one
-shared :class:`httpx.AsyncClient` (httpx runs on trio natively), on the skeleton shared by
+shared :class:`~trio_disagg.engines.WorkerClient`, on the skeleton shared by
 every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`).
 """
 
@@ -18,15 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
 from .._engine import CancelWindow
 from .._protocols import LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._http import (
-    DEFAULT_LIMITS,
-    DEFAULT_TIMEOUT,
     NON_EMPTY,
     ChunkParser,
+    Client,
     HttpEngine,
     Must,
     NonNegativeInt,
@@ -37,9 +35,10 @@ from ._http import (
     streaming_body,
     worker_client,
 )
+from ._wire import WorkerClient
 
 __all__ = [
-    "DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PREFILL_KV_TRANSFER_PARAMS", "KvTransferParams",
+    "PREFILL_KV_TRANSFER_PARAMS", "KvTransferParams",
     "VllmEngine",
     "decode_body", "endpoint_for", "prefill_body", "vllm_client", "vllm_engines",
 ]
@@ -82,18 +81,12 @@ class _PrefillAnswer:
     kv_transfer_params: KvTransferParams
 
 
-def vllm_client(
-    *, limits: httpx.Limits | None = None, timeout: httpx.Timeout | None = None
-) -> httpx.AsyncClient:
-    """A new :class:`httpx.AsyncClient` for :class:`VllmEngine`\\ s to share
-    (:func:`~trio_disagg.engines.worker_client`).
-
-    Its pool is bounded by ``limits`` (default :data:`DEFAULT_LIMITS`); its timeouts are
-    ``timeout`` (default :data:`DEFAULT_TIMEOUT`). Environment proxies are ignored: worker
-    traffic stays inside the cluster. The caller owns it: ``async with`` it, or
-    ``await client.aclose()``.
-    """
-    return worker_client(limits=limits, timeout=timeout)
+def vllm_client(**options: Any) -> WorkerClient:
+    """A new :class:`~trio_disagg.engines.WorkerClient` for :class:`VllmEngine`\\ s to
+    share: :func:`~trio_disagg.engines.worker_client`, whose keywords ``options`` are
+    (connection bounds in connections, timeouts in seconds). The caller owns it: ``async
+    with`` it, or ``await client.aclose()``."""
+    return worker_client(**options)
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -246,7 +239,7 @@ def vllm_engines(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],
     *,
-    client: httpx.AsyncClient | None = None,
+    client: Client | None = None,
     cancel_window: CancelWindow | None = None,
 ) -> tuple[list[VllmEngine], list[VllmEngine]]:
     """Make the prefill and decode engines of a vLLM deployment, sharing one client.

@@ -10,7 +10,9 @@ token loop), and two faces on it: in-process engines (:func:`mock_cluster`,
 speak vLLM's, SGLang's or TensorRT-LLM's wire protocol (docs/protocols.md sections 2-4).
 """
 
-from ._answers import REASONING_HOOK as REASONING_HOOK
+import importlib as _importlib
+import typing as _typing
+
 from ._cluster import MockCluster as MockCluster
 from ._cluster import mock_cluster as mock_cluster
 from ._decode_engine import MockDecodeEngine as MockDecodeEngine
@@ -31,25 +33,66 @@ from ._kv import KVCounters as KVCounters
 from ._kv import KVState as KVState
 from ._kv import KVTransferError as KVTransferError
 from ._kv import StagedKV as StagedKV
-from ._kvwire import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN
-from ._kvwire import kv_block_bytes as kv_block_bytes
 from ._latency import LatencyModel as LatencyModel
-from ._metrics import KVCollector as KVCollector
-from ._options import SeenRequest as SeenRequest
-from ._options import WorkerStats as WorkerStats
 from ._registry import KVRegistry as KVRegistry
-from ._serve import KEEP_ALIVE_TIMEOUT as KEEP_ALIVE_TIMEOUT
-from ._serve import PROTOCOLS as PROTOCOLS
-from ._serve import create_mock_worker as create_mock_worker
-from ._serve import serve_mock_worker as serve_mock_worker
-from ._serve import serve_worker as serve_worker
-from ._sglang import MockSglangWorker as MockSglangWorker
 from ._text import TokenStream as TokenStream
 from ._text import cached_prompt_tokens as cached_prompt_tokens
 from ._text import count_prompt_tokens as count_prompt_tokens
 from ._text import resolve_max_tokens as resolve_max_tokens
-from ._trtllm import CTX_REQUEST_ID_HOOK as CTX_REQUEST_ID_HOOK
-from ._trtllm import MockTrtllmWorker as MockTrtllmWorker
-from ._vllm import MockVllmWorker as MockVllmWorker
-from ._worker import MockWorker as MockWorker
-from ._worker import Role as Role
+
+if _typing.TYPE_CHECKING:
+    from ._answers import REASONING_HOOK as REASONING_HOOK
+    from ._kvwire import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN
+    from ._kvwire import kv_block_bytes as kv_block_bytes
+    from ._metrics import KVCollector as KVCollector
+    from ._options import SeenRequest as SeenRequest
+    from ._options import WorkerStats as WorkerStats
+    from ._serve import KEEP_ALIVE_TIMEOUT as KEEP_ALIVE_TIMEOUT
+    from ._serve import PROTOCOLS as PROTOCOLS
+    from ._serve import create_mock_worker as create_mock_worker
+    from ._serve import serve_mock_worker as serve_mock_worker
+    from ._serve import serve_worker as serve_worker
+    from ._sglang import MockSglangWorker as MockSglangWorker
+    from ._trtllm import CTX_REQUEST_ID_HOOK as CTX_REQUEST_ID_HOOK
+    from ._trtllm import MockTrtllmWorker as MockTrtllmWorker
+    from ._vllm import MockVllmWorker as MockVllmWorker
+    from ._worker import MockWorker as MockWorker
+    from ._worker import Role as Role
+
+# The HTTP face needs the 'server' extra (hypercorn, httpx, prometheus-client): imported on
+# first use, so that the in-process engines work with the core install alone.
+_LAZY = {
+    "REASONING_HOOK": "_answers",
+    "DEFAULT_KV_BYTES_PER_TOKEN": "_kvwire",
+    "kv_block_bytes": "_kvwire",
+    "KVCollector": "_metrics",
+    "SeenRequest": "_options",
+    "WorkerStats": "_options",
+    "KEEP_ALIVE_TIMEOUT": "_serve",
+    "PROTOCOLS": "_serve",
+    "create_mock_worker": "_serve",
+    "serve_mock_worker": "_serve",
+    "serve_worker": "_serve",
+    "MockSglangWorker": "_sglang",
+    "CTX_REQUEST_ID_HOOK": "_trtllm",
+    "MockTrtllmWorker": "_trtllm",
+    "MockVllmWorker": "_vllm",
+    "MockWorker": "_worker",
+    "Role": "_worker",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .._extras import require
+
+    require("server", f"trio_disagg.mock.{name}")  # a clear error naming the extra
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -4,6 +4,11 @@ A plain ASGI 3 application (:func:`create_app`) served by hypercorn's trio worke
 (:func:`serve`). All HTTP lives here; the router and the core know nothing of it.
 """
 
+# ruff: noqa: E402 (the extra is checked before its packages are imported)
+from .._extras import require as _require
+
+_require("server", "trio_disagg.server")  # a clear error naming the extra, not a bare one
+
 from ._app import OpenAIApp as OpenAIApp
 from ._app import create_app as create_app
 from ._metrics import OUTCOMES as OUTCOMES

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import trio
+from trio_util import AsyncValue
 
 from .._context import RequestContext
 from .._protocols import (
@@ -22,6 +23,7 @@ from .._protocols import (
     RoutingHints,
 )
 from .._router import DisaggRouter, RequestStream
+from ._edge import Edge, Refusal, discard_body
 from ._metrics import ServerMetrics
 from ._openai import (
     DONE_EVENT,
@@ -42,6 +44,7 @@ from ._openai import (
     failure_error,
     has_content,
     parse_json,
+    request_too_large,
     structure_body,
     usage_dict,
     worker_aborted,
@@ -255,12 +258,16 @@ class OpenAIApp:
 
     Build it with :func:`create_app`; serve it with :func:`serve` (or any ASGI server
     running on trio). Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``
-    (streamed and not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+    (streamed and not), ``GET /v1/models``, ``GET /health`` (readiness), ``GET /livez``
+    (liveness), ``GET /metrics``.
 
     Attributes:
         router: the router every generation request goes through.
         models: the model names served; any other is a 404 ``model_not_found``.
         metrics: this app's :class:`ServerMetrics` (its own registry).
+        edge: the checks before a request's body is read (API key, content type,
+            admission control) and before any worker is called (prompt size, the body's
+            ``fault``); :func:`create_app` sets them up.
     """
 
     def __init__(
@@ -272,6 +279,7 @@ class OpenAIApp:
         max_tokens_limit: int,
         default_max_tokens: int,
         linger: float,
+        edge: Edge | None = None,
     ) -> None:
         self.router = router
         self.models = tuple(models)
@@ -281,16 +289,23 @@ class OpenAIApp:
         self.default_max_tokens = default_max_tokens
         self.linger = linger
         self.metrics = ServerMetrics(router, http_in_flight=lambda: len(self._active))
+        #: The checks at the edge: API key, content type, admission, prompt size, faults.
+        self.edge = edge if edge is not None else Edge(
+            api_key=None, protect_metrics=False, max_in_flight=None, max_keeper_tasks=None,
+            max_prompt_bytes=max_body_bytes, fault_injection=False,
+            keeper_in_flight=lambda: router.keeper.in_flight)
+        self.metrics.registry.register(self.edge.refused)
         self._created = int(time.time())
         self._active: set[_RequestState] = set()
         self._cancelling = False
-        self._idle = trio.Event()
-        self._idle.set()
+        self._generation = frozenset({"/v1/completions", "/v1/chat/completions"})
+        self._handled = AsyncValue(0)  # len(self._active), for the tasks in wait_idle
         self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
             "/v1/completions": (frozenset({"POST"}), self._completions),
             "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
             "/v1/models": (frozenset({"GET", "HEAD"}), self._list_models),
             "/health": (frozenset({"GET", "HEAD"}), self._health),
+            "/livez": (frozenset({"GET", "HEAD"}), self._livez),
             "/metrics": (frozenset({"GET", "HEAD"}), self._metrics),
         }
 
@@ -303,9 +318,7 @@ class OpenAIApp:
 
     async def wait_idle(self) -> None:
         """Return once no generation request is being handled."""
-        while not self._idle.is_set():
-            await self._idle.wait()
-        await trio.lowlevel.checkpoint()
+        await self._handled.wait_value(0)
 
     async def shutdown(self, window: float) -> int:
         """End the generation requests in flight (rule B3 in docs/semantics.md), as
@@ -378,6 +391,11 @@ class OpenAIApp:
                     await _end_cancelled(responder)
 
     async def _http(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        edge = self.edge
+        refusal = edge.authorize(scope)  # before routing: no key, nothing learnt
+        if refusal is not None:
+            await self._refuse(receive, responder, refusal)
+            return
         route = self._routes.get(scope["path"])
         if route is None:
             method = scope["method"]
@@ -393,7 +411,21 @@ class OpenAIApp:
                 extra=[(b"allow", allow)],
             )
             return
-        await handler(scope, receive, responder)
+        generation = scope["path"] in self._generation
+        refusal = edge.admit(scope, generation=generation)
+        if refusal is not None:
+            await self._refuse(receive, responder, refusal)
+        elif generation:
+            with edge.slot():  # no checkpoint since admit(): the count is exact
+                await handler(scope, receive, responder)
+        else:
+            await handler(scope, receive, responder)
+
+    async def _refuse(self, receive: Receive, responder: _Responder, refusal: Refusal) -> None:
+        """Answer a request the edge refused, its body read and thrown away first."""
+        self.edge.refused.labels(refusal.reason).inc()
+        await discard_body(receive, self.max_body_bytes)
+        await responder.error(refusal.error, extra=refusal.headers)
 
     async def _internal_error(self, responder: _Responder) -> None:
         """Report a bug to the client, shielded and bounded: a 500 if nothing was sent,
@@ -414,21 +446,33 @@ class OpenAIApp:
         await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
 
     async def _health(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        """Readiness: 200 while the router admits requests and each pool has a worker
+        selection may choose; else 503 naming the pools without one (docs/router.md
+        "Worker health")."""
         router = self.router
-        prefill = len(router.prefill.healthy())
-        decode = len(router.decode.healthy())
+        pools = {"prefill": router.prefill, "decode": router.decode}
+        healthy = {role: len(pool.healthy()) for role, pool in pools.items()}
+        unhealthy = [role for role, count in healthy.items() if count == 0]
         if router.closing:
             status, state = 503, "closing"
-        elif prefill == 0 or decode == 0:
+        elif unhealthy:
             status, state = 503, "no healthy workers"
         else:
             status, state = 200, "ok"
+        workers = {role: {worker.name: worker.state.value for worker in pool.workers}
+                   for role, pool in pools.items()}
         await responder.respond(status, orjson.dumps({
             "status": state,
             "in_flight": router.in_flight,
-            "prefill_workers_healthy": prefill,
-            "decode_workers_healthy": decode,
+            "prefill_workers_healthy": healthy["prefill"],
+            "decode_workers_healthy": healthy["decode"],
+            "pools_without_healthy_workers": unhealthy,
+            "workers": workers,
         }))
+
+    async def _livez(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+        """Liveness: 200 while the process serves, whatever its workers' health."""
+        await responder.respond(200, orjson.dumps({"status": "alive"}))
 
     async def _metrics(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
         data, content_type = self.metrics.render()
@@ -450,8 +494,7 @@ class OpenAIApp:
         endpoint = "chat_completions" if chat else "completions"
         state = _RequestState(responder)
         self._active.add(state)
-        if len(self._active) == 1:
-            self._idle = trio.Event()
+        self._handled.value = len(self._active)
         try:
             with state.scope:
                 if self._cancelling:  # arrived after the shutdown window
@@ -467,8 +510,7 @@ class OpenAIApp:
         finally:
             self.metrics.requests.labels(endpoint, state.outcome).inc()
             self._active.discard(state)
-            if not self._active:
-                self._idle.set()
+            self._handled.value = len(self._active)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The request body, or None if the client went away first.
@@ -480,7 +522,7 @@ class OpenAIApp:
         declared = _header(scope, b"content-length")
         too_large = declared is not None and declared.isdigit() and int(declared) > limit
         if too_large and declared is not None and int(declared) > limit + _DRAIN_LIMIT:
-            raise _too_large(limit)
+            raise request_too_large(limit)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -499,7 +541,7 @@ class OpenAIApp:
             if size > limit + _DRAIN_LIMIT:
                 break  # stop draining: the server closes the connection after the 413
         if too_large:
-            raise _too_large(limit)
+            raise request_too_large(limit)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _build_request(
@@ -511,14 +553,17 @@ class OpenAIApp:
             The router's request, and whether the client asked for a usage chunk.
 
         Raises:
-            ApiError: 400 for malformed JSON, wrong types, missing fields, out-of-range
-                values, ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an
-                unknown model.
+            ApiError: 400 for malformed JSON, a prompt over ``max_prompt_bytes``
+                (``prompt_too_long``), wrong types, missing fields, out-of-range values,
+                ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an unknown
+                model.
         """
         raw = parse_json(data)
         if not isinstance(raw, dict):
             raise ApiError(400, f"the request body must be a JSON object, "
                            f"got {type(raw).__name__}", code="invalid_type")
+        self.edge.check_prompt(data, raw, chat=chat)  # 400 before any worker is called
+        self.edge.strip_fault(raw)
         budget_name = "max_tokens"
         if chat:
             chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
@@ -885,11 +930,6 @@ def _cached(stream: RequestStream) -> int | None:
     return details.cached_tokens if details is not None else None
 
 
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body too large (the limit is {limit} bytes)",
-                    code="request_too_large")
-
-
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -901,10 +941,16 @@ def create_app(
     router: DisaggRouter,
     *,
     models: Sequence[str],
-    max_body_bytes: int = 1024 * 1024,
+    max_body_bytes: int = 2 * 1024 * 1024,
+    max_prompt_bytes: int = 1024 * 1024,
     max_tokens_limit: int = 32768,
     default_max_tokens: int = 16,
     linger: float = 5.0,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
+    max_in_flight: int | None = None,
+    max_keeper_tasks: int | None = None,
+    fault_injection: bool = False,
 ) -> OpenAIApp:
     """Build the OpenAI-compatible ASGI app for ``router``.
 
@@ -913,23 +959,43 @@ def create_app(
     goes away (the prefill runs on in the router's keeper). Validation errors are 4xx
     OpenAI errors; nothing a client sends makes a 500 or stops the server.
 
+    Before a request's body is read, the edge checks its API key (401), its content type
+    (415) and, for a generation request, admission (503 with ``Retry-After``); then the
+    body's size (413) and its prompt's (400 ``prompt_too_long``), all before any worker is
+    called. docs/router.md ("Securing and limiting the router") has the details.
+
     Args:
         router: the router; its keeper must stay open while the app serves.
         models: the model names to accept (``GET /v1/models`` lists them); requests for any
             other get 404 ``model_not_found``.
         max_body_bytes: the largest request body accepted, in bytes; a larger one gets 413.
+        max_prompt_bytes: the largest prompt accepted, in bytes: a chat request's
+            ``messages`` or a completion's ``prompt``, measured as compact JSON. A larger
+            one gets 400 ``prompt_too_long`` before any worker is called.
         max_tokens_limit: the largest ``max_tokens`` / ``max_completion_tokens`` accepted.
         default_max_tokens: the completion budget, in tokens, of a request that names none
             (16 is OpenAI's legacy completions default). The client's body is passed to the
             workers unchanged; this is ``PreprocessedRequest.max_tokens``.
         linger: seconds a finished request's decode leg may take to wind down before it
             is cancelled.
+        api_key: if given, every ``/v1/*`` request must send ``Authorization: Bearer
+            <api_key>``, else it gets 401 ``invalid_api_key``; compared in constant time.
+        protect_metrics: with ``api_key``, ``/health``, ``/metrics`` and every other path
+            need the key too.
+        max_in_flight: the most generation requests handled at once; past it a new one
+            gets 503 ``server_overloaded`` with ``Retry-After`` at once. None: no limit.
+        max_keeper_tasks: the keeper tasks in flight (prefill drains, decode legs kept for
+            a KV transfer, cleanups) at which new generation requests are refused the same
+            way. Tasks already started always run to their end. None: no limit.
+        fault_injection: pass a client's ``"fault"`` field on to the engines (the mock
+            engines and workers read it). Off, it is removed from every body first.
 
     Returns:
         An :class:`OpenAIApp`.
 
     Raises:
-        ValueError: no models, or a limit that is not positive.
+        ValueError: no models, a limit that is not positive, an empty ``api_key``, or
+            ``protect_metrics`` without one.
     """
     if not models or any(not isinstance(model, str) or not model for model in models):
         raise ValueError(f"models must be a non-empty list of names, got {models!r}")
@@ -943,6 +1009,11 @@ def create_app(
         )
     if not linger >= 0 or math.isnan(linger):
         raise ValueError(f"linger must be >= 0 seconds, got {linger}")
+    keeper = router.keeper
+    edge = Edge(
+        api_key=api_key, protect_metrics=protect_metrics, max_in_flight=max_in_flight,
+        max_keeper_tasks=max_keeper_tasks, max_prompt_bytes=max_prompt_bytes,
+        fault_injection=fault_injection, keeper_in_flight=lambda: keeper.in_flight)
     return OpenAIApp(
         router,
         models=models,
@@ -950,4 +1021,5 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         default_max_tokens=default_max_tokens,
         linger=linger,
+        edge=edge,
     )

@@ -12,10 +12,16 @@ from collections.abc import Callable, Iterator
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from .._health import EJECTION_REASONS, RETRY_REASONS, HealthState
 from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN
 from .._router import DisaggRouter
 
@@ -107,7 +113,10 @@ class RouterCollector(Collector):
     ``trio_disagg_staged_kv_cleanups_total``, ``trio_disagg_staged_kv_cleanup_failures_total``,
     and per worker (labels ``role``, ``worker``): ``trio_disagg_worker_outstanding``,
     ``trio_disagg_worker_healthy``, ``trio_disagg_worker_served_total``,
-    ``trio_disagg_worker_failures_total``; with ``http_in_flight``, also
+    ``trio_disagg_worker_failures_total``, ``trio_disagg_worker_state{state}``,
+    ``trio_disagg_worker_ejections_total{reason}``, ``trio_disagg_worker_probe_latency_seconds``
+    and ``trio_disagg_worker_probe_seconds``; ``trio_disagg_retries_total{leg, reason}``
+    (rule B9); with ``http_in_flight``, also
     ``trio_disagg_http_requests_in_flight``.
     """
 
@@ -199,8 +208,8 @@ class RouterCollector(Collector):
             "trio_disagg_worker_outstanding", "Requests outstanding on a worker.", labels=labels
         )
         healthy = GaugeMetricFamily(
-            "trio_disagg_worker_healthy", "1 unless the worker is cooling down after failures.",
-            labels=labels,
+            "trio_disagg_worker_healthy",
+            "1 if selection may choose the worker (healthy or half-open).", labels=labels,
         )
         served = CounterMetricFamily(
             "trio_disagg_worker_served", "Requests a worker completed.", labels=labels
@@ -216,10 +225,65 @@ class RouterCollector(Collector):
             for worker in pool.workers:
                 values = [role, worker.name]
                 outstanding.add_metric(values, worker.outstanding)
-                healthy.add_metric(values, 1 if worker.unhealthy_until <= now else 0)
+                healthy.add_metric(values, 1 if worker.health.selectable(now) else 0)
                 served.add_metric(values, worker.served_total)
                 failures.add_metric(values, worker.failures_total)
         yield outstanding
         yield healthy
         yield served
         yield failures
+        yield from _health_families(router, now)
+
+
+def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
+    """Per worker (labels ``role``, ``worker``): ``trio_disagg_worker_state{state}`` (1 for
+    its :class:`~trio_disagg.HealthState`), ``trio_disagg_worker_ejections_total{reason}``,
+    and for probed workers ``trio_disagg_worker_probe_latency_seconds`` (the last probe)
+    and the summary ``trio_disagg_worker_probe_seconds``; and
+    ``trio_disagg_retries_total{leg, reason}`` (B9)."""
+    labels = ["role", "worker"]
+    state = GaugeMetricFamily(
+        "trio_disagg_worker_state",
+        "1 for the worker's health state (healthy, ejected, half_open, down), else 0.",
+        labels=[*labels, "state"],
+    )
+    ejections = CounterMetricFamily(
+        "trio_disagg_worker_ejections",
+        "Times a worker was taken out of selection, by reason: passive (consecutive "
+        "faults of its own requests) or probe (a failed health probe).",
+        labels=[*labels, "reason"],
+    )
+    last = GaugeMetricFamily(
+        "trio_disagg_worker_probe_latency_seconds",
+        "Seconds the worker's last health probe took.", labels=labels,
+    )
+    probes = SummaryMetricFamily(
+        "trio_disagg_worker_probe_seconds", "Health probes of the worker and their seconds.",
+        labels=labels,
+    )
+    for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
+        for worker in pool.workers:
+            health, values = worker.health, [role, worker.name]
+            current = health.state(now)
+            for each in HealthState:
+                state.add_metric([*values, each.value], 1 if each is current else 0)
+            for reason in EJECTION_REASONS:
+                ejections.add_metric([*values, reason], health.ejections[reason])
+            if health.probed:
+                if health.last_probe_seconds is not None:
+                    last.add_metric(values, health.last_probe_seconds)
+                probes.add_metric(values, health.probes_total, health.probe_seconds_total)
+    yield state
+    yield ejections
+    yield last
+    yield probes
+    retries = CounterMetricFamily(
+        "trio_disagg_retries",
+        "Legs tried again on another worker before the first byte (B9), by leg "
+        "(prefill, decode) and reason (transport_error, server_error).",
+        labels=["leg", "reason"],
+    )
+    for leg in ("prefill", "decode"):
+        for reason in RETRY_REASONS:
+            retries.add_metric([leg, reason], router.counters.retries.get((leg, reason), 0))
+    yield retries

@@ -212,6 +212,46 @@ def error_for_exception(exc: BaseException) -> ApiError:
     return ApiError(500, "internal server error", type="internal_error", code="internal_error")
 
 
+# --- the edge's own refusals: answered before any worker is called -----------------------
+# (docs/router.md, "Securing and limiting the router"; the table there lists them all.)
+
+
+def invalid_api_key(given: bool) -> ApiError:
+    """401 ``invalid_api_key``: a ``/v1/*`` request without the right bearer key.
+
+    Args:
+        given: whether the request carried a bearer key at all (it changes the message).
+    """
+    message = ("Incorrect API key provided." if given else
+               "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+    return ApiError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+def unsupported_media_type(content_type: str | None) -> ApiError:
+    """415 ``unsupported_media_type``: a POST body that is not ``application/json``."""
+    got = repr(content_type) if content_type is not None else "none"
+    return ApiError(415, f"the request body must be sent as Content-Type: application/json, "
+                    f"got {got}", param="Content-Type", code="unsupported_media_type")
+
+
+def server_overloaded(message: str) -> ApiError:
+    """503 ``server_overloaded``: admission control refused the request (sent with a
+    ``Retry-After`` header)."""
+    return ApiError(503, message, type="service_unavailable_error", code="server_overloaded")
+
+
+def prompt_too_long(param: str, size: int, limit: int) -> ApiError:
+    """400 ``prompt_too_long``: the prompt (``param``) is ``size`` bytes, over ``limit``."""
+    return ApiError(400, f"the {param} is {size} bytes as JSON; the limit is {limit} bytes",
+                    param=param, code="prompt_too_long")
+
+
+def request_too_large(limit: int) -> ApiError:
+    """413 ``request_too_large``: the body is over ``limit`` bytes."""
+    return ApiError(413, f"request body too large (the limit is {limit} bytes)",
+                    code="request_too_large")
+
+
 # --- requests ---------------------------------------------------------------------------
 
 #: A completions ``prompt``: a string or a list of token ids (a batch of one is unwrapped).

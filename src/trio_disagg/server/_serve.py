@@ -1,4 +1,5 @@
-"""Running the app under hypercorn's trio worker, with a graceful shutdown (B3)."""
+"""Running the app, on the project's HTTP/1.1 server (or hypercorn's trio worker, given a
+hypercorn config), with a graceful shutdown (B3)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,21 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
+from .._health import HealthMonitor
 from ._app import ENDING_WINDOW, OpenAIApp
+from ._http11 import serve_http
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config
 
 logger = logging.getLogger("trio_disagg.server")
 
-#: Seconds hypercorn waits beyond the app's own shutdown (the graceful window and the
+#: Seconds the server waits beyond the app's own shutdown (the graceful window and the
 #: ending window) before it cancels what is left and closes the connections: a backstop.
 _BACKSTOP = 1.0
 
@@ -46,6 +51,30 @@ async def wait_for_signals(*signums: int) -> int:
     raise AssertionError("unreachable: a signal receiver never ends")  # pragma: no cover
 
 
+async def _run_in(  # noqa: ASYNC128 (fn reports started())
+    scope: trio.CancelScope,
+    fn: Callable[..., Awaitable[object]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await fn(task_status=task_status)
+
+
+async def _then_cancel(  # noqa: ASYNC128 (fn reports started())
+    scope: trio.CancelScope,
+    fn: Callable[..., Awaitable[object]],
+    *,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``fn`` (the server), then cancel ``scope`` (the health probes), however it
+    ends."""
+    try:
+        await fn(task_status=task_status)
+    finally:
+        scope.cancel()
+
+
 def _bind(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"  # IPv6
@@ -67,9 +96,14 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 30.0,
     config: Config | None = None,
+    health: HealthMonitor | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` over HTTP with hypercorn's trio worker until shut down.
+    """Serve ``app`` over HTTP/1.1 until shut down.
+
+    The server is the project's own (``trio_disagg.server._http11``: trio sockets and the
+    httptools parser, built for the relay's per-token cost, docs/performance.md); with a
+    hypercorn ``config`` it is hypercorn's trio worker instead (for TLS or HTTP/2).
 
     Run it inside the :class:`~trio_disagg.TransferKeeper` the app's router uses::
 
@@ -79,12 +113,12 @@ async def serve(
             await serve(app, port=8000, shutdown_trigger=wait_for_sigterm)
 
     Graceful shutdown (rule B3 in docs/semantics.md): when ``shutdown_trigger`` returns, the
-    router is closed (new requests get 503), hypercorn stops listening and closes idle connections,
+    router is closed (new requests get 503), the server stops listening and closes idle connections,
     requests in flight get up to ``graceful_timeout`` seconds to finish, then the app
     cancels whatever is left (:meth:`OpenAIApp.shutdown`), each request with a clean ending
     (a 503 ``server_shutting_down``, or an error event and ``[DONE]``: B4), and logs how
     many; their prefill legs run on in the keeper. Then :func:`serve` returns. Leaving the
-    keeper then gives in-flight transfers its own drain window. Hypercorn's own graceful
+    keeper then gives in-flight transfers its own drain window. The server's own shutdown
     timeout is set a little longer, as a backstop.
 
     Cancelling :func:`serve` itself is a hard stop.
@@ -96,8 +130,12 @@ async def serve(
         shutdown_trigger: an async callable returning when the server should shut down
             gracefully; None serves until cancelled.
         graceful_timeout: seconds in-flight requests get to finish on shutdown.
-        config: a hypercorn :class:`~hypercorn.config.Config` for everything else (TLS,
-            timeouts, logging); its ``bind`` and ``graceful_timeout`` are overwritten.
+        config: a hypercorn ``Config``: serve with hypercorn instead, for what the
+            project's server does not do (TLS, HTTP/2); its ``bind`` and
+            ``graceful_timeout`` are overwritten.
+        health: probes of the router's workers to run while serving: its first round
+            ends before the server listens (so ``GET /health`` is right from the first
+            request), and it stops when the server does.
         task_status: with ``nursery.start(serve, ...)``, reports the bound TCP port once
             the server listens.
 
@@ -106,9 +144,7 @@ async def serve(
     """
     if not graceful_timeout >= 0 or math.isnan(graceful_timeout):
         raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
-    config = config if config is not None else Config()
-    config.bind = [_bind(host, port)]
-    config.graceful_timeout = graceful_timeout + ENDING_WINDOW + _BACKSTOP
+    backstop = graceful_timeout + ENDING_WINDOW + _BACKSTOP
     router = app.router
 
     trigger: Callable[[], Awaitable[None]] | None = None
@@ -122,14 +158,28 @@ async def serve(
                 "graceful timeout %g s", router.in_flight, graceful_timeout,
             )
             router.close()
-            # The app's shutdown runs beside hypercorn's: it ends what is left when the
-            # window is over, before hypercorn's longer graceful timeout closes connections.
+            # The app's shutdown runs beside the server's: it ends what is left when the
+            # window is over, before the server's longer backstop closes connections.
             nursery.start_soon(app.shutdown, graceful_timeout)
 
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(
-            partial(hypercorn_serve, app, config, shutdown_trigger=trigger)  # type: ignore[arg-type]
-        )
-        task_status.started(_port_of(binds[0]))
+        probes = trio.CancelScope()
+        if health is not None:
+            await nursery.start(_run_in, probes, health.run)
+        if config is None:
+            bound: int = await nursery.start(_then_cancel, probes, partial(
+                serve_http, app, host=host, port=port, shutdown_trigger=trigger,
+                shutdown_timeout=backstop))
+        else:
+            from hypercorn.trio import serve as hypercorn_serve
+
+            config.bind = [_bind(host, port)]
+            config.graceful_timeout = backstop
+            binds: list[str] = await nursery.start(
+                _then_cancel, probes,
+                partial(hypercorn_serve, app, config, shutdown_trigger=trigger),  # type: ignore[arg-type]
+            )
+            bound = _port_of(binds[0])
+        task_status.started(bound)
     if shutdown_trigger is not None and router.in_flight:
         logger.warning("server stopped with %d request(s) still in flight", router.in_flight)

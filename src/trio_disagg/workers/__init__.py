@@ -1,6 +1,11 @@
 """Mock LLM workers over HTTP: an alias of the HTTP face of :mod:`trio_disagg.mock`, kept
 so that code written against ``trio_disagg.workers`` keeps working. New code imports from
-:mod:`trio_disagg.mock`."""
+:mod:`trio_disagg.mock`. Needs the ``server`` extra."""
+
+# ruff: noqa: E402 (the extra is checked before its packages are imported)
+from .._extras import require as _require
+
+_require("server", "trio_disagg.workers")  # a clear error naming the extra, not a bare one
 
 from ..mock import CTX_REQUEST_ID_HOOK as CTX_REQUEST_ID_HOOK
 from ..mock import DEFAULT_KV_BYTES_PER_TOKEN as DEFAULT_KV_BYTES_PER_TOKEN

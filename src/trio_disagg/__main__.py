@@ -1,0 +1,7 @@
+"""``python -m trio_disagg``: the ``trio-disagg`` command."""
+
+import sys
+
+from ._entry import main
+
+sys.exit(main())

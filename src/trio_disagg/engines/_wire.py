@@ -1,0 +1,539 @@
+"""The worker client: keep-alive HTTP/1.1 to the workers, over trio, parsed by httptools.
+
+The relay's hot path (docs/performance.md): every token of every stream crosses this
+module, so it holds only what a worker leg needs. A POST with a body, a response read as
+raw body parts (chunked transfer decoded), a pool of idle connections per worker taken
+and given back in O(1), and closing a response before its end closes its connection (the
+worker sees the disconnect and aborts the request, B1/P5). A profile of the router behind
+httpx showed the client's per-request pool scans and per-read layers as the largest part
+of the router's CPU; this client does the same work with one parser call per socket read.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections import deque
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Self
+from urllib.parse import urlsplit
+
+import httptools
+import httpx  # noqa: ASYNC127 (an adapter for callers' own httpx clients)
+import trio
+
+#: Bytes asked of the socket per read.
+READ_SIZE = 65536
+#: Bytes of response headers accepted before the answer is refused as malformed.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class TransportError(Exception):
+    """A worker could not be reached, or broke the HTTP exchange (no status to report)."""
+
+
+class ConnectError(TransportError):
+    """The connection to the worker could not be opened (refused, unreachable, timeout)."""
+
+
+class ReadTimeout(TransportError):
+    """The worker sent nothing for the read timeout (seconds)."""
+
+
+class WriteTimeout(TransportError):
+    """The request could not be written within the write timeout (seconds)."""
+
+
+class PoolTimeout(TransportError):
+    """No connection became free within the pool timeout (seconds)."""
+
+
+class RemoteProtocolError(TransportError):
+    """The worker closed the connection early or sent something that is not HTTP/1.1."""
+
+
+class _Connection:
+    """One keep-alive connection to a worker."""
+
+    __slots__ = ("idle_since", "socket", "stream")
+
+    def __init__(self, stream: trio.abc.Stream, socket: trio.socket.SocketType | None) -> None:
+        self.stream = stream
+        self.socket = socket
+        self.idle_since = 0.0
+
+    def usable(self, now: float, expiry: float) -> bool:
+        """Whether an idle connection may carry a new request: not expired, and nothing
+        to read (a readable idle socket is one the worker closed)."""
+        if now - self.idle_since > expiry:
+            return False
+        return self.socket is None or not self.socket.is_readable()
+
+
+class _Pool:
+    """The idle connections to one worker (host, port, scheme)."""
+
+    __slots__ = ("host", "idle", "port", "tls")
+
+    def __init__(self, host: str, port: int, tls: bool) -> None:
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.idle: deque[_Connection] = deque()
+
+
+class WorkerResponse:
+    """A worker's answer: its status and headers at once, its body read part by part.
+
+    Read the body with :meth:`read` until it returns ``b""``; :meth:`aclose` (or leaving
+    the ``async with`` of :meth:`WorkerClient.stream`) ends the exchange. A response read
+    to its end gives its connection back to the pool; one closed before its end closes the
+    connection, which is how the worker learns that the router has gone (it aborts).
+    """
+
+    __slots__ = ("_body", "_client", "_complete", "_connection", "_headers_done",
+                 "_keep_alive", "_parser", "_pool", "_raw_headers", "_reused",
+                 "headers", "status_code")
+
+    def __init__(self, client: WorkerClient, pool: _Pool, connection: _Connection,
+                 reused: bool) -> None:
+        self._client = client
+        self._pool = pool
+        self._connection: _Connection | None = connection
+        self._reused = reused
+        self._parser = httptools.HttpResponseParser(self)
+        self._body: list[bytes] = []
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers_done = False
+        self._complete = False
+        self._keep_alive = False
+        #: The status code, once the headers are in.
+        self.status_code = 0
+        #: Header names (lower case) to values, as ``str``.
+        self.headers: dict[str, str] = {}
+
+    # httptools callbacks ------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status_code = self._parser.get_status_code()
+        self.headers = {name.decode("latin-1").lower(): value.decode("latin-1")
+                        for name, value in self._raw_headers}
+        self._headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()
+
+    # reading ------------------------------------------------------------------------------
+
+    async def _feed(self) -> bool:
+        """One socket read into the parser; False at the end of the connection."""
+        connection = self._connection
+        assert connection is not None
+        with trio.move_on_after(self._client.read_timeout) as waited:
+            try:
+                data = await connection.stream.receive_some(READ_SIZE)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise RemoteProtocolError(f"connection lost: {exc}") from exc
+        if waited.cancelled_caught:
+            raise ReadTimeout(f"no data for {self._client.read_timeout:g} s")
+        if not data:
+            return False
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            raise RemoteProtocolError(f"malformed HTTP answer: {exc}") from exc
+        return True
+
+    async def _read_head(self) -> None:
+        received = 0
+        while not self._headers_done:
+            if not await self._feed():
+                raise RemoteProtocolError("the worker closed the connection without answering")
+            received += sum(len(v) + len(n) for n, v in self._raw_headers)
+            if not self._headers_done and received > MAX_HEADER_BYTES:
+                raise RemoteProtocolError("the answer's headers are too large")
+
+    async def read(self) -> bytes:
+        """The next part of the body: what one socket read brought (possibly several
+        events of a stream), decoded from chunked transfer; ``b""`` at its end.
+
+        Raises:
+            ReadTimeout: nothing arrived for the client's read timeout.
+            RemoteProtocolError: the connection broke before the body's end.
+        """
+        while not self._body:
+            if self._complete:
+                self._release()
+                return b""
+            if not await self._feed():
+                if self._headers_framed():
+                    raise RemoteProtocolError("the worker closed the connection mid-answer")
+                self._complete = True  # a body delimited by the connection's end
+        parts = self._body
+        self._body = []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _headers_framed(self) -> bool:
+        return "content-length" in self.headers or "chunked" in self.headers.get(
+            "transfer-encoding", "").lower()
+
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The rest of the body (at most about ``limit`` bytes, then the rest is left)."""
+        parts: list[bytes] = []
+        size = 0
+        while part := await self.read():
+            parts.append(part)
+            size += len(part)
+            if limit is not None and size >= limit:
+                break
+        return b"".join(parts)
+
+    def _release(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if self._keep_alive:
+            self._client._give_back(self._pool, connection)
+        else:
+            self._client._forget(connection)
+
+    def _discard(self) -> None:
+        """Close the connection at once, without a checkpoint (a failed exchange)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._client._forget(connection)
+
+    async def aclose(self) -> None:
+        """End the exchange: give the connection back if the answer was read to its end,
+        else close it (the worker aborts the request). Idempotent."""
+        if self._complete:
+            self._release()
+            return
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await self._client._close(connection)
+
+
+class _Exchange:
+    """``async with client.stream(...) as response``: the response once its headers are
+    in; closed on the way out."""
+
+    __slots__ = ("_client", "_content", "_headers", "_method", "_path", "_pool", "_response")
+
+    def __init__(self, client: WorkerClient, pool: _Pool, method: str, path: str,
+                 headers: Mapping[bytes, bytes], content: bytes) -> None:
+        self._client = client
+        self._method = method
+        self._pool = pool
+        self._path = path
+        self._headers = headers
+        self._content = content
+        self._response: WorkerResponse | None = None
+
+    async def __aenter__(self) -> WorkerResponse:
+        client, pool = self._client, self._pool
+        head = [self._method.encode(), b" ", self._path.encode(), b" HTTP/1.1\r\nhost: ",
+                pool.host.encode(),
+                b"\r\ncontent-length: ", str(len(self._content)).encode(), b"\r\n"]
+        for name, value in self._headers.items():
+            head += (name, b": ", value, b"\r\n")
+        head += (b"\r\n", self._content)
+        request = b"".join(head)
+        for attempt in range(2):  # a kept connection the worker closed: once more, anew
+            connection, reused = await client._acquire(pool, fresh=attempt > 0)
+            response = WorkerResponse(client, pool, connection, reused)
+            self._response = response
+            try:
+                with trio.move_on_after(client.write_timeout) as writing:
+                    await connection.stream.send_all(request)
+                if writing.cancelled_caught:
+                    raise WriteTimeout(f"request not written in {client.write_timeout:g} s")
+                await response._read_head()
+            except (trio.BrokenResourceError, OSError, RemoteProtocolError) as exc:
+                response._discard()
+                if reused and not response._raw_headers:
+                    continue
+                if isinstance(exc, RemoteProtocolError):
+                    raise
+                raise RemoteProtocolError(f"connection lost: {exc}") from exc
+            except BaseException:
+                response._discard()
+                raise
+            return response
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._response is not None:
+            await self._response.aclose()
+
+
+class WorkerClient:
+    """Keep-alive HTTP/1.1 connections to the workers, shared by the HTTP engines.
+
+    Connections are opened on demand, at most ``max_connections`` at once over all
+    workers; an idle one is kept (at most ``max_idle_per_worker`` per worker) for
+    ``keepalive_expiry`` seconds, shorter than the workers' own keep-alive timeout, and
+    checked before reuse. A request on a kept connection the worker had closed is sent
+    once more on a new one (the worker never saw it).
+
+    Args:
+        max_connections: connections open at once, over all workers.
+        max_idle_per_worker: idle connections kept per worker.
+        keepalive_expiry: seconds an idle connection is kept.
+        connect_timeout: seconds to open a connection.
+        read_timeout: seconds between two reads of an answer (the router's deadlines
+            are the real bounds).
+        write_timeout: seconds to write a request.
+        pool_timeout: seconds to wait for a free connection when ``max_connections``
+            are open.
+
+    Use it as an async context manager, or call :meth:`aclose`; closing it closes the
+    idle connections (the ones in use close with their responses).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 1024,
+        max_idle_per_worker: int = 256,
+        keepalive_expiry: float = 4.0,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 300.0,
+        write_timeout: float = 30.0,
+        pool_timeout: float = 30.0,
+    ) -> None:
+        if max_connections < 1 or max_idle_per_worker < 0:
+            raise ValueError("max_connections must be >= 1 and max_idle_per_worker >= 0")
+        self.max_idle_per_worker = max_idle_per_worker
+        self.keepalive_expiry = keepalive_expiry
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
+        self.pool_timeout = pool_timeout
+        self._max_connections = max_connections
+        self._slots = trio.Semaphore(max_connections)
+        self._pools: dict[str, _Pool] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    @property
+    def connections_open(self) -> int:
+        """Connections open now, idle or carrying a request."""
+        return self._max_connections - self._slots.value
+
+    @property
+    def connections_idle(self) -> int:
+        """Idle connections kept for reuse."""
+        return sum(len(pool.idle) for pool in self._pools.values())
+
+    def stream(self, method: str, url: str, *, content: bytes,
+               headers: Mapping[bytes, bytes]) -> _Exchange:
+        """Send ``method`` (``POST``, or ``GET`` for a probe) with ``content`` to ``url``
+        with ``headers``; ``async with`` it for the :class:`WorkerResponse`, once its status
+        and headers are in.
+
+        Raises:
+            ValueError: ``method`` is not POST or GET, or ``url`` is not an http(s) URL.
+            TransportError: on entering: the worker could not be reached or broke the
+                exchange before its headers (a :class:`ConnectError`,
+                :class:`PoolTimeout`, :class:`WriteTimeout`, :class:`ReadTimeout` or
+                :class:`RemoteProtocolError`).
+        """
+        if method not in ("POST", "GET"):
+            raise ValueError(f"the worker client only POSTs and GETs, not {method}")
+        base, _, rest = url.partition("://")
+        authority, slash, path = rest.partition("/")
+        key = f"{base}://{authority}"
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._new_pool(url)
+            self._pools[key] = pool
+        return _Exchange(self, pool, method, slash + path, headers, content)
+
+    def _new_pool(self, url: str) -> _Pool:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        tls = parts.scheme == "https"
+        return _Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
+
+    async def _acquire(self, pool: _Pool, *, fresh: bool = False) -> tuple[_Connection, bool]:
+        if self._closed:
+            raise TransportError("the worker client is closed")
+        now = trio.current_time()
+        idle = pool.idle
+        while idle and not fresh:
+            connection = idle.pop()  # the most recent: the likeliest to be alive
+            if connection.usable(now, self.keepalive_expiry):
+                return connection, True
+            self._forget(connection)
+        if not self._take_slot():
+            with trio.move_on_after(self.pool_timeout) as waited:
+                await self._slots.acquire()
+            if waited.cancelled_caught:
+                raise PoolTimeout(f"no free connection in {self.pool_timeout:g} s")
+        try:
+            return await self._connect(pool), False
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _take_slot(self) -> bool:
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def _connect(self, pool: _Pool) -> _Connection:
+        with trio.move_on_after(self.connect_timeout) as connecting:
+            try:
+                tcp = await trio.open_tcp_stream(pool.host, pool.port)
+            except OSError as exc:
+                raise ConnectError(str(exc)) from exc
+        if connecting.cancelled_caught:
+            raise ConnectError(f"connect timed out after {self.connect_timeout:g} s")
+        if not pool.tls:
+            return _Connection(tcp, tcp.socket)
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return _Connection(trio.SSLStream(tcp, self._ssl, server_hostname=pool.host,
+                                          https_compatible=True), None)
+
+    def _give_back(self, pool: _Pool, connection: _Connection) -> None:
+        if self._closed or len(pool.idle) >= self.max_idle_per_worker:
+            self._forget(connection)
+            return
+        connection.idle_since = trio.current_time()
+        pool.idle.append(connection)
+
+    def _forget(self, connection: _Connection) -> None:
+        """Close a connection without a checkpoint (its answer is complete)."""
+        if connection.socket is not None:
+            connection.socket.close()
+        else:  # TLS: no close_notify, the answer was complete
+            transport = connection.stream
+            assert isinstance(transport, trio.SSLStream)
+            inner = transport.transport_stream
+            assert isinstance(inner, trio.SocketStream)
+            inner.socket.close()
+        self._slots.release()
+
+    async def _close(self, connection: _Connection) -> None:
+        try:
+            await connection.stream.aclose()
+        finally:
+            self._slots.release()
+
+    async def aclose(self) -> None:
+        """Close the idle connections; later requests raise :class:`TransportError`."""
+        self._closed = True
+        for pool in self._pools.values():
+            while pool.idle:
+                self._forget(pool.idle.pop())
+        await trio.lowlevel.checkpoint()
+
+
+
+
+class _HttpxResponse:
+    """A :class:`WorkerResponse` face on an httpx response (:class:`HttpxWorkerClient`)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self._parts = response.aiter_bytes()
+        self.status_code = response.status_code
+        self.headers: Mapping[str, str] = response.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await anext(self._parts)
+        except StopAsyncIteration:
+            return b""
+        except httpx.TimeoutException as exc:
+            raise ReadTimeout(str(exc)) from exc
+        except httpx.HTTPError as exc:
+            raise RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aread(self, limit: int | None = None) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while part := await self.read():
+            parts.append(part)
+            size += len(part)
+            if limit is not None and size >= limit:
+                break
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class _HttpxExchange:
+    def __init__(self, client: httpx.AsyncClient, method: str, url: str, content: bytes,
+                 headers: Mapping[bytes, bytes]) -> None:
+        self._request = client.build_request(method, url, content=content or None,
+                                             headers=dict(headers))
+        self._client = client
+        self._response: _HttpxResponse | None = None
+
+    async def __aenter__(self) -> _HttpxResponse:
+        try:
+            response = await self._client.send(self._request, stream=True)
+        except httpx.ConnectError as exc:
+            raise ConnectError(str(exc)) from exc
+        except httpx.TimeoutException as exc:
+            raise ReadTimeout(str(exc)) from exc
+        except httpx.HTTPError as exc:
+            raise RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
+        self._response = _HttpxResponse(response)
+        return self._response
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._response is not None:
+            await self._response.aclose()
+
+
+class HttpxWorkerClient:
+    """The worker client's interface over an :class:`httpx.AsyncClient`: for a client with
+    its own transport (a test's ``httpx.MockTransport``, a proxy, TLS settings httpx
+    knows). Slower than :class:`WorkerClient` on the relay's hot path; its failures are
+    the same :class:`TransportError`\\ s."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    def stream(self, method: str, url: str, *, content: bytes,
+               headers: Mapping[bytes, bytes]) -> _HttpxExchange:
+        if method not in ("POST", "GET"):
+            raise ValueError(f"the worker client only POSTs and GETs, not {method}")
+        return _HttpxExchange(self.client, method, url, content, headers)
+
+
+__all__ = [
+    "ConnectError",
+    "HttpxWorkerClient",
+    "PoolTimeout",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "TransportError",
+    "WorkerClient",
+    "WorkerResponse",
+    "WriteTimeout",
+]

@@ -1,0 +1,480 @@
+"""The router's edge, as a client sees it: API keys (401), content types (415), admission
+control (503 with Retry-After), the prompt-size limit (400 ``prompt_too_long``) and the
+client's ``fault`` field, all answered before any worker is called
+(docs/router.md, "Securing and limiting the router")."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import openai
+import pytest
+import trio
+from e2e_support import MODEL, PROMPT, in_thread, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_disagg import (
+    Annotated,
+    DisaggRouter,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    RequestContext,
+    TransferKeeper,
+    WorkerPool,
+)
+from trio_disagg._cli import API_KEY_ENV, StartupError, api_key_of, build_parser
+from trio_disagg.engines import LatencyModel, mock_cluster
+from trio_disagg.engines._http import check_worker_url
+from trio_disagg.server import OpenAIApp, _edge, create_app, serve
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GOOD = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+KEY = "sk-edge-test-key"
+
+
+class Recorded:
+    """An engine wrapper recording the requests it was given; with a ``gate``, it waits
+    for the gate before the wrapped engine sees the request."""
+
+    def __init__(self, engine: Any, gate: trio.Event | None = None) -> None:
+        self.engine = engine
+        self.name: str = engine.name
+        self.handoff_style = engine.handoff_style
+        self.bootstrap_host = engine.bootstrap_host
+        self.bootstrap_port = engine.bootstrap_port
+        self.gate = gate
+        self.requests: list[PreprocessedRequest] = []
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.requests.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
+        await self.engine.generate(request, context, send_channel, task_status=task_status)
+
+
+@attrs.define(eq=False)
+class Edge:
+    url: str
+    app: OpenAIApp
+    keeper: TransferKeeper
+    prefill: Recorded
+    decode: Recorded
+
+    def http(self, **headers: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=10.0, headers=headers)
+
+    def openai(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
+                             timeout=10.0)
+
+    @property
+    def calls(self) -> int:
+        """Requests either engine was given."""
+        return len(self.prefill.requests) + len(self.decode.requests)
+
+    async def refused(self) -> dict[str, float]:
+        """``trio_disagg_http_refused_total`` by reason, as /metrics shows it."""
+        headers = {"authorization": f"Bearer {KEY}"}
+        async with self.http(**headers) as http:
+            text = (await http.get("/metrics")).text
+        return {sample.labels["reason"]: sample.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "trio_disagg_http_refused"
+                for sample in family.samples if sample.name.endswith("_total")}
+
+
+@asynccontextmanager
+async def edge_server(*, gate: trio.Event | None = None, **options: Any) -> AsyncIterator[Edge]:
+    """The embedded default (in-process mock engines, the prefill one gated by ``gate``)
+    behind the HTTP server, the app built with ``options``."""
+    cluster = mock_cluster(latency=LatencyModel.zero())
+    prefill = Recorded(cluster.prefill[0], gate)
+    decode = Recorded(cluster.decode[0])
+    async with TransferKeeper(drain_window=5.0) as keeper:
+        router = DisaggRouter(WorkerPool([prefill]), WorkerPool([decode]), keeper)
+        app = create_app(router, models=[MODEL], **options)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,
+                                               shutdown_trigger=stop.wait,
+                                               graceful_timeout=5.0))
+            yield Edge(f"http://127.0.0.1:{port}", app, keeper, prefill, decode)
+            if gate is not None:
+                gate.set()
+            stop.set()
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["message"]
+    return error
+
+
+# --- the prompt-size limit ----------------------------------------------------------------
+
+
+async def test_a_600_kb_prompt_over_a_100_kb_limit_is_400_and_no_worker_is_called() -> None:
+    big = "word " * 120_000  # 600 KB
+    async with edge_server(max_prompt_bytes=100_000) as server:
+        with server.openai() as client, pytest.raises(openai.BadRequestError) as caught:
+            await in_thread(lambda: client.completions.create(
+                model=MODEL, prompt=big, max_tokens=3))
+        assert caught.value.status_code == 400
+        assert caught.value.code == "prompt_too_long"
+        assert caught.value.param == "prompt"
+        async with server.http() as http:
+            response = await http.post(CHAT, json={
+                "model": MODEL, "max_tokens": 3,
+                "messages": [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": big}]})
+            assert response.status_code == 400
+            error = _error(response)
+            assert (error["code"], error["param"]) == ("prompt_too_long", "messages")
+            assert "100000 bytes" in error["message"]
+            assert server.calls == 0  # refused before any worker was called
+            # Under the limit, the same server answers.
+            ok = await http.post(COMPLETIONS, json={**GOOD, "prompt": "word " * 1000})
+            assert ok.status_code == 200, ok.text
+        assert len(server.prefill.requests) == 1
+
+
+# --- content types --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", [
+    "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    None, "application/jsonx",
+])
+async def test_a_body_that_is_not_application_json_is_415(content_type: str | None) -> None:
+    """A cross-site form post (text/plain or a form: no CORS preflight) is never served."""
+    body = httpx.Request("POST", "http://x", json=GOOD).content
+    headers = {} if content_type is None else {"content-type": content_type}
+    async with edge_server() as server, server.http() as http:
+        request = http.build_request("POST", COMPLETIONS, content=body, headers=headers)
+        assert request.headers.get("content-type") == content_type
+        response = await http.send(request)
+        assert response.status_code == 415, response.text
+        error = _error(response)
+        assert (error["code"], error["param"]) == ("unsupported_media_type", "Content-Type")
+        assert error["type"] == "invalid_request_error"
+        # A large refused body is read and thrown away: the client gets the answer.
+        big = b"x" * 500_000
+        response = await http.post(CHAT, content=big, headers={"content-type": "text/plain"})
+        assert response.status_code == 415
+        assert server.calls == 0
+        assert (await server.refused())["unsupported_media_type"] == 2
+        # The same body as JSON, parameters and case aside, is served.
+        response = await http.post(COMPLETIONS, content=body,
+                                   headers={"content-type": "Application/JSON; charset=utf-8"})
+        assert response.status_code == 200, response.text
+
+
+# --- the client's fault field ---------------------------------------------------------------
+
+
+async def test_a_body_fault_is_ignored_on_the_embedded_default() -> None:
+    body = {**GOOD, "fault": "prefill_fail_before_handoff"}
+    async with edge_server() as server, server.http() as http:
+        response = await http.post(COMPLETIONS, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+        assert all("fault" not in r.body for r in server.prefill.requests + server.decode.requests)
+    async with edge_server(fault_injection=True) as server, server.http() as http:
+        response = await http.post(COMPLETIONS, json=body)
+        assert server.prefill.requests[0].body["fault"] == "prefill_fail_before_handoff"
+        assert response.status_code == 502, response.text  # the mock engine honoured it
+
+
+@pytest.mark.parametrize("fault_injection", [False, True])
+async def test_a_body_fault_is_ignored_by_a_vllm_backend(fault_injection: bool) -> None:
+    """``serve --backend vllm`` in front of mock vLLM workers: the workers never see a
+    client's ``fault`` unless the router was started with fault injection."""
+    from test_vllm import vllm_cluster  # its own test module
+
+    async with vllm_cluster() as cluster:
+        app = create_app(cluster.router, models=[MODEL], fault_injection=fault_injection)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0,
+                                               shutdown_trigger=stop.wait,
+                                               graceful_timeout=5.0))
+            async with httpx.AsyncClient(timeout=10.0) as http:
+                response = await http.post(
+                    f"http://127.0.0.1:{port}{COMPLETIONS}",
+                    json={**GOOD, "fault": "prefill_fail_before_handoff"})
+            stop.set()
+        seen = [r.body for r in (*cluster.prefill.seen, *cluster.decode.seen)]
+        assert seen
+        if fault_injection:
+            assert any(body.get("fault") == "prefill_fail_before_handoff" for body in seen)
+        else:
+            assert response.status_code == 200, response.text
+            assert all("fault" not in body for body in seen)
+        await cluster.settled()
+
+
+# --- API keys -------------------------------------------------------------------------------
+
+
+async def test_api_key_wrong_or_missing_is_401_right_is_200() -> None:
+    async with edge_server(api_key=KEY) as server:
+        with server.openai("sk-wrong") as client, \
+                pytest.raises(openai.AuthenticationError) as caught:
+            await in_thread(lambda: client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=3))
+        assert caught.value.status_code == 401
+        assert caught.value.code == "invalid_api_key"
+        with server.openai(KEY) as client:
+            answer = await in_thread(lambda: client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=3))
+            assert answer.choices[0].finish_reason == "length"
+            assert [m.id for m in await in_thread(lambda: client.models.list())] == [MODEL]
+        async with server.http() as http:
+            for method, path in [("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"),
+                                 ("GET", "/v1/embeddings")]:
+                response = await http.request(method, path, json=GOOD)
+                assert response.status_code == 401, (path, response.text)
+                error = _error(response)
+                assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                          "invalid_api_key")
+                assert response.headers["www-authenticate"].startswith("Bearer")
+            for header in ["Basic " + KEY, "Bearer", KEY, f"Bearer {KEY}x"]:
+                response = await http.get("/v1/models", headers={"authorization": header})
+                assert response.status_code == 401, header
+            # /health and /metrics stay open
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/metrics")).status_code == 200
+        assert len(server.prefill.requests) == 1  # only the request with the right key
+        assert (await server.refused())["unauthorized"] == 9
+
+
+async def test_a_refused_client_that_withholds_its_body_still_gets_its_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The body of a refused request is read only for a bounded time: a client that sends
+    its headers and then nothing gets its 401 and the connection closed."""
+    monkeypatch.setattr(_edge, "DISCARD_WINDOW", 0.2)
+    async with edge_server(api_key=KEY) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        with trio.fail_after(5):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                      b"content-type: application/json\r\n"
+                                      b"content-length: 100\r\n\r\n{")
+                answer = b""
+                while data := await stream.receive_some():
+                    answer += data
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+        assert b"invalid_api_key" in answer
+        assert server.calls == 0
+
+
+async def test_protect_metrics_closes_health_and_metrics_too() -> None:
+    async with edge_server(api_key=KEY, protect_metrics=True) as server:
+        async with server.http() as http:
+            for path in ["/health", "/metrics"]:
+                assert (await http.get(path)).status_code == 401
+        async with server.http(authorization=f"Bearer {KEY}") as http:
+            for path in ["/health", "/metrics"]:
+                assert (await http.get(path)).status_code == 200
+
+
+def test_an_empty_api_key_is_refused() -> None:
+    cluster = mock_cluster()
+    router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                          TransferKeeper())
+    with pytest.raises(ValueError, match="API key"):
+        create_app(router, models=[MODEL], api_key=" ")
+    with pytest.raises(ValueError, match="protect_metrics"):
+        create_app(router, models=[MODEL], protect_metrics=True)
+    for name in ["max_in_flight", "max_keeper_tasks", "max_prompt_bytes"]:
+        limits: dict[str, Any] = {name: 0}
+        with pytest.raises(ValueError, match=name):
+            create_app(router, models=[MODEL], **limits)
+
+
+# --- admission control ------------------------------------------------------------------------
+
+
+async def test_max_in_flight_2_gives_the_third_request_503_with_retry_after() -> None:
+    gate = trio.Event()
+    async with edge_server(max_in_flight=2, gate=gate) as server, server.http() as http:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await http.post(COMPLETIONS, json=GOOD))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            nursery.start_soon(ask)
+            await wait_until(lambda: len(server.prefill.requests) == 2)
+            assert server.app.edge.in_flight == 2
+            third = await http.post(COMPLETIONS, json=GOOD)
+            assert third.status_code == 503, third.text
+            assert third.headers["retry-after"] == "1"
+            error = _error(third)
+            assert (error["type"], error["code"]) == ("service_unavailable_error",
+                                                      "server_overloaded")
+            assert len(server.prefill.requests) == 2  # the third never reached a worker
+            gate.set()
+        assert [answer.status_code for answer in answers] == [200, 200]
+        await wait_until(lambda: server.app.edge.in_flight == 0)
+        assert (await http.post(COMPLETIONS, json=GOOD)).status_code == 200
+        assert (await server.refused())["max_in_flight"] == 1
+
+
+async def test_keeper_work_at_its_bound_refuses_new_requests_and_finishes_its_own() -> None:
+    """With ``max_keeper_tasks=1``, a request whose prefill drain is in the keeper makes
+    the next one 503; the drain itself is never refused or dropped."""
+    gate = trio.Event()
+    async with edge_server(max_keeper_tasks=1, gate=gate) as server, server.http() as http:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await http.post(COMPLETIONS, json=GOOD))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await wait_until(lambda: server.keeper.in_flight == 1
+                             and len(server.prefill.requests) == 1)
+            refused = await http.post(COMPLETIONS, json=GOOD)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "1"
+            assert _error(refused)["code"] == "server_overloaded"
+            assert "KV transfers" in _error(refused)["message"]
+            gate.set()
+        assert [answer.status_code for answer in answers] == [200]
+        assert server.keeper.started_total == 1
+        assert (await server.refused())["max_keeper_tasks"] == 1
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+COMMAND = [sys.executable, "-m", "trio_disagg._cli"]
+
+
+def test_serve_help_shows_every_default() -> None:
+    parser = build_parser()
+    commands = next(action for action in parser._actions
+                    if isinstance(action, argparse._SubParsersAction))
+    serve_parser = commands.choices["serve"]
+    text = " ".join(serve_parser.format_help().split())
+    formatter = serve_parser._get_formatter()
+    for action in serve_parser._actions:
+        if action.default is argparse.SUPPRESS:
+            continue  # --help
+        entry = " ".join(formatter._expand_help(action).split())  # as --help prints it
+        assert "(default" in entry, (action.option_strings, entry)
+    assert "--max-in-flight N generation requests handled at once" in text
+    assert "(0: no limit) (default: 1024)" in text
+    assert "(default: 1048576)" in text  # --max-prompt-bytes
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://p0:8100", "http://p0:99999",
+                                 "http://p0:0", "http://p0:port", "http://p0:8100/?x=1",
+                                 "http://p0:8100#top", "http://"])
+def test_a_bad_worker_url_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="worker URL must be http"):
+        check_worker_url(url, "vLLM")
+    assert check_worker_url("http://p0:8100/prefix/", "vLLM") == "http://p0:8100/prefix"
+
+
+async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:
+    with trio.fail_after(30):
+        done = await trio.run_process(
+            [*COMMAND, "serve", "--port", "0", "--backend", "vllm", "--prefill",
+             "http://p0:port", "--decode", "http://127.0.0.1:9"],
+            capture_stdout=True, capture_stderr=True, check=False)
+    text = done.stderr.decode()
+    assert done.returncode == 2, text
+    (line,) = text.strip().splitlines()
+    assert line == ("trio-disagg serve: error: a vLLM worker URL must be "
+                    "http(s)://host[:port], got 'http://p0:port'"), line
+    assert done.stdout == b""  # nothing started
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--api-key", ""], {}, "--api-key is empty"),
+    ([], {API_KEY_ENV: " "}, f"{API_KEY_ENV} is empty"),
+    (["--protect-metrics"], {}, "--protect-metrics needs an API key"),
+])
+def test_an_empty_api_key_is_a_startup_error(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve", *argv])
+    with pytest.raises(StartupError, match=message):
+        api_key_of(args)
+
+
+async def test_an_empty_api_key_in_the_environment_is_one_line_and_exit_2() -> None:
+    with trio.fail_after(30):
+        done = await trio.run_process(
+            [*COMMAND, "serve", "--port", "0"], env={**os.environ, API_KEY_ENV: ""},
+            capture_stdout=True, capture_stderr=True, check=False)
+    text = done.stderr.decode()
+    assert done.returncode == 2, text
+    (line,) = text.strip().splitlines()
+    assert line.startswith(f"trio-disagg serve: error: {API_KEY_ENV} is empty"), line
+    assert done.stdout == b""
+
+
+async def test_serve_takes_its_key_from_the_environment_and_applies_its_limits() -> None:
+    """``serve`` as an operator runs it: the key from ``TRIO_DISAGG_API_KEY`` (not on the
+    command line), a prompt limit, and a client's ``fault`` ignored on the embedded
+    default."""
+    env = {**os.environ, API_KEY_ENV: KEY}
+    argv = [*COMMAND, "serve", "--port", "0", "--max-prompt-bytes", "1000"]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, argv, env=env, stdout=subprocess.PIPE, check=False))
+            assert process.stdout is not None
+            banner = b""
+            while b"\n" not in banner:
+                data = await process.stdout.receive_some()
+                assert data, "serve exited before its banner"
+                banner += data
+            match = re.search(rb"http://127\.0\.0\.1:(\d+)/v1", banner)
+            assert match, banner
+            url = f"http://127.0.0.1:{int(match.group(1))}"
+            model = "trio-disagg-mock"
+            async with httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+                response = await http.post(COMPLETIONS, json={"model": model, "prompt": "hi"})
+                assert response.status_code == 401
+                assert (await http.get("/health")).status_code == 200
+            with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
+                               timeout=10.0) as client:
+                answer = await in_thread(lambda: client.completions.create(
+                    model=model, prompt="hello there", max_tokens=3,
+                    extra_body={"fault": "prefill_fail_before_handoff"}))
+                assert answer.choices[0].finish_reason == "length"
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await in_thread(lambda: client.completions.create(
+                        model=model, prompt="word " * 400, max_tokens=3))
+                assert caught.value.code == "prompt_too_long"
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0

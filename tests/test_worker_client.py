@@ -1,0 +1,234 @@
+"""The worker client (engines.WorkerClient): keep-alive HTTP/1.1 over trio, against real
+sockets on loopback. Each test's server is a few lines of raw HTTP, so the client's framing,
+reuse and abort behaviour are checked byte for byte."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import pytest
+import trio
+
+from trio_disagg.engines import (
+    ConnectError,
+    PoolTimeout,
+    RemoteProtocolError,
+    WorkerClient,
+)
+
+Handler = Callable[[trio.SocketStream], Awaitable[None]]
+HEADERS = {b"content-type": b"application/json"}
+
+
+async def read_request(stream: trio.SocketStream, buffer: bytearray) -> bytes | None:
+    """One request's bytes (head and content-length body) from ``buffer`` + the stream;
+    None at EOF."""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buffer += data
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(rest) < length:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        rest += data
+    buffer[:] = rest[length:]
+    return head + b"\r\n\r\n" + rest[:length]
+
+
+def chunked(*parts: bytes) -> bytes:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts)
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n")
+
+
+async def start_server(nursery: trio.Nursery, handler: Handler) -> str:
+    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_keep_alive_reuses_one_connection_and_decodes_chunks() -> None:
+    connections = 0
+    seen: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        buffer = bytearray()
+        while (request := await read_request(stream, buffer)) is not None:
+            seen.append(request)
+            await stream.send_all(chunked(b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            bodies = []
+            for _ in range(3):
+                async with client.stream("POST", url + "/v1/completions", content=b"{}",
+                                         headers=HEADERS) as response:
+                    assert response.status_code == 200
+                    assert response.headers["content-type"] == "text/event-stream"
+                    bodies.append(await response.aread())
+            assert client.connections_idle == 1
+            nursery.cancel_scope.cancel()
+    assert bodies == [b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"] * 3
+    assert connections == 1
+    assert seen[0].startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert b"content-length: 2\r\n" in seen[0] and seen[0].endswith(b"\r\n\r\n{}")
+
+
+async def test_closing_a_response_before_its_end_closes_the_connection() -> None:
+    """How the worker learns that the router is gone: its connection closes (B1, P5)."""
+    worker_saw_eof = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                              b"9\r\ndata: 1\n\n\r\n")
+        while await stream.receive_some(65536):
+            pass
+        worker_saw_eof.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as response:
+                assert await response.read() == b"data: 1\n\n"
+            await worker_saw_eof.wait()
+            assert client.connections_open == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_kept_connection_the_worker_closed_is_replaced() -> None:
+    """A worker that closes an idle keep-alive connection: the next request goes out once
+    more on a new connection, and succeeds."""
+    connections = 0
+
+    async def handler(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        # then closes without saying so (as a worker's keep-alive timeout does)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            for _ in range(3):
+                async with client.stream("POST", url, content=b"{}",
+                                         headers=HEADERS) as response:
+                    assert await response.aread() == b"ok"
+            nursery.cancel_scope.cancel()
+    assert connections == 3
+
+
+async def test_a_body_delimited_by_the_connections_end_is_read_whole() -> None:
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await stream.aclose()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as response:
+                assert await response.aread() == b"all of it"
+            assert client.connections_open == 0  # not kept: the worker said close
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nobody listens there now
+    with trio.fail_after(10):
+        async with WorkerClient() as client:
+            with pytest.raises(ConnectError):
+                async with client.stream("POST", f"http://127.0.0.1:{port}/", content=b"{}",
+                                         headers=HEADERS):
+                    pass  # pragma: no cover
+            assert client.connections_open == 0
+
+
+async def test_a_worker_that_answers_garbage_is_a_protocol_error() -> None:
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"SMTP ready\r\n\r\n")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            with pytest.raises(RemoteProtocolError):
+                async with client.stream("POST", url, content=b"{}", headers=HEADERS):
+                    pass  # pragma: no cover
+            assert client.connections_open == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_dies_mid_body_is_a_protocol_error() -> None:
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await stream.aclose()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as response:
+                assert await response.read() == b"partial"
+                with pytest.raises(RemoteProtocolError):
+                    await response.read()
+            nursery.cancel_scope.cancel()
+
+
+async def test_connections_are_bounded() -> None:
+    """``max_connections`` bounds the connections open at once; past it a request waits
+    for one to be freed, at most ``pool_timeout`` seconds."""
+    release = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        buffer = bytearray()
+        while await read_request(stream, buffer) is not None:
+            await release.wait()
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    with trio.fail_after(10):
+        async with (trio.open_nursery() as nursery,
+                    WorkerClient(max_connections=1, pool_timeout=0.2) as client):
+            url = await start_server(nursery, handler)
+
+            async def first() -> None:
+                async with client.stream("POST", url, content=b"{}",
+                                         headers=HEADERS) as response:
+                    assert await response.aread() == b"ok"
+
+            nursery.start_soon(first)
+            await trio.testing.wait_all_tasks_blocked()
+            assert client.connections_open == 1
+            with pytest.raises(PoolTimeout):
+                async with client.stream("POST", url, content=b"{}", headers=HEADERS):
+                    pass  # pragma: no cover
+            release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as response:
+                assert await response.aread() == b"ok"  # the freed connection, reused
+            assert client.connections_open == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_only_post_to_http_urls() -> None:
+    async with WorkerClient() as client:
+        with pytest.raises(ValueError, match="only POSTs and GETs"):
+            client.stream("PUT", "http://127.0.0.1:1/", content=b"", headers=HEADERS)
+        with pytest.raises(ValueError, match="http"):
+            client.stream("POST", "ftp://example.com/", content=b"", headers=HEADERS)
