@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import math
 import os
 import shutil
@@ -41,9 +42,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import attrs
 import httptools
@@ -106,8 +109,7 @@ class Servers:
         self.all: list[Server] = []
 
     async def start(self, name: str, argv: list[str], port: int) -> Server:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE)
+        process = spawn(argv)
         server = Server(name, port, process)
         self.all.append(server)
         with trio.move_on_after(60):
@@ -119,8 +121,10 @@ class Servers:
                     continue
                 await stream.aclose()
                 return server
-        error = process.stderr.read().decode(errors="replace")[-2000:] if process.stderr \
-            and process.poll() is not None else "(still starting)"
+        error = "(still starting)"
+        if process.poll() is not None and isinstance(process.stderr, io.BufferedRandom):
+            process.stderr.seek(0)
+            error = process.stderr.read().decode(errors="replace")[-2000:]
         raise RunFailed(f"{name} did not start listening on port {port}: {error}")
 
     def stop(self) -> None:
@@ -134,6 +138,13 @@ class Servers:
             except subprocess.TimeoutExpired:
                 server.process.kill()
                 server.process.wait()
+
+
+def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start a server process; its stderr goes to a temporary file (read if it fails to
+    start), so a chatty one never blocks on a full pipe."""
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=tempfile.TemporaryFile())
 
 
 def trio_disagg(*args: str) -> list[str]:
@@ -304,7 +315,7 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def alternated(names: list[str], rep: int) -> list[str]:
+def alternated(names: Sequence[str], rep: int) -> Sequence[str]:
     return names if rep % 2 == 0 else names[::-1]
 
 
@@ -440,8 +451,8 @@ async def p5(cluster: Cluster, streams: int, spacing: float) -> None:
     with trio.move_on_after(20):
         while len(aborted) < len(closed_at):
             stats = await get_json(decode.port, "/stats")
-            aborted = {entry["request_id"]: entry["at"] for entry in stats["aborts"]
-                       if entry["request_id"] in closed_at}
+            aborted = {str(entry["request_id"]): float(cast(float, entry["at"]))
+                       for entry in stats["aborts"] if entry["request_id"] in closed_at}
             await trio.sleep(0.05)
     if len(aborted) < len(closed_at):
         raise RunFailed(f"the decode worker never aborted {len(closed_at) - len(aborted)} "
