@@ -42,9 +42,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import trio_disagg as td
-from trio_disagg.engines import LatencyModel, vllm_client, vllm_engines
+from trio_disagg.engines import vllm_client, vllm_engines
+from trio_disagg.mock import LatencyModel, serve_mock_worker
 from trio_disagg.server import create_app, serve
-from trio_disagg.workers import serve_mock_worker
 
 MODEL = "tutorial-model"
 # 1.5 ms of prefill per prompt token, 10 ms per decoded token: slow enough to hang up in

@@ -9,9 +9,9 @@ importable from here, as aliases resolved on first use, so this package imports 
 from the simulator until asked.
 """
 
-import importlib as _importlib
 import typing as _typing
 
+from .._extras import lazy_attribute as _lazy_attribute
 from .._protocols import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
 
 if _typing.TYPE_CHECKING:
@@ -144,16 +144,9 @@ def __getattr__(name: str) -> object:
         from .. import mock
 
         value = getattr(mock, name)
-    else:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from .._extras import require
-
-        require("server", f"trio_disagg.engines.{name}")  # a clear error naming the extra
-        value = getattr(_importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # the next lookup does not come here
-    return value
+        globals()[name] = value  # the next lookup does not come here
+        return value
+    return _lazy_attribute(__name__, _LAZY, name, "server")
 
 
 def __dir__() -> list[str]:

@@ -10,9 +10,9 @@ token loop), and two faces on it: in-process engines (:func:`mock_cluster`,
 speak vLLM's, SGLang's or TensorRT-LLM's wire protocol (docs/protocols.md sections 2-4).
 """
 
-import importlib as _importlib
 import typing as _typing
 
+from .._extras import lazy_attribute as _lazy_attribute
 from ._cluster import MockCluster as MockCluster
 from ._cluster import mock_cluster as mock_cluster
 from ._decode_engine import MockDecodeEngine as MockDecodeEngine
@@ -59,39 +59,25 @@ if _typing.TYPE_CHECKING:
     from ._worker import MockWorker as MockWorker
     from ._worker import Role as Role
 
-# The HTTP face needs the 'server' extra (hypercorn, httpx, prometheus-client): imported on
-# first use, so that the in-process engines work with the core install alone.
-_LAZY = {
-    "REASONING_HOOK": "_answers",
-    "DEFAULT_KV_BYTES_PER_TOKEN": "_kvwire",
-    "kv_block_bytes": "_kvwire",
-    "KVCollector": "_metrics",
-    "SeenRequest": "_options",
-    "WorkerStats": "_options",
-    "KEEP_ALIVE_TIMEOUT": "_serve",
-    "PROTOCOLS": "_serve",
-    "create_mock_worker": "_serve",
-    "serve_mock_worker": "_serve",
-    "serve_worker": "_serve",
-    "MockSglangWorker": "_sglang",
-    "CTX_REQUEST_ID_HOOK": "_trtllm",
-    "MockTrtllmWorker": "_trtllm",
-    "MockVllmWorker": "_vllm",
-    "MockWorker": "_worker",
-    "Role": "_worker",
+# The HTTP face needs the 'server' extra (hypercorn, httpx, prometheus-client): its names
+# are imported on first use, so that the in-process engines work with the core install alone.
+_HTTP_FACE = {
+    "_answers": ("REASONING_HOOK",),
+    "_kvwire": ("DEFAULT_KV_BYTES_PER_TOKEN", "kv_block_bytes"),
+    "_metrics": ("KVCollector",),
+    "_options": ("SeenRequest", "WorkerStats"),
+    "_serve": ("KEEP_ALIVE_TIMEOUT", "PROTOCOLS", "create_mock_worker", "serve_mock_worker",
+               "serve_worker"),
+    "_sglang": ("MockSglangWorker",),
+    "_trtllm": ("CTX_REQUEST_ID_HOOK", "MockTrtllmWorker"),
+    "_vllm": ("MockVllmWorker",),
+    "_worker": ("MockWorker", "Role"),
 }
+_LAZY = {name: module for module, names in _HTTP_FACE.items() for name in names}
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .._extras import require
-
-    require("server", f"trio_disagg.mock.{name}")  # a clear error naming the extra
-    value = getattr(_importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # the next lookup does not come here
-    return value
+    return _lazy_attribute(__name__, _LAZY, name, "server")
 
 
 def __dir__() -> list[str]:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
+import attrs
 import orjson
 import trio
 
@@ -46,6 +47,7 @@ def error_event(message: str, status: int = 500, *, flat: bool = False) -> bytes
     return b"data: " + error_json(message, status, flat=flat) + b"\n\n" + DONE_EVENT
 
 
+@attrs.define(eq=False)
 class Exchange:
     """One HTTP response and where it is: not started, streaming, or finished.
 
@@ -62,19 +64,14 @@ class Exchange:
         disconnected: the client went away before the response finished.
     """
 
-    __slots__ = ("disconnected", "failed", "finished", "flat", "listener", "request_id",
-                 "send", "started")
-
-    def __init__(self, send: Send, request_id: str | None = None, *,
-                 flat: bool = False) -> None:
-        self.send = send
-        self.request_id = request_id
-        self.flat = flat
-        self.started = False
-        self.finished = False
-        self.failed = False
-        self.disconnected = False
-        self.listener: trio.CancelScope | None = None
+    send: Send
+    request_id: str | None = None
+    flat: bool = attrs.field(default=False, kw_only=True)
+    started: bool = attrs.field(default=False, init=False)
+    finished: bool = attrs.field(default=False, init=False)
+    failed: bool = attrs.field(default=False, init=False)
+    disconnected: bool = attrs.field(default=False, init=False)
+    listener: trio.CancelScope | None = attrs.field(default=None, init=False)
 
     def _headers(self, content_type: bytes, length: int | None = None
                  ) -> list[tuple[bytes, bytes]]:
