@@ -55,7 +55,7 @@ import trio
 import trio.testing
 
 import trio_disagg as td
-from trio_disagg.engines import LatencyModel, mock_cluster
+from trio_disagg.mock import LatencyModel, mock_cluster
 
 Item = td.Annotated[td.LLMEngineOutput]
 P2_TARGET = 0.5

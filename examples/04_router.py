@@ -6,7 +6,7 @@ Tutorials 1-3 built the pieces by hand. :class:`~trio_disagg.DisaggRouter` puts 
 together: for each request it picks a prefill and a decode worker, runs the prefill leg in
 the :class:`~trio_disagg.TransferKeeper`, and the decode leg and the
 :class:`~trio_disagg.Gatekeeper` in the request's nursery. The workers here are the
-in-process mock engines of :mod:`trio_disagg.engines`, which keep real KV block accounting:
+in-process mock engines of :mod:`trio_disagg.mock`, which keep real KV block accounting:
 a prefill *stages* KV blocks, a decode *pulls* (frees) them, and blocks nobody pulls are
 *stranded* when their lease (TTL) runs out.
 
@@ -31,7 +31,7 @@ import sys
 import trio
 
 import trio_disagg as td
-from trio_disagg.engines import LatencyModel, MockCluster, mock_cluster
+from trio_disagg.mock import LatencyModel, MockCluster, mock_cluster
 
 Item = td.Annotated[td.LLMEngineOutput]
 # 1 ms of prefill per prompt token, 0.2 ms of KV transfer per token, 10 ms per decoded token.

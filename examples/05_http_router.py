@@ -42,9 +42,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import trio_disagg as td
-from trio_disagg.engines import LatencyModel, vllm_client, vllm_engines
+from trio_disagg.engines import vllm_client, vllm_engines
+from trio_disagg.mock import LatencyModel, serve_mock_worker
 from trio_disagg.server import create_app, serve
-from trio_disagg.workers import serve_mock_worker
 
 MODEL = "tutorial-model"
 # 1.5 ms of prefill per prompt token, 10 ms per decoded token: slow enough to hang up in
@@ -135,7 +135,7 @@ def hang_up_during_prefill(client: openai.OpenAI) -> str:
 def failing_prefill(client: openai.OpenAI) -> str:
     try:
         # "fault" is not an OpenAI field: the mock prefill worker reads it from the body
-        # and fails this request (see trio_disagg.engines.FaultKind).
+        # and fails this request (see trio_disagg.mock.FaultKind).
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True,
                                   extra_body={"fault": "prefill_fail_before_handoff"},
                                   extra_headers={"X-Request-Id": "tut-4"})
@@ -154,12 +154,13 @@ async def main() -> None:
     handler.setFormatter(logging.Formatter("   [log] %(name)s: %(message)s"))
     logging.getLogger("trio_disagg").addHandler(handler)
     async with trio.open_nursery() as workers:
-        # Two mock vLLM workers on ports the OS picks. From a shell this would be
-        #   trio-disagg mock-worker --role prefill --protocol vllm --port 8100
-        #   trio-disagg mock-worker --role decode --protocol vllm --port 8200
+        # Two mock vLLM workers on ports the OS picks, honouring a body's "fault" (a
+        # test tool, off by default). From a shell this would be
+        #   trio-disagg mock-worker --role prefill --protocol vllm --port 8100 --fault-injection
+        #   trio-disagg mock-worker --role decode --protocol vllm --port 8200 --fault-injection
         ports = [
             await workers.start(partial(serve_mock_worker, role, "vllm", "127.0.0.1", 0,
-                                        latency=LATENCY, kv_ttl=KV_TTL))
+                                        latency=LATENCY, kv_ttl=KV_TTL, fault_injection=True))
             for role in ("prefill", "decode")
         ]
         prefill_url, decode_url = (f"http://127.0.0.1:{port}" for port in ports)

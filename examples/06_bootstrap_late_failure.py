@@ -51,9 +51,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import trio_disagg as td
-from trio_disagg.engines import LatencyModel, SglangEngine, sglang_engines, worker_client
+from trio_disagg.engines import SglangEngine, sglang_engines, worker_client
+from trio_disagg.mock import LatencyModel, serve_mock_worker
 from trio_disagg.server import create_app, serve
-from trio_disagg.workers import serve_mock_worker
 
 MODEL = "tutorial-model"
 # 0.5 ms of prefill per prompt token, 10 ms per decoded token: the whole tutorial takes
@@ -203,14 +203,16 @@ async def main() -> None:
     logging.getLogger("trio_disagg").addHandler(handler)
     async with trio.open_nursery() as workers, httpx.AsyncClient(timeout=10.0) as http:
         # Two mock SGLang workers on ports the OS picks; the prefill also listens on a
-        # bootstrap port (0: any free one; SGLang's default is 8998). From a shell:
-        #   trio-disagg mock-worker --role prefill --protocol sglang --port 30000
-        #   trio-disagg mock-worker --role decode --protocol sglang --port 30001
+        # bootstrap port (0: any free one; SGLang's default is 8998); both honour a body's
+        # "fault" (a test tool, off by default). From a shell:
+        #   trio-disagg mock-worker --role prefill --protocol sglang --port 30000 --fault-injection
+        #   trio-disagg mock-worker --role decode --protocol sglang --port 30001 --fault-injection
         prefill_port = await workers.start(partial(
             serve_mock_worker, "prefill", "sglang", "127.0.0.1", 0, latency=LATENCY,
-            bootstrap_port=0))
+            bootstrap_port=0, fault_injection=True))
         decode_port = await workers.start(partial(
-            serve_mock_worker, "decode", "sglang", "127.0.0.1", 0, latency=LATENCY))
+            serve_mock_worker, "decode", "sglang", "127.0.0.1", 0, latency=LATENCY,
+            fault_injection=True))
         prefill_url = f"http://127.0.0.1:{prefill_port}"
         decode_url = f"http://127.0.0.1:{decode_port}"
         # A prefill worker reports its bootstrap port, as SGLang's own server does.

@@ -73,14 +73,18 @@ async def routed(
     prefill: MockWorker
     decode: MockWorker
     if protocol == "sglang":
-        prefill = create_mock_worker("prefill", "sglang", latency=prefill_latency,
+        prefill = create_mock_worker("prefill", "sglang", fault_injection=True,
+                                     latency=prefill_latency,
                                      bootstrap_port=0, bootstrap_timeout=BOOTSTRAP_TIMEOUT)
-        decode = create_mock_worker("decode", "sglang", latency=decode_latency,
+        decode = create_mock_worker("decode", "sglang", fault_injection=True,
+                                    latency=decode_latency,
                                     bootstrap_timeout=BOOTSTRAP_TIMEOUT)
     else:
-        prefill = create_mock_worker("prefill", protocol, latency=prefill_latency,
+        prefill = create_mock_worker("prefill", protocol, fault_injection=True,
+                                     latency=prefill_latency,
                                      kv_ttl=KV_TTL)
-        decode = create_mock_worker("decode", protocol, latency=decode_latency)
+        decode = create_mock_worker("decode", protocol, fault_injection=True,
+                                    latency=decode_latency)
 
     def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:

@@ -424,4 +424,4 @@ def _ranges(cases: list[tuple[int, int, str]]) -> str:
 
 def _short(name: str) -> str:
     return name.removeprefix("trio_disagg.").removeprefix("_router.").removeprefix(
-        "engines._mock.")
+        "mock._engines.")

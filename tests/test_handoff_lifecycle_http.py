@@ -273,8 +273,9 @@ async def test_B10_B1_client_leaving_as_the_prefill_answers_strands_nothing(
 async def pair(protocol: ProtocolName) -> AsyncIterator[tuple[MockWorker, MockWorker,
                                                                 httpx.AsyncClient]]:
     """A prefill and a decode mock worker, served, without a router."""
-    prefill = create_mock_worker("prefill", protocol, latency=FAST, kv_ttl=KV_TTL)
-    decode = create_mock_worker("decode", protocol, latency=FAST)
+    prefill = create_mock_worker("prefill", protocol, fault_injection=True,
+                                 latency=FAST, kv_ttl=KV_TTL)
+    decode = create_mock_worker("decode", protocol, fault_injection=True, latency=FAST)
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(serve_worker, prefill))
         await nursery.start(partial(serve_worker, decode))

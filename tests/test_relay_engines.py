@@ -240,7 +240,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @asynccontextmanager
 async def worker(protocol: str, role: Role = "decode") -> AsyncIterator[str]:
     """A mock ``protocol`` worker served on a free port, no latency; its URL."""
-    app = create_mock_worker(role, protocol, latency=LatencyModel.zero())
+    app = create_mock_worker(role, protocol, fault_injection=True, latency=LatencyModel.zero())
     async with trio.open_nursery() as nursery:
         port = await nursery.start(partial(serve_worker, app))
         yield f"http://127.0.0.1:{port}"

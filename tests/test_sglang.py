@@ -124,9 +124,10 @@ async def sglang_cluster(
     wrap_decode: Callable[[SglangEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
 ) -> AsyncIterator[Cluster[MockSglangWorker]]:
-    prefill = create_mock_worker("prefill", "sglang", latency=latency, model=prefill_model,
+    prefill = create_mock_worker("prefill", "sglang", fault_injection=True,
+                                 latency=latency, model=prefill_model,
                                  bootstrap_port=0)
-    decode = create_mock_worker("decode", "sglang", latency=latency)
+    decode = create_mock_worker("decode", "sglang", fault_injection=True, latency=latency)
 
     def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
@@ -657,9 +658,11 @@ async def test_fifty_concurrent_requests_get_fifty_rooms() -> None:
 
 
 async def test_mock_sglang_workers_rooms_and_timeouts() -> None:
-    prefill = create_mock_worker("prefill", "sglang", latency=LatencyModel.zero(),
+    prefill = create_mock_worker("prefill", "sglang", fault_injection=True,
+                                 latency=LatencyModel.zero(),
                                  bootstrap_port=0, bootstrap_timeout=0.5, model=MODEL)
-    decode = create_mock_worker("decode", "sglang", latency=LatencyModel.zero(),
+    decode = create_mock_worker("decode", "sglang", fault_injection=True,
+                                latency=LatencyModel.zero(),
                                 bootstrap_timeout=0.5)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(partial(serve_worker, prefill))

@@ -89,9 +89,10 @@ async def trtllm_cluster(
     wrap_decode: Callable[[TrtllmEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
 ) -> AsyncIterator[Cluster[MockTrtllmWorker]]:
-    prefill = create_mock_worker("prefill", "trtllm", latency=latency, kv_ttl=KV_TTL,
+    prefill = create_mock_worker("prefill", "trtllm", fault_injection=True,
+                                 latency=latency, kv_ttl=KV_TTL,
                                  model=prefill_model)
-    decode = create_mock_worker("decode", "trtllm", latency=latency)
+    decode = create_mock_worker("decode", "trtllm", fault_injection=True, latency=latency)
 
     def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
@@ -489,9 +490,11 @@ async def test_twenty_concurrent_requests_get_twenty_ctx_request_ids() -> None:
 
 
 async def test_mock_trtllm_workers_context_answers_and_lease() -> None:
-    context = create_mock_worker("prefill", "trtllm", latency=LatencyModel.zero(), kv_ttl=0.2,
+    context = create_mock_worker("prefill", "trtllm", fault_injection=True,
+                                 latency=LatencyModel.zero(), kv_ttl=0.2,
                                  model=MODEL)
-    generation = create_mock_worker("decode", "trtllm", latency=LatencyModel.zero())
+    generation = create_mock_worker("decode", "trtllm", fault_injection=True,
+                                    latency=LatencyModel.zero())
     async with trio.open_nursery() as nursery:
         port = await nursery.start(partial(serve_worker, context))
         gen_port = await nursery.start(partial(serve_worker, generation))

@@ -69,7 +69,12 @@ from trio_disagg.engines import (
     vllm_engines,
 )
 from trio_disagg.server import error_for_exception
-from trio_disagg.workers import MockVllmWorker, create_mock_worker, serve_worker
+from trio_disagg.workers import (
+    MockVllmWorker,
+    create_mock_worker,
+    serve_mock_worker,
+    serve_worker,
+)
 
 #: A long TTL: every test checks the KV is freed without waiting for it.
 KV_TTL = 120.0
@@ -85,8 +90,9 @@ async def vllm_cluster(
     wrap_decode: Callable[[VllmEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
 ) -> AsyncIterator[Cluster[MockVllmWorker]]:
-    prefill = create_mock_worker("prefill", latency=latency, kv_ttl=KV_TTL, model=prefill_model)
-    decode = create_mock_worker("decode", latency=latency)
+    prefill = create_mock_worker("prefill", fault_injection=True,
+                                 latency=latency, kv_ttl=KV_TTL, model=prefill_model)
+    decode = create_mock_worker("decode", fault_injection=True, latency=latency)
 
     def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
@@ -474,6 +480,29 @@ async def test_mock_worker_endpoints_and_ttl() -> None:
             assert samples["trio_disagg_mock_kv_expired_requests_total"] == 1
             gone = await client.get("/kv/ttl")
             assert gone.status_code == 404 and "expired" in gone.json()["error"]["message"]
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang", "trtllm"])
+async def test_mock_worker_ignores_a_body_fault_without_fault_injection(protocol: str) -> None:
+    # A client may not break a mock worker: the body's "fault" counts only on a worker
+    # started with fault injection (``trio-disagg mock-worker --fault-injection``).
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "fault": "decode_reject:429"}
+    async with trio.open_nursery() as nursery:
+        plain, injecting = [
+            await nursery.start(partial(serve_mock_worker, "decode", protocol,
+                                        latency=LatencyModel.zero(), fault_injection=flag))
+            for flag in (False, True)]
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            ignored = await client.post(f"http://127.0.0.1:{plain}/v1/completions", json=body)
+            assert ignored.status_code == 200, ignored.text
+            answer = ignored.json()
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert answer["usage"]["completion_tokens"] == 3
+            honoured = await client.post(f"http://127.0.0.1:{injecting}/v1/completions",
+                                         json=body)
+            assert honoured.status_code == 429
+            assert "decode_reject" in honoured.text
         nursery.cancel_scope.cancel()
 
 

@@ -49,6 +49,7 @@ from ._prefill import classify_first_output as classify_first_output
 from ._prefill import consume_prefill_stream as consume_prefill_stream
 from ._prefill import drain_prefill_outputs as drain_prefill_outputs
 from ._prefill import is_bootstrap_params as is_bootstrap_params
+from ._protocols import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
 from ._protocols import Annotated as Annotated
 from ._protocols import BootstrapInfo as BootstrapInfo
 from ._protocols import CompletionUsage as CompletionUsage

@@ -22,9 +22,17 @@ from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import Client, LatencyModel, MockCluster, mock_cluster, vllm_client
+from .engines import Client, vllm_client
+from .mock import (
+    PROTOCOLS,
+    KVCollector,
+    LatencyModel,
+    MockCluster,
+    create_mock_worker,
+    mock_cluster,
+    serve_worker,
+)
 from .server import create_app, serve
-from .workers import PROTOCOLS, KVCollector, create_mock_worker, serve_worker
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
@@ -276,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A mock worker speaking a real worker's wire protocol (docs/protocols.md "
                     "section 5): KV block accounting with a lease, a real KV pull over "
                     "loopback, abort on connection close, faults from the request body's "
-                    "\"fault\" field, and GET /metrics.")
+                    "\"fault\" field (with --fault-injection), and GET /metrics.")
     worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
     worker_cmd.add_argument("--host", default="127.0.0.1")
@@ -297,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, default=300.0,
                             help="sglang only: seconds either side of a bootstrap room "
                                  "waits for the other")
+    worker_cmd.add_argument("--fault-injection", action="store_true",
+                            help="honour a request body's \"fault\" field (a test tool; "
+                                 "default: the field is ignored)")
 
     demo_cmd = commands.add_parser(
         "demo", help="run the whole router on mock workers with a mixed workload",
@@ -469,7 +480,7 @@ async def mock_worker_command(args: argparse.Namespace) -> int:
         app = create_mock_worker(
             args.role, args.protocol, model=args.model, latency=latency, seed=args.seed,
             kv_ttl=args.kv_ttl, bootstrap_port=args.bootstrap_port,
-            bootstrap_timeout=args.bootstrap_timeout)
+            bootstrap_timeout=args.bootstrap_timeout, fault_injection=args.fault_injection)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 

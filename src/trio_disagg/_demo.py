@@ -38,15 +38,9 @@ from ._engine import Engine, HandoffStyle
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, WorkerPool
 from ._router import Deadlines, DisaggRouter
-from .engines import (
-    KVCounters,
-    LatencyModel,
-    WorkerClient,
-    mock_cluster,
-    worker_client,
-)
+from .engines import WorkerClient, worker_client
+from .mock import KVCounters, LatencyModel, Role, create_mock_worker, mock_cluster, serve_worker
 from .server import create_app, serve
-from .workers import Role, create_mock_worker, serve_worker
 
 MODEL = "trio-disagg-mock"
 
@@ -108,7 +102,8 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
             # An SGLang prefill worker also listens on a bootstrap port: any free one.
             sglang_prefill = (protocol, role) == ("sglang", "prefill")
             app = create_mock_worker(role, protocol, latency=DEMO_LATENCY, seed=seed,
-                                     kv_ttl=30.0, bootstrap_port=0 if sglang_prefill else None)
+                                     kv_ttl=30.0, bootstrap_port=0 if sglang_prefill else None,
+                                     fault_injection=True)  # the demo's faults are its own
             port = await nursery.start(partial(serve_worker, app, host="127.0.0.1", port=0))
             url = f"http://127.0.0.1:{port}"
             urls[role].append(url)

@@ -7,7 +7,9 @@ orjson). The HTTP router and the mock workers need the ``server`` extra; the dem
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from collections.abc import Mapping
 
 #: The import names each extra installs.
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -48,3 +50,21 @@ def require(extra: str, what: str) -> None:
                 f"{install_hint(extra)}",
                 name=module,
             )
+
+
+def lazy_attribute(package: str, lazy: Mapping[str, str], name: str, extra: str) -> object:
+    """A package's name imported on first use from its module ``lazy[name]`` (a
+    package's ``__getattr__``), after checking that ``extra`` is installed; the value is
+    then set on the package, so the next lookup does not come here.
+
+    Raises:
+        AttributeError: ``name`` is not one of ``lazy``.
+        ModuleNotFoundError: the extra is missing (see :func:`require`).
+    """
+    module = lazy.get(name)
+    if module is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    require(extra, f"{package}.{name}")  # a clear error naming the extra
+    value = getattr(importlib.import_module(f".{module}", package), name)
+    setattr(importlib.import_module(package), name, value)
+    return value

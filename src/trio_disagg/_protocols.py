@@ -255,6 +255,11 @@ class PrefillResult:
     prompt_tokens: int | None = None
 
 
+#: SGLang's default bootstrap port: where a prefill worker lets decode workers join its
+#: bootstrap rooms when ``bootstrap_port`` is null or not set (docs/protocols.md section 3).
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class BootstrapInfo:
     """SGLang's bootstrap triple (docs/protocols.md section 3): where a decode worker

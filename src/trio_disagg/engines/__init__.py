@@ -1,45 +1,46 @@
-"""Engines for trio-disagg: in-process mock prefill and decode workers, and the pieces a
-mock worker needs (latency model, fault injection, KV block accounting).
+"""The engines of real workers: :class:`VllmEngine`, :class:`SglangEngine` and
+:class:`TrtllmEngine` drive real (or mock) vLLM, SGLang and TensorRT-LLM workers over
+HTTP (docs/protocols.md sections 2-4), on the skeleton they share, :class:`HttpEngine`.
 
-The shared pieces live in small modules (``_latency``, ``_faults``, ``_kv``, ``_text``)
-that do not import the in-process engines, so an HTTP mock worker can reuse them.
-:class:`VllmEngine`, :class:`SglangEngine` and :class:`TrtllmEngine` drive real (or mock)
-vLLM, SGLang and TensorRT-LLM workers over HTTP (docs/protocols.md sections 2-4), on the
-skeleton they share, :class:`HttpEngine`.
+The adapters need the ``server`` extra (httptools, httpx): they are imported on first use.
+The simulator's names that used to live here (``mock_cluster``, ``LatencyModel``,
+``FaultKind``, ``KVCounters``, ...) now live in :mod:`trio_disagg.mock`; they are still
+importable from here, as aliases resolved on first use, so this package imports nothing
+from the simulator until asked.
 """
 
-import importlib as _importlib
 import typing as _typing
 
-from ._faults import Fault as Fault
-from ._faults import FaultKind as FaultKind
-from ._faults import FaultPlan as FaultPlan
-from ._faults import fault_for as fault_for
-from ._faults import parse_fault as parse_fault
-from ._faults import parse_faults as parse_faults
-from ._kv import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
-from ._kv import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
-from ._kv import DEFAULT_BOOTSTRAP_TIMEOUT as DEFAULT_BOOTSTRAP_TIMEOUT
-from ._kv import DEFAULT_KV_TTL as DEFAULT_KV_TTL
-from ._kv import BootstrapRoom as BootstrapRoom
-from ._kv import KVBlockPool as KVBlockPool
-from ._kv import KVCounters as KVCounters
-from ._kv import KVRegistry as KVRegistry
-from ._kv import KVState as KVState
-from ._kv import KVTransferError as KVTransferError
-from ._kv import StagedKV as StagedKV
-from ._latency import LatencyModel as LatencyModel
-from ._mock import INPROC_HOST as INPROC_HOST
-from ._mock import MockCluster as MockCluster
-from ._mock import MockDecodeEngine as MockDecodeEngine
-from ._mock import MockPrefillEngine as MockPrefillEngine
-from ._mock import mock_cluster as mock_cluster
-from ._text import TokenStream as TokenStream
-from ._text import cached_prompt_tokens as cached_prompt_tokens
-from ._text import count_prompt_tokens as count_prompt_tokens
-from ._text import resolve_max_tokens as resolve_max_tokens
+from .._extras import lazy_attribute as _lazy_attribute
+from .._protocols import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
 
 if _typing.TYPE_CHECKING:
+    from ..mock import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+    from ..mock import DEFAULT_BOOTSTRAP_TIMEOUT as DEFAULT_BOOTSTRAP_TIMEOUT
+    from ..mock import DEFAULT_KV_TTL as DEFAULT_KV_TTL
+    from ..mock import INPROC_HOST as INPROC_HOST
+    from ..mock import BootstrapRoom as BootstrapRoom
+    from ..mock import Fault as Fault
+    from ..mock import FaultKind as FaultKind
+    from ..mock import FaultPlan as FaultPlan
+    from ..mock import KVBlockPool as KVBlockPool
+    from ..mock import KVCounters as KVCounters
+    from ..mock import KVRegistry as KVRegistry
+    from ..mock import KVState as KVState
+    from ..mock import KVTransferError as KVTransferError
+    from ..mock import LatencyModel as LatencyModel
+    from ..mock import MockCluster as MockCluster
+    from ..mock import MockDecodeEngine as MockDecodeEngine
+    from ..mock import MockPrefillEngine as MockPrefillEngine
+    from ..mock import StagedKV as StagedKV
+    from ..mock import TokenStream as TokenStream
+    from ..mock import cached_prompt_tokens as cached_prompt_tokens
+    from ..mock import count_prompt_tokens as count_prompt_tokens
+    from ..mock import fault_for as fault_for
+    from ..mock import mock_cluster as mock_cluster
+    from ..mock import parse_fault as parse_fault
+    from ..mock import parse_faults as parse_faults
+    from ..mock import resolve_max_tokens as resolve_max_tokens
     from ._http import Client as Client
     from ._http import HttpEngine as HttpEngine
     from ._http import streaming_body as streaming_body
@@ -71,8 +72,8 @@ if _typing.TYPE_CHECKING:
     from ._wire import WorkerResponse as WorkerResponse
     from ._wire import WriteTimeout as WriteTimeout
 
-# The HTTP adapters need the 'server' extra (httptools, httpx): imported on first use, so that the
-# in-process mock engines work with the core install alone.
+# The HTTP adapters need the 'server' extra (httptools, httpx): imported on first use, so that
+# the core install alone imports this package.
 _LAZY = {
     "Client": "_http",
     "HttpEngine": "_http",
@@ -106,18 +107,47 @@ _LAZY = {
     "WriteTimeout": "_wire",
 }
 
+#: The simulator names importable from here as aliases of :mod:`trio_disagg.mock`.
+_MOCK_ALIASES = frozenset({
+    "Fault",
+    "FaultKind",
+    "FaultPlan",
+    "fault_for",
+    "parse_fault",
+    "parse_faults",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_BOOTSTRAP_TIMEOUT",
+    "DEFAULT_KV_TTL",
+    "BootstrapRoom",
+    "KVBlockPool",
+    "KVCounters",
+    "KVRegistry",
+    "KVState",
+    "KVTransferError",
+    "StagedKV",
+    "LatencyModel",
+    "INPROC_HOST",
+    "MockCluster",
+    "MockDecodeEngine",
+    "MockPrefillEngine",
+    "mock_cluster",
+    "TokenStream",
+    "cached_prompt_tokens",
+    "count_prompt_tokens",
+    "resolve_max_tokens",
+})
+
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .._extras import require
+    if name in _MOCK_ALIASES:
+        # an alias resolved on first use: importing the adapters never imports the simulator
+        from .. import mock
 
-    require("server", f"trio_disagg.engines.{name}")  # a clear error naming the extra
-    value = getattr(_importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # the next lookup does not come here
-    return value
+        value = getattr(mock, name)
+        globals()[name] = value  # the next lookup does not come here
+        return value
+    return _lazy_attribute(__name__, _LAZY, name, "server")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY})  # the aliases are documented in trio_disagg.mock

@@ -28,6 +28,7 @@ from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import (
+    DEFAULT_BOOTSTRAP_PORT,
     Annotated,
     BootstrapInfo,
     CompletionUsage,
@@ -55,7 +56,6 @@ from ._http import (
     streaming_body,
     worker_client,
 )
-from ._kv import DEFAULT_BOOTSTRAP_PORT
 
 __all__ = [
     "GENERATE_PATH", "SglangEngine", "bootstrap_problem", "native_output",

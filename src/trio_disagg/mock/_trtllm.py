@@ -18,20 +18,19 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
+import attrs
 import orjson
-import trio
 
-from ..engines._faults import Fault, FaultKind
-from ..engines._text import (
-    WORDS,
-    TokenStream,
-    cached_prompt_tokens,
-    count_prompt_tokens,
-    prompt_fingerprint,
-)
+from ._answers import OpenAIFormat, usage_dict
 from ._asgi import Exchange
-from ._common import MockWorker, Refusal, RemoteKV, Work, usage_dict
-from ._faults import REMOVED, MockFault, MockFaultKind
+from ._core import Prefill
+from ._faults import Fault, FaultKind
+from ._kv import StagedKV
+from ._kvwire import RemoteKV
+from ._sinks import PrefillAnswers
+from ._text import WORDS, TokenStream, count_prompt_tokens, prompt_fingerprint
+from ._wire_faults import REMOVED, MockFault, MockFaultKind
+from ._worker import MockWorker, Refusal, Work
 
 __all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
            "encode_opaque_state"]
@@ -189,94 +188,85 @@ class MockTrtllmWorker(MockWorker):
                        mock: MockFault | None = None) -> None:
         """A context request: stage the KV under a fresh ``ctx_request_id``, answer
         (``prefill_bad_handoff``: a broken handoff, staging nothing)."""
-        kind = fault.kind if fault is not None else None
-        request_id = exchange.request_id or ""
-        prompt_tokens = count_prompt_tokens(body)
-        fmt = self.openai_format(exchange, body, path)
-        kv = self.kv
-        answered = False
-        computed = False
-        try:
-            if kind is FaultKind.PREFILL_STALL:
-                await trio.sleep_forever()
-            if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                await trio.sleep(delay)
-            computed = True
-            self.stats.prefills_completed += 1
-            if kind is FaultKind.PREFILL_RESET:
-                answered = True
-                await self._reset(exchange, stream=False)  # then the connection closes
-                return
-            if kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
-                answered = True
-                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
-                                           f"request {request_id!r}")
-                return
-            cached = cached_prompt_tokens(self.seed, body, prompt_tokens, kv.block_size)
-            token = TokenStream(self.seed, request_id).next_id()
-            params: dict[str, Any] = {
-                "request_type": "context_only", "first_gen_tokens": [token],
+        sink = _ContextSink(self, exchange, self.openai_format(exchange, body, path), body,
+                            disagg_id, mock)
+        await self._run_prefill(self.prefill_run(exchange, body, fault), sink)
+
+
+@attrs.define
+class _ContextSink(PrefillAnswers):
+    """A context server's answers (the core's :class:`~._core.PrefillSink`): each commits
+    before it is sent; a handoff's KV, once answered, is freed only by its pull or its
+    lease."""
+
+    worker: MockTrtllmWorker
+    exchange: Exchange
+    fmt: OpenAIFormat
+    body: Mapping[str, Any]
+    disagg_id: int | None
+    mock: MockFault | None
+    ctx_id: int = 0  # the context's ctx_request_id, once staged
+
+    def _params(self, run: Prefill) -> dict[str, Any]:
+        return {"request_type": "context_only", "first_gen_tokens": [run.token],
                 "ctx_request_id": None, "encoded_opaque_state": None, "draft_tokens": None,
-                "disagg_request_id": disagg_id,
-            }
-            top = {"prompt_token_ids": prompt_token_ids(self.seed, body)}
-            if kind in _TERMINAL_FINISH and (kind is not FaultKind.EOS_FIRST_TOKEN
-                                             or self.ends_on_first_token(body, fault)):
-                assert kind is not None  # S7: the context is the final answer
-                answered = True
-                eos = kind is FaultKind.EOS_FIRST_TOKEN
-                await exchange.respond(200, fmt.answer(
-                    text=WORDS[token] if eos else "", token_ids=[token] if eos else [],
-                    finish=_TERMINAL_FINISH[kind],
-                    usage=usage_dict(prompt_tokens, 1 if eos else 0, cached),
-                    top=top, choice={"disaggregated_params": params}))
-                return
-            hook = body.get(CTX_REQUEST_ID_HOOK)
-            if hook in ("null", "missing"):  # S9 test hooks: nothing usable, nothing staged
-                if hook == "missing":
-                    del params["ctx_request_id"]
-                answered = True
-                await exchange.respond(200, fmt.answer(
-                    text=WORDS[token], token_ids=[token], finish="length",
-                    usage=usage_dict(prompt_tokens, 1, cached), top=top,
-                    choice={"disaggregated_params": params}))
-                return
-            if mock is not None and mock.kind is MockFaultKind.PREFILL_BAD_HANDOFF:
-                answered = True  # nothing staged for a handoff nobody can use
-                params["ctx_request_id"] = self._next_ctx_id()
-                params["encoded_opaque_state"] = encode_opaque_state(
-                    self.host, self.port, self.name, [])
-                answer = orjson.loads(fmt.answer(
-                    text=WORDS[token], token_ids=[token], finish="length",
-                    usage=usage_dict(prompt_tokens, 1, cached), top=top,
-                    choice={"disaggregated_params": params}))
-                if mock.field == "choices":
-                    answer["choices"].append({**answer["choices"][0], "index": 1})
-                elif mock.value is REMOVED:
-                    params.pop(mock.field, None)
-                else:
-                    params[mock.field] = mock.value
-                answer["choices"][0]["disaggregated_params"] = params
-                await exchange.respond(200, orjson.dumps(answer))
-                return
-            ctx_id = self._next_ctx_id()
-            entry = kv.stage(str(ctx_id), prompt_tokens)
-            if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
-                kv.release(entry)  # the request failed: the worker frees its KV
-                answered = True
-                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
-                                           f"request {request_id!r} (after staging its KV)")
-                return
-            params["ctx_request_id"] = ctx_id
-            params["encoded_opaque_state"] = encode_opaque_state(
-                self.host, self.port, self.name, list(entry.block_ids))
-            answered = True  # committed: from here on an abort does not free the KV
-            await exchange.respond(200, fmt.answer(
-                text=WORDS[token], token_ids=[token], finish="length",
-                usage=usage_dict(prompt_tokens, 1, cached), top=top,
-                choice={"disaggregated_params": params}))
-        finally:
-            if not answered:
-                kv.note_aborted()  # aborted before it staged anything
-            if not computed:
-                self.stats.prefills_aborted += 1
+                "disagg_request_id": self.disagg_id}
+
+    def _answer(self, run: Prefill, params: dict[str, Any], *, finish: str = "length",
+                eos: bool = True) -> bytes:
+        token = run.token
+        return self.fmt.answer(
+            text=WORDS[token] if eos else "", token_ids=[token] if eos else [],
+            finish=finish, usage=usage_dict(run.prompt_tokens, 1 if eos else 0, run.cached),
+            top={"prompt_token_ids": prompt_token_ids(run.seed, self.body)},
+            choice={"disaggregated_params": params})
+
+    async def terminal(self, run: Prefill, kind: FaultKind) -> None:
+        run.answered = True  # S7: the context is the final answer
+        await self.exchange.respond(200, self._answer(
+            run, self._params(run), finish=_TERMINAL_FINISH[kind],
+            eos=kind is FaultKind.EOS_FIRST_TOKEN))
+
+    async def before_stage(self, run: Prefill) -> bool:
+        params = self._params(run)
+        hook = self.body.get(CTX_REQUEST_ID_HOOK)
+        if hook in ("null", "missing"):  # S9 test hooks: nothing usable, nothing staged
+            if hook == "missing":
+                del params["ctx_request_id"]
+            run.answered = True
+            await self.exchange.respond(200, self._answer(run, params))
+            return True
+        mock = self.mock
+        if mock is None or mock.kind is not MockFaultKind.PREFILL_BAD_HANDOFF:
+            return False
+        run.answered = True  # nothing staged for a handoff nobody can use
+        params["ctx_request_id"] = self.worker._next_ctx_id()
+        params["encoded_opaque_state"] = encode_opaque_state(
+            self.worker.host, self.worker.port, self.worker.name, [])
+        answer = orjson.loads(self._answer(run, params))
+        if mock.field == "choices":
+            answer["choices"].append({**answer["choices"][0], "index": 1})
+        elif mock.value is REMOVED:
+            params.pop(mock.field, None)
+        else:
+            params[mock.field] = mock.value
+        answer["choices"][0]["disaggregated_params"] = params
+        await self.exchange.respond(200, orjson.dumps(answer))
+        return True
+
+    def stage_key(self, run: Prefill) -> str:
+        self.ctx_id = self.worker._next_ctx_id()
+        return str(self.ctx_id)
+
+    async def handoff(self, run: Prefill, entry: StagedKV) -> None:
+        if run.kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
+            run.release(entry)  # the request failed: the worker frees its KV
+            await self.fail(run, run.message("after staging its KV"))
+            return
+        worker = self.worker
+        params = self._params(run)
+        params["ctx_request_id"] = self.ctx_id
+        params["encoded_opaque_state"] = encode_opaque_state(
+            worker.host, worker.port, worker.name, list(entry.block_ids))
+        run.answered = True  # committed: from here on an abort does not free the KV
+        await self.exchange.respond(200, self._answer(run, params))

@@ -48,6 +48,8 @@ from typing import Any
 import attrs
 import orjson
 
+from ._faults import WireRole, one_per_role
+
 __all__ = ["REMOVED", "AnswerFaults", "MockFault", "MockFaultKind", "answer_faults",
            "parse_mock_fault", "split_mock_faults"]
 
@@ -60,17 +62,13 @@ class _Removed(enum.Enum):
 REMOVED = _Removed.REMOVED
 
 
-class MockFaultKind(enum.Enum):
+class MockFaultKind(WireRole, enum.Enum):
     """A fault only the mock HTTP workers inject; the value is the wire string."""
 
     DECODE_KV_LOST = "decode_kv_lost"
     DECODE_QUEUE = "decode_queue"
     DECODE_ACCEPT_DELAY = "decode_accept_delay"
     PREFILL_BAD_HANDOFF = "prefill_bad_handoff"
-
-    @property
-    def role(self) -> str:
-        return "decode" if self.value.startswith("decode_") else "prefill"
 
 
 _BY_NAME = {kind.value: kind for kind in MockFaultKind}
@@ -95,6 +93,9 @@ class MockFault:
     @property
     def role(self) -> str:
         return self.kind.role
+
+    def __str__(self) -> str:
+        return self.kind.value
 
 
 def parse_mock_fault(text: str) -> MockFault:
@@ -233,10 +234,4 @@ def split_mock_faults(body: Mapping[str, Any], role: str
             rest.append(text)
     if not mine:
         return None, ({**body, "fault": rest} if answers else body)
-    roles: dict[str, MockFault] = {}
-    for fault in mine:
-        if fault.role in roles:
-            raise ValueError(f"at most one {fault.role} fault per request; got "
-                             f"{roles[fault.role].kind.value} and {fault.kind.value}")
-        roles[fault.role] = fault
-    return roles.get(role), {**body, "fault": rest}
+    return one_per_role(mine).get(role), {**body, "fault": rest}

@@ -14,38 +14,21 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
+import attrs
 import orjson
-import trio
 
-from ..engines._faults import Fault, FaultKind
-from ..engines._text import WORDS, TokenStream, cached_prompt_tokens, count_prompt_tokens
+from ._answers import OpenAIFormat, usage_dict
 from ._asgi import Exchange
-from ._common import (
-    DEFAULT_KV_BYTES_PER_TOKEN,
-    PULL_TIMEOUT,
-    RELEASE_TIMEOUT,
-    MockWorker,
-    OpenAIFormat,
-    RemoteKV,
-    Role,
-    SeenRequest,
-    Work,
-    WorkerStats,
-    kv_block_bytes,
-    usage_dict,
-)
-from ._faults import REMOVED, MockFault, MockFaultKind
+from ._core import TERMINAL_FINISH, Prefill
+from ._faults import Fault, FaultKind
+from ._kv import StagedKV
+from ._kvwire import RemoteKV
+from ._sinks import PrefillAnswers
+from ._text import WORDS
+from ._wire_faults import REMOVED, MockFault, MockFaultKind
+from ._worker import MockWorker, Work
 
-__all__ = [
-    "DEFAULT_KV_BYTES_PER_TOKEN", "PULL_TIMEOUT", "RELEASE_TIMEOUT", "MockVllmWorker",
-    "Role", "SeenRequest", "WorkerStats", "kv_block_bytes", "parse_remote_kv",
-]
-
-_PREFILL_FIRST_FINISH = {
-    FaultKind.EOS_FIRST_TOKEN: "stop",
-    FaultKind.PREFILL_ERROR_FINISH: "error",
-    FaultKind.PREFILL_CANCELLED_FINISH: "abort",
-}
+__all__ = ["MockVllmWorker", "parse_remote_kv"]
 
 
 def parse_remote_kv(params: Mapping[str, Any]) -> RemoteKV | str:
@@ -120,8 +103,9 @@ class MockVllmWorker(MockWorker):
     is cancelled at once; a prefill aborted before it answered releases what it staged;
     a decode aborted before its pull tells the prefill to release the KV.
 
-    Faults come from the body's ``"fault"`` (see :class:`~trio_disagg.engines.FaultKind`),
-    else from ``fault_plan``; a worker acts on the faults of its ``role``. Over HTTP:
+    Faults come from the body's ``"fault"`` (see :class:`~trio_disagg.mock.FaultKind`),
+    honoured only with ``fault_injection`` (else the field is ignored), or from
+    ``fault_plan``; a worker acts on the faults of its ``role``. Over HTTP:
     ``*_reject[:STATUS]`` answers that status; ``prefill_fail_before_handoff`` and
     ``prefill_fail_after_handoff`` answer 500 (after the handoff: the staged KV is
     released first); ``prefill_error_finish`` / ``prefill_cancelled_finish`` /
@@ -130,7 +114,7 @@ class MockVllmWorker(MockWorker):
     response half-way (the connection closes without a complete answer); ``*_stall``
     waits until the client disconnects; ``decode_fail_before_first_token`` releases the
     KV and fails; ``decode_error_at:K`` fails after K tokens. Mock-only faults
-    (:mod:`trio_disagg.workers._faults`): ``decode_kv_lost`` releases the KV and answers
+    (``trio_disagg.mock._wire_faults``): ``decode_kv_lost`` releases the KV and answers
     500 ``"KV transfer failed: ..."`` before any byte, streamed or not;
     ``decode_queue:SECONDS`` waits, accepted, before the pull;
     ``decode_accept_delay:SECONDS`` waits before accepting, its handoff untouched;
@@ -147,7 +131,7 @@ class MockVllmWorker(MockWorker):
             once served.
         model: the only model name accepted (others get 404 as from vLLM); None accepts
             any, and ``/v1/models`` lists ``"mock-model"``.
-        latency: the :class:`~trio_disagg.engines.LatencyModel`; default
+        latency: the :class:`~trio_disagg.mock.LatencyModel`; default
             ``LatencyModel()``; :meth:`LatencyModel.zero` for benchmarks.
         seed: fixes the tokens (with the request id) and the prefix-cache hits.
         block_size: tokens per KV block.
@@ -155,6 +139,8 @@ class MockVllmWorker(MockWorker):
         kv_bytes_per_token: bytes of KV per prompt token moved by a pull.
         default_max_tokens: tokens to generate when the body names no budget.
         fault_plan: faults for requests whose body names none.
+        fault_injection: honour a request body's ``"fault"`` (a test tool: off, a client
+            cannot break the worker).
         http_client: the client for KV pulls and releases; :func:`serve_worker` provides
             one; else one is made on first use.
         max_body_bytes: the largest request body accepted (413 above).
@@ -187,76 +173,25 @@ class MockVllmWorker(MockWorker):
                        fault: Fault | None, mock: MockFault | None = None) -> None:
         """A prefill request (``do_remote_decode``): stage the KV and answer the handoff
         (``prefill_bad_handoff``: a broken one, staging nothing)."""
-        kind = fault.kind if fault is not None else None
-        request_id = exchange.request_id or ""
-        prompt_tokens = count_prompt_tokens(body)
         fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None})
-        kv = self.kv
-        entry = None
-        answered = False
-        computed = False
-        try:
-            if kind is FaultKind.PREFILL_STALL:
-                await trio.sleep_forever()
-            if (delay := self.latency.time_to_first_token(prompt_tokens)) > 0:
-                await trio.sleep(delay)
-            computed = True
-            self.stats.prefills_completed += 1
-            if kind is FaultKind.PREFILL_RESET:
-                answered = True
-                await self._reset(exchange, stream=False)  # then the connection closes
-                return
-            if kind is FaultKind.PREFILL_FAIL_BEFORE_HANDOFF:
-                answered = True
-                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
-                                           f"request {request_id!r}")
-                return
-            cached = cached_prompt_tokens(self.seed, body, prompt_tokens, kv.block_size)
-            token = TokenStream(self.seed, request_id).next_id()
-            if kind in _PREFILL_FIRST_FINISH and (kind is not FaultKind.EOS_FIRST_TOKEN
-                                                  or self.ends_on_first_token(body, fault)):
-                assert kind is not None
-                answered = True
-                eos = kind is FaultKind.EOS_FIRST_TOKEN
-                await exchange.respond(200, fmt.answer(
-                    text=WORDS[token] if eos else "", token_ids=[token] if eos else [],
-                    finish=_PREFILL_FIRST_FINISH[kind],
-                    usage=usage_dict(prompt_tokens, 1 if eos else 0, cached)))
-                return
-            if mock is not None and mock.kind is MockFaultKind.PREFILL_BAD_HANDOFF:
-                answered = True  # nothing staged for a handoff nobody can use
-                await exchange.respond(200, self._bad_handoff(
-                    fmt, mock, token, usage_dict(prompt_tokens, 1, cached), request_id))
-                return
-            entry = kv.stage(request_id, prompt_tokens)
-            if kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
-                kv.release(entry)  # the request failed: the worker frees its KV
-                answered = True
-                await self._fail(exchange, f"{self.name}: injected fault {kind.value} on "
-                                           f"request {request_id!r} (after staging its KV)")
-                return
-            params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": list(entry.block_ids),
-                "remote_engine_id": self.name,
-                "remote_request_id": entry.key,
-                "remote_host": self.host,
-                "remote_port": self.port,
-                "tp_size": 1,
-            }
-            payload = fmt.answer(text=WORDS[token], token_ids=[token], finish="length",
-                                 usage=usage_dict(prompt_tokens, 1, cached),
-                                 top={"kv_transfer_params": params})
-            await exchange.respond(200, payload)
-            answered = True
-        finally:
-            # Aborted (the connection closed) before the answer went out: count one abort,
-            # releasing what was staged.
-            if not answered and (entry is None or not kv.release(entry)):
-                kv.note_aborted()
-            if not computed:
-                self.stats.prefills_aborted += 1
+        await self._run_prefill(self.prefill_run(exchange, body, fault),
+                                _PrefillSink(self, exchange, fmt, mock))
+
+    def _handoff(self, fmt: OpenAIFormat, run: Prefill, entry: StagedKV) -> bytes:
+        """The prefill's answer: one token and ``kv_transfer_params`` naming ``entry``."""
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(entry.block_ids),
+            "remote_engine_id": self.name,
+            "remote_request_id": entry.key,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
+        return fmt.answer(text=WORDS[run.token], token_ids=[run.token], finish="length",
+                          usage=usage_dict(run.prompt_tokens, 1, run.cached),
+                          top={"kv_transfer_params": params})
 
     def _bad_handoff(self, fmt: OpenAIFormat, mock: MockFault, token: int,
                      usage: dict[str, Any], request_id: str) -> bytes:
@@ -278,3 +213,41 @@ class MockVllmWorker(MockWorker):
         if mock.field == "choices":
             answer["choices"].append({**answer["choices"][0], "index": 1})
         return orjson.dumps(answer)
+
+
+@attrs.define
+class _PrefillSink(PrefillAnswers):
+    """A vLLM prefill's answers (the core's :class:`~._core.PrefillSink`). Its error
+    answers and its final answers (S7) commit before they are sent; its handoff once
+    sent."""
+
+    worker: MockVllmWorker
+    exchange: Exchange
+    fmt: OpenAIFormat
+    mock: MockFault | None
+
+    async def terminal(self, run: Prefill, kind: FaultKind) -> None:
+        run.answered = True
+        eos = kind is FaultKind.EOS_FIRST_TOKEN
+        token = run.token
+        await self.exchange.respond(200, self.fmt.answer(
+            text=WORDS[token] if eos else "", token_ids=[token] if eos else [],
+            finish=TERMINAL_FINISH[kind],
+            usage=usage_dict(run.prompt_tokens, 1 if eos else 0, run.cached)))
+
+    async def before_stage(self, run: Prefill) -> bool:
+        mock = self.mock
+        if mock is None or mock.kind is not MockFaultKind.PREFILL_BAD_HANDOFF:
+            return False
+        run.answered = True  # nothing staged for a handoff nobody can use
+        await self.exchange.respond(200, self.worker._bad_handoff(
+            self.fmt, mock, run.token, usage_dict(run.prompt_tokens, 1, run.cached),
+            run.request_id))
+        return True
+
+    async def handoff(self, run: Prefill, entry: StagedKV) -> None:
+        if run.kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
+            run.release(entry)  # the request failed: the worker frees its KV
+            await self.fail(run, run.message("after staging its KV"))
+            return
+        await self.exchange.respond(200, self.worker._handoff(self.fmt, run, entry))

@@ -10,14 +10,33 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
 from ._text import seeded_unit
 
 
-class FaultKind(enum.Enum):
+class _HasRole(Protocol):
+    @property
+    def role(self) -> str: ...
+
+
+F = TypeVar("F", bound=_HasRole)
+
+
+class WireRole:
+    """A fault kind's role, read from its wire string (an enum mixin)."""
+
+    value: str
+
+    @property
+    def role(self) -> str:
+        """``"prefill"`` or ``"decode"``: which worker acts on it."""
+        return "decode" if self.value.startswith("decode_") else "prefill"
+
+
+class FaultKind(WireRole, enum.Enum):
     """What to break. The value is the wire string (before an optional ``:ARG``)."""
 
     #: The prefill's first (and only) output is an error item; nothing is staged.
@@ -56,11 +75,6 @@ class FaultKind(enum.Enum):
     #: The decode refuses the request: ``WorkerError`` before ``started()``
     #: (``:STATUS``, default 503). It never hears of the KV, which waits for its TTL.
     DECODE_REJECT = "decode_reject"
-
-    @property
-    def role(self) -> str:
-        """``"prefill"`` or ``"decode"``: which worker acts on it."""
-        return "decode" if self.value.startswith("decode_") else "prefill"
 
 
 _NEEDS_INDEX = frozenset({FaultKind.DECODE_ERROR_AT, FaultKind.DECODE_STALL_AT,
@@ -150,17 +164,23 @@ def parse_faults(value: Any) -> tuple[Fault, ...]:
         if not isinstance(text, str):
             raise ValueError(f"fault must be a string, got {type(text).__name__} {text!r}")
         faults.append(parse_fault(text))
-    _check_one_per_role(faults)
+    one_per_role(faults)
     return tuple(faults)
 
 
-def _check_one_per_role(faults: Iterable[Fault]) -> None:
-    seen: dict[str, Fault] = {}
+def one_per_role(faults: Iterable[F]) -> dict[str, F]:
+    """``faults`` by role.
+
+    Raises:
+        ValueError: two faults for one role.
+    """
+    seen: dict[str, F] = {}
     for fault in faults:
         if fault.role in seen:
             raise ValueError(f"at most one {fault.role} fault per request; got "
                              f"{seen[fault.role]} and {fault}")
         seen[fault.role] = fault
+    return seen
 
 
 def _to_faults(values: Sequence[Fault | str]) -> tuple[Fault, ...]:

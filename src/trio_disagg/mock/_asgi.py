@@ -1,11 +1,16 @@
-"""Plain ASGI 3 plumbing for the mock workers: one response, its state, and the
-disconnect listener that aborts a request when its connection closes."""
+"""Plain ASGI 3 plumbing for the mock HTTP workers: one response and its state (JSON, SSE
+and octet-stream answers, errors in either error shape), reading a body with a size
+limit, request headers and query parameters (parsed with the standard library), the
+lifespan protocol, and the disconnect listener that aborts a request when its connection
+closes."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
+import attrs
 import orjson
 import trio
 
@@ -17,6 +22,8 @@ Send = Callable[[Message], Awaitable[None]]
 JSON_TYPE = b"application/json"
 SSE_TYPE = b"text/event-stream"
 DONE_EVENT = b"data: [DONE]\n\n"
+OCTETS = b"application/octet-stream"
+_CHUNK = 64 * 1024  # bytes per body message of an octet-stream answer
 
 
 def error_json(message: str, status: int, *, type_: str | None = None,
@@ -40,6 +47,7 @@ def error_event(message: str, status: int = 500, *, flat: bool = False) -> bytes
     return b"data: " + error_json(message, status, flat=flat) + b"\n\n" + DONE_EVENT
 
 
+@attrs.define(eq=False)
 class Exchange:
     """One HTTP response and where it is: not started, streaming, or finished.
 
@@ -56,19 +64,14 @@ class Exchange:
         disconnected: the client went away before the response finished.
     """
 
-    __slots__ = ("disconnected", "failed", "finished", "flat", "listener", "request_id",
-                 "send", "started")
-
-    def __init__(self, send: Send, request_id: str | None = None, *,
-                 flat: bool = False) -> None:
-        self.send = send
-        self.request_id = request_id
-        self.flat = flat
-        self.started = False
-        self.finished = False
-        self.failed = False
-        self.disconnected = False
-        self.listener: trio.CancelScope | None = None
+    send: Send
+    request_id: str | None = None
+    flat: bool = attrs.field(default=False, kw_only=True)
+    started: bool = attrs.field(default=False, init=False)
+    finished: bool = attrs.field(default=False, init=False)
+    failed: bool = attrs.field(default=False, init=False)
+    disconnected: bool = attrs.field(default=False, init=False)
+    listener: trio.CancelScope | None = attrs.field(default=None, init=False)
 
     def _headers(self, content_type: bytes, length: int | None = None
                  ) -> list[tuple[bytes, bytes]]:
@@ -162,3 +165,45 @@ async def run_until_disconnect(
         nursery.start_soon(listen)
         await work()
         listener.cancel()
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def send_octets(exchange: Exchange, data: bytes,
+                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A whole ``application/octet-stream`` answer, in body messages of 64 KiB."""
+    await exchange.start(200, OCTETS, extra, length=len(data))
+    chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
+    for chunk in chunks[:-1]:
+        await exchange.body(chunk)
+    await exchange.finish(chunks[-1])
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """A request header, decoded as latin-1 and stripped; None if absent or empty."""
+    for key, value in scope["headers"]:
+        if key == name:
+            text = bytes(value).decode("latin-1").strip()
+            return text or None
+    return None
+
+
+def query_param(scope: Scope, name: str) -> str | None:
+    """A query string parameter (the first, percent-decoded), or None."""
+    query = bytes(scope.get("query_string") or b"").decode("latin-1")
+    values = parse_qs(query, keep_blank_values=True).get(name)
+    return values[0] if values else None
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    """Answer the ASGI lifespan protocol."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Literal, TypedDict, Unpack, overload
+from typing import Any, Literal, Unpack, overload
 from urllib.parse import urlsplit
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
@@ -12,13 +12,12 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from ..engines._faults import FaultPlan
-from ..engines._kv import DEFAULT_BLOCK_SIZE, DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_KV_TTL
-from ..engines._latency import LatencyModel
-from ._common import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, MockWorker, Role
+from ._kvwire import PULL_TIMEOUT
+from ._options import WorkerOptions
 from ._sglang import MockSglangWorker
 from ._trtllm import MockTrtllmWorker
 from ._vllm import MockVllmWorker
+from ._worker import MockWorker, Role
 
 #: The wire protocols mock workers exist for (docs/protocols.md sections 2, 3 and 4).
 PROTOCOLS = ("vllm", "sglang", "trtllm")
@@ -41,19 +40,19 @@ def _advertised(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host.strip("[]")
 
 
-class MockWorkerOptions(TypedDict, total=False):
-    """The settings of :func:`create_mock_worker`, as keywords; each defaults as in
-    :class:`~trio_disagg.workers.MockWorker`."""
+def _kv_client() -> httpx.AsyncClient:
+    """The HTTP client of a served worker's KV pulls and releases."""
+    return httpx.AsyncClient(
+        timeout=PULL_TIMEOUT, trust_env=False,
+        limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
+                            keepalive_expiry=4.0))
 
-    name: str | None
-    model: str | None
-    latency: LatencyModel | None
-    seed: int
-    block_size: int
-    kv_ttl: float
-    kv_bytes_per_token: int
-    default_max_tokens: int
-    fault_plan: FaultPlan | None
+
+class MockWorkerOptions(WorkerOptions, total=False):
+    """The settings of :func:`create_mock_worker`, as keywords; each defaults as in
+    :class:`~trio_disagg.mock.MockWorker` (``bootstrap_port`` and ``bootstrap_timeout``
+    as in :class:`~trio_disagg.mock.MockSglangWorker`)."""
+
     bootstrap_port: int | None
     bootstrap_timeout: float
 
@@ -152,11 +151,7 @@ async def serve_worker(
     config.graceful_timeout = 1.0
     owned = app.http_client is None
     if owned:
-        app.http_client = httpx.AsyncClient(
-            timeout=PULL_TIMEOUT, trust_env=False,
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
-                                keepalive_expiry=4.0),
-        )
+        app.http_client = _kv_client()
     try:
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(partial(
@@ -174,27 +169,11 @@ async def serve_worker(
                 await client.aclose()
 
 
-async def serve_mock_worker(
-    role: Role,
-    protocol: str = "vllm",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    name: str | None = None,
-    model: str | None = None,
-    latency: LatencyModel | None = None,
-    seed: int = 0,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    kv_ttl: float = DEFAULT_KV_TTL,
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
-    default_max_tokens: int = 16,
-    fault_plan: FaultPlan | None = None,
-    bootstrap_port: int | None = None,
-    bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
-    advertise_host: str | None = None,
-    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
+async def serve_mock_worker(role: Role, protocol: str = "vllm", host: str = "127.0.0.1",
+                            port: int = 0, *, advertise_host: str | None = None,
+                            shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+                            task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+                            **options: Unpack[MockWorkerOptions]) -> None:
     """Run one mock worker (``trio-disagg mock-worker``) until shut down or cancelled.
 
     :func:`create_mock_worker` then :func:`serve_worker`: docs/protocols.md section 5.
@@ -203,37 +182,26 @@ async def serve_mock_worker(
         role: ``"prefill"`` or ``"decode"``.
         protocol: ``"vllm"``, ``"sglang"`` or ``"trtllm"`` (docs/protocols.md sections 2-4).
         host, port: where to listen; port 0 picks a free one.
-        name: the worker's engine id; default ``"{role}@host:port"``.
-        model: the only model accepted; None accepts any.
-        latency: the latency model (seconds); default ``LatencyModel()``.
-        seed: fixes the tokens and prefix-cache hits.
-        block_size: tokens per KV block.
-        kv_ttl: seconds staged KV waits for its decode before it is stranded.
-        kv_bytes_per_token: bytes of KV per prompt token a pull moves.
-        default_max_tokens: tokens generated when a request names no budget.
-        fault_plan: the worker's own faults, for requests whose body names none.
-        bootstrap_port: SGLang prefill workers only: the port decode workers join
-            bootstrap rooms on; default 8998 (SGLang's) if ``port`` is fixed, any free
-            port if ``port`` is 0. The bound one is reported by ``GET /get_server_info``
-            (``disaggregation_bootstrap_port``), or use :func:`create_mock_worker` and
-            :func:`serve_worker` and read the app's ``bootstrap_port``.
-        bootstrap_timeout: SGLang only: seconds either side of a bootstrap room waits
-            for the other (SGLang's 300 s).
         advertise_host: the host decode workers pull KV from (see :func:`serve_worker`).
         shutdown_trigger: returns when the worker should stop gracefully.
         task_status: reports the bound TCP port (the HTTP one).
+        options: the worker's settings, as for :class:`~trio_disagg.mock.MockWorker`
+            (``name``, ``model``, ``latency``, ``seed``, ``block_size``, ``kv_ttl``,
+            ``kv_bytes_per_token``, ``default_max_tokens``, ``fault_plan``, and
+            ``fault_injection``: honour a request body's ``"fault"``, off by default).
+            ``bootstrap_port``, SGLang prefill workers only: the port decode workers join
+            bootstrap rooms on; default 8998 (SGLang's) if ``port`` is fixed, any free
+            port if ``port`` is 0 (the bound one is reported by ``GET /get_server_info``).
+            ``bootstrap_timeout``, SGLang only: seconds either side of a bootstrap room
+            waits for the other (SGLang's 300 s).
 
     Raises:
         ValueError: an unknown protocol or a bad setting.
         OSError: the address could not be bound.
     """
-    if bootstrap_port is None and protocol == "sglang" and role == "prefill" and port == 0:
-        bootstrap_port = 0
-    app = create_mock_worker(
-        role, protocol, name=name, model=model, latency=latency, seed=seed,
-        block_size=block_size, kv_ttl=kv_ttl, kv_bytes_per_token=kv_bytes_per_token,
-        default_max_tokens=default_max_tokens, fault_plan=fault_plan,
-        bootstrap_port=bootstrap_port, bootstrap_timeout=bootstrap_timeout,
-    )
+    if (options.get("bootstrap_port") is None and protocol == "sglang"
+            and role == "prefill" and port == 0):
+        options["bootstrap_port"] = 0
+    app = create_mock_worker(role, protocol, **options)
     await serve_worker(app, host=host, port=port, advertise_host=advertise_host,
                        shutdown_trigger=shutdown_trigger, task_status=task_status)

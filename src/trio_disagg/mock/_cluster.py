@@ -1,0 +1,72 @@
+"""A cluster of in-process mock engines on one registry (docs/protocols.md section 5)."""
+
+from __future__ import annotations
+
+from typing import TypedDict, Unpack
+
+import attrs
+
+from .._engine import HandoffStyle
+from ._decode_engine import MockDecodeEngine
+from ._engines import MockPrefillEngine
+from ._faults import FaultPlan
+from ._kv import DEFAULT_KV_TTL, KVCounters
+from ._latency import LatencyModel
+from ._registry import KVRegistry
+
+
+@attrs.define(eq=False)
+class MockCluster:
+    """In-process mock engines sharing one :class:`KVRegistry`.
+
+    Attributes:
+        registry: links the engines.
+        prefill: the prefill engines.
+        decode: the decode engines.
+    """
+
+    registry: KVRegistry
+    prefill: list[MockPrefillEngine]
+    decode: list[MockDecodeEngine]
+
+    def counters(self) -> KVCounters:
+        """The sum of the prefill engines' KV counters (after expiring what is due)."""
+        return self.registry.counters()
+
+
+class EngineOptions(TypedDict, total=False):
+    """The settings both in-process engines take, as keywords; each defaults as in
+    :class:`MockPrefillEngine` and :class:`MockDecodeEngine`."""
+
+    latency: LatencyModel | None
+    seed: int
+    block_size: int
+    bootstrap_timeout: float
+    fault_plan: FaultPlan | None
+
+
+def mock_cluster(prefill: int = 1, decode: int = 1, *,
+                 style: HandoffStyle = HandoffStyle.SEQUENTIAL, kv_ttl: float = DEFAULT_KV_TTL,
+                 default_max_tokens: int = 16, **options: Unpack[EngineOptions]) -> MockCluster:
+    """Make ``prefill`` prefill engines (``prefill-0``, ...) and ``decode`` decode engines
+    (``decode-0``, ...) on one new registry, all with the same settings.
+
+    Args:
+        style: the prefill engines' handoff style.
+        kv_ttl: as for :class:`MockPrefillEngine`.
+        default_max_tokens: as for :class:`MockDecodeEngine`.
+        options: as for both engines: ``latency`` (one :class:`LatencyModel` shared by
+            all, default ``LatencyModel()``), ``seed``, ``block_size``,
+            ``bootstrap_timeout`` and ``fault_plan``.
+
+    Returns:
+        The :class:`MockCluster`.
+    """
+    registry = KVRegistry()
+    if options.get("latency") is None:
+        options["latency"] = LatencyModel()
+    prefills = [MockPrefillEngine(registry, f"prefill-{i}", style=style, kv_ttl=kv_ttl,
+                                  **options) for i in range(prefill)]
+    decodes = [MockDecodeEngine(registry, f"decode-{i}", default_max_tokens=default_max_tokens,
+                                style=style, **options) for i in range(decode)]
+    return MockCluster(registry, prefills, decodes)
