@@ -22,8 +22,10 @@ from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
 from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
 from ._router import Deadlines, DisaggRouter
+from ._supervisor import MULTIPROC_DIR_ENV, SUPERVISED_FLAG, supervise
 from .engines import Client, LatencyModel, MockCluster, mock_cluster, vllm_client
 from .server import create_app, serve
+from .server._listen import REUSE_PORT_SUPPORTED
 from .workers import PROTOCOLS, KVCollector, create_mock_worker, serve_worker
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
@@ -228,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
              "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
              "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
              "and TensorRT-LLM before_handoff, the embedded mocks never)")
+    serve_cmd.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                           help="router processes sharing the port (SO_REUSEPORT; Linux "
+                                "spreads connections over them); /metrics shows all of them "
+                                "(docs/deploy.md)")
+    serve_cmd.add_argument(SUPERVISED_FLAG, action="store_true", help=argparse.SUPPRESS)
     serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
                            help="seconds in-flight streams and transfers get on shutdown")
     serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
@@ -331,6 +338,10 @@ async def serve_command(args: argparse.Namespace) -> int:
     client = vllm_client()
     prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
     windows = cancel_windows(args.cancel_window, [engine.name for engine in prefill])
+    if args.workers > 1:
+        await client.aclose()  # each process makes its own
+        return await supervised_serve(args)
+    metrics_dir = os.environ.get(MULTIPROC_DIR_ENV) if args.supervised else None
 
     async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
@@ -350,22 +361,57 @@ async def serve_command(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
             if cluster is not None:  # the embedded mocks' KV blocks (docs/protocols.md section 5)
-                app.metrics.registry.register(KVCollector(cluster.counters))
+                app.metrics.add_collector(KVCollector(cluster.counters))
             async with trio.open_nursery() as nursery:
+                mirror = trio.CancelScope()
+                if metrics_dir:  # one of serve --workers N: /metrics shows them all
+                    copier = app.metrics.enable_multiprocess(metrics_dir)
+                    nursery.start_soon(_run_in, mirror, copier.run)
+
+                async def serving(task_status: trio.TaskStatus[int]) -> None:
+                    try:
+                        await serve(app, host=args.host, port=args.port,
+                                    shutdown_trigger=shutdown_trigger,
+                                    graceful_timeout=args.drain_window, health=health,
+                                    reuse_port=args.supervised, task_status=task_status)
+                    finally:
+                        mirror.cancel()  # the last copy of the metrics, then it ends
+
                 try:
-                    port = await nursery.start(partial(
-                        serve, app, host=args.host, port=args.port,
-                        shutdown_trigger=shutdown_trigger,
-                        graceful_timeout=args.drain_window, health=health))
+                    port = await nursery.start(serving)
                 except* OSError as group:
                     raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
                                        f"{_reason(group)}") from None
+                pid = f", pid {os.getpid()}" if args.supervised else ""
                 print(f"trio-disagg: serving {args.model!r} on "
                       f"http://{_address(args.host, port)}/v1 "
-                      f"({args.backend}: {len(prefill)} prefill, {len(decode)} decode)",
+                      f"({args.backend}: {len(prefill)} prefill, {len(decode)} decode{pid})",
                       flush=True)
 
     return await run_until_signalled("serve", body)
+
+
+async def _run_in(scope: trio.CancelScope, fn: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await fn()
+
+
+async def supervised_serve(args: argparse.Namespace) -> int:
+    """``serve --workers N`` (N >= 2): run the command line in N processes on one port
+    (:mod:`trio_disagg._supervisor`). Returns the exit code.
+
+    Raises:
+        StartupError: no ``SO_REUSEPORT`` here, or the address could not be reserved.
+    """
+    if not REUSE_PORT_SUPPORTED:
+        raise StartupError("--workers needs SO_REUSEPORT, which this platform lacks")
+    try:
+        with _ignoring(SHUTDOWN_SIGNALS):
+            return await supervise(args.argv, workers=args.workers, host=args.host,
+                                   port=args.port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
+                           f"{exc.strerror or exc}") from None
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:
@@ -511,6 +557,7 @@ def run_command(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --workers runs it again
     level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # hypercorn prints its own lines with its own handler: not a second time through ours.
