@@ -230,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
              "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
              "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
              "and TensorRT-LLM before_handoff, the embedded mocks never)")
+    serve_cmd.add_argument("--disagg-min-prompt-tokens", type=limit, default=0, metavar="N",
+                           help="a prompt estimated shorter than N tokens (UTF-8 bytes / 4; "
+                                "token ids exactly) goes to one decode worker alone, with no "
+                                "prefill and no KV transfer (0: every request is "
+                                "disaggregated; not with --backend sglang)")
     serve_cmd.add_argument("--workers", type=positive_int, default=1, metavar="N",
                            help="router processes sharing the port (SO_REUSEPORT; Linux "
                                 "spreads connections over them); /metrics shows all of them "
@@ -338,6 +343,9 @@ async def serve_command(args: argparse.Namespace) -> int:
     client = vllm_client()
     prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
     windows = cancel_windows(args.cancel_window, [engine.name for engine in prefill])
+    if args.disagg_min_prompt_tokens is not None and args.backend == "sglang":
+        raise StartupError("--disagg-min-prompt-tokens: an SGLang decode worker in "
+                           "disaggregation mode cannot serve a request without its prefill")
     if args.workers > 1:
         await client.aclose()  # each process makes its own
         return await supervised_serve(args)
@@ -348,7 +356,8 @@ async def serve_command(args: argparse.Namespace) -> int:
             router = DisaggRouter(WorkerPool(prefill, policy=policy(), cancel_windows=windows),
                                   WorkerPool(decode, policy=policy()), keeper,
                                   deadlines=deadlines,
-                                  retry=RetryPolicy(max_attempts=args.max_attempts))
+                                  retry=RetryPolicy(max_attempts=args.max_attempts),
+                                  disagg_min_prompt_tokens=args.disagg_min_prompt_tokens)
             health = HealthMonitor([*router.prefill.workers, *router.decode.workers],
                                    interval=args.health_interval, timeout=args.health_timeout)
             try:

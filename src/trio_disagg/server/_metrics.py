@@ -134,6 +134,7 @@ class RouterCollector(Collector):
     ``trio_disagg_keeper_tasks_in_flight{kind}``, ``trio_disagg_keeper_tasks_started_total{kind}``
     (kinds: prefill drain, decode leg, B1 cleanup),
     ``trio_disagg_prefills_abandoned_total{outcome}`` (drained, cancelled, released),
+    ``trio_disagg_disagg_decisions_total{decision}`` (disaggregated, decode_only),
     ``trio_disagg_staged_kv_cleanups_total``, ``trio_disagg_staged_kv_cleanup_failures_total``,
     and per worker (labels ``role``, ``worker``): ``trio_disagg_worker_outstanding``,
     ``trio_disagg_worker_healthy``, ``trio_disagg_worker_served_total``,
@@ -218,6 +219,15 @@ class RouterCollector(Collector):
         prefills.add_metric(["cancelled"], counters.prefills_cancelled)
         prefills.add_metric(["released"], counters.prefills_released)
         yield prefills
+        decisions = CounterMetricFamily(
+            "trio_disagg_disagg_decisions",
+            "Requests by routing decision: disaggregated (a prefill leg and a KV transfer) "
+            "or decode_only (a short prompt served by one decode worker alone).",
+            labels=["decision"],
+        )
+        for decision, count in counters.decisions.items():
+            decisions.add_metric([decision], count)
+        yield decisions
         yield CounterMetricFamily(
             "trio_disagg_staged_kv_cleanups",
             "Minimal decodes dispatched to consume KV staged for a request that ended (B1).",
