@@ -20,7 +20,14 @@ from ._adapters import ADAPTERS, DEMO_BACKENDS
 from ._engine import CancelWindow, Engine, HandoffStyle
 from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
-from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
+from ._pool import (
+    LeastOutstanding,
+    PrefixAffinity,
+    RoundRobin,
+    SelectionPolicy,
+    SessionAffinity,
+    WorkerPool,
+)
 from ._router import Deadlines, DisaggRouter
 from ._supervisor import MULTIPROC_DIR_ENV, SUPERVISED_FLAG, supervise
 from .engines import Client, LatencyModel, MockCluster, mock_cluster, vllm_client
@@ -32,6 +39,7 @@ POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
     "least-outstanding": LeastOutstanding,
     "session-affinity": SessionAffinity,
+    "prefix-affinity": PrefixAffinity,
 }
 
 #: The exit code of a command that could not start (argparse's).
