@@ -115,3 +115,24 @@ def test_serve_refuses_it_with_sglang(capsys: pytest.CaptureFixture[str]) -> Non
             "--decode", "http://127.0.0.1:2", "--disagg-min-prompt-tokens", "64"]
     assert main(argv) == 2
     assert "SGLang decode worker" in capsys.readouterr().err
+
+
+async def test_a_client_that_leaves_a_decode_only_stream_leaves_nothing_behind() -> None:
+    """B5 on the decode-only path: the decode worker's request is aborted, nothing is in
+    flight on the router or its keeper, and no prefill ever ran."""
+    async with served("vllm") as server:
+        cluster = server.cluster
+        router = server.app.router
+        router.disagg_min_prompt_tokens = THRESHOLD
+        with trio.fail_after(10):
+            async with httpx.AsyncClient(base_url=server.url) as http:
+                async with http.stream("POST", "/v1/completions", json={
+                        "model": MODEL, "prompt": SHORT, "max_tokens": 10000,
+                        "stream": True}) as response:
+                    assert response.status_code == 200
+                    async for _ in response.aiter_raw():
+                        break  # the first event: the client leaves
+        await cluster.settled()
+        assert router.in_flight == 0
+        assert cluster.prefill.stats.requests == 0
+        assert cluster.decode.stats.aborted == 1
