@@ -75,8 +75,7 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-async def supervise(
-    argv: Sequence[str], *, workers: int, host: str, port: int) -> int:
+async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) -> int:
     """Run ``trio-disagg`` ``argv`` (a ``serve`` command line) in ``workers`` processes on
     one port until they all exited; forward SIGINT and SIGTERM to them.
 
