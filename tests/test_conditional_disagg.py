@@ -124,14 +124,13 @@ async def test_a_client_that_leaves_a_decode_only_stream_leaves_nothing_behind()
         cluster = server.cluster
         router = server.app.router
         router.disagg_min_prompt_tokens = THRESHOLD
+        body = {"model": MODEL, "prompt": SHORT, "max_tokens": 10000, "stream": True}
         with trio.fail_after(10):
-            async with httpx.AsyncClient(base_url=server.url) as http:
-                async with http.stream("POST", "/v1/completions", json={
-                        "model": MODEL, "prompt": SHORT, "max_tokens": 10000,
-                        "stream": True}) as response:
-                    assert response.status_code == 200
-                    async for _ in response.aiter_raw():
-                        break  # the first event: the client leaves
+            async with (httpx.AsyncClient(base_url=server.url) as http,
+                        http.stream("POST", "/v1/completions", json=body) as response):
+                assert response.status_code == 200
+                async for _ in response.aiter_raw():
+                    break  # the first event: the client leaves
         await cluster.settled()
         assert router.in_flight == 0
         assert cluster.prefill.stats.requests == 0
