@@ -36,6 +36,7 @@ from ._keeper import PrefillTask as PrefillTask
 from ._keeper import TransferKeeper as TransferKeeper
 from ._keeper import TransferLeg as TransferLeg
 from ._pool import LeastOutstanding as LeastOutstanding
+from ._pool import PrefixAffinity as PrefixAffinity
 from ._pool import RoundRobin as RoundRobin
 from ._pool import SelectionPolicy as SelectionPolicy
 from ._pool import SessionAffinity as SessionAffinity

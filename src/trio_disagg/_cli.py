@@ -20,8 +20,16 @@ from ._adapters import ADAPTERS, DEMO_BACKENDS
 from ._engine import CancelWindow, Engine, HandoffStyle
 from ._health import HealthMonitor, RetryPolicy
 from ._keeper import TransferKeeper
-from ._pool import LeastOutstanding, RoundRobin, SelectionPolicy, SessionAffinity, WorkerPool
+from ._pool import (
+    LeastOutstanding,
+    PrefixAffinity,
+    RoundRobin,
+    SelectionPolicy,
+    SessionAffinity,
+    WorkerPool,
+)
 from ._router import Deadlines, DisaggRouter
+from ._supervisor import MULTIPROC_DIR_ENV, SUPERVISED_FLAG, supervise
 from .engines import Client, vllm_client
 from .mock import (
     PROTOCOLS,
@@ -32,12 +40,13 @@ from .mock import (
     mock_cluster,
     serve_worker,
 )
-from .server import create_app, serve
+from .server import REUSE_PORT_SUPPORTED, create_app, serve
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
     "least-outstanding": LeastOutstanding,
     "session-affinity": SessionAffinity,
+    "prefix-affinity": PrefixAffinity,
 }
 
 #: The exit code of a command that could not start (argparse's).
@@ -236,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
              "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
              "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
              "and TensorRT-LLM before_handoff, the embedded mocks never)")
+    serve_cmd.add_argument("--disagg-min-prompt-tokens", type=limit, default=0, metavar="N",
+                           help="a prompt estimated shorter than N tokens (UTF-8 bytes / 4; "
+                                "token ids exactly) goes to one decode worker alone, with no "
+                                "prefill and no KV transfer (0: every request is "
+                                "disaggregated; not with --backend sglang)")
+    serve_cmd.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                           help="router processes sharing the port (SO_REUSEPORT; Linux "
+                                "spreads connections over them); /metrics shows all of them "
+                                "(docs/deploy.md)")
+    serve_cmd.add_argument(SUPERVISED_FLAG, action="store_true", help=argparse.SUPPRESS)
     serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
                            help="seconds in-flight streams and transfers get on shutdown")
     serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
@@ -342,13 +361,21 @@ async def serve_command(args: argparse.Namespace) -> int:
     client = vllm_client()
     prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
     windows = cancel_windows(args.cancel_window, [engine.name for engine in prefill])
+    if args.disagg_min_prompt_tokens is not None and args.backend == "sglang":
+        raise StartupError("--disagg-min-prompt-tokens: an SGLang decode worker in "
+                           "disaggregation mode cannot serve a request without its prefill")
+    if args.workers > 1:
+        await client.aclose()  # each process makes its own
+        return await supervised_serve(args)
+    metrics_dir = os.environ.get(MULTIPROC_DIR_ENV) if args.supervised else None
 
     async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
             router = DisaggRouter(WorkerPool(prefill, policy=policy(), cancel_windows=windows),
                                   WorkerPool(decode, policy=policy()), keeper,
                                   deadlines=deadlines,
-                                  retry=RetryPolicy(max_attempts=args.max_attempts))
+                                  retry=RetryPolicy(max_attempts=args.max_attempts),
+                                  disagg_min_prompt_tokens=args.disagg_min_prompt_tokens)
             health = HealthMonitor([*router.prefill.workers, *router.decode.workers],
                                    interval=args.health_interval, timeout=args.health_timeout)
             try:
@@ -361,22 +388,57 @@ async def serve_command(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
             if cluster is not None:  # the embedded mocks' KV blocks (docs/protocols.md section 5)
-                app.metrics.registry.register(KVCollector(cluster.counters))
+                app.metrics.add_collector(KVCollector(cluster.counters))
             async with trio.open_nursery() as nursery:
+                mirror = trio.CancelScope()
+                if metrics_dir:  # one of serve --workers N: /metrics shows them all
+                    copier = app.metrics.enable_multiprocess(metrics_dir)
+                    nursery.start_soon(_run_in, mirror, copier.run)
+
+                async def serving(task_status: trio.TaskStatus[int]) -> None:
+                    try:
+                        await serve(app, host=args.host, port=args.port,
+                                    shutdown_trigger=shutdown_trigger,
+                                    graceful_timeout=args.drain_window, health=health,
+                                    reuse_port=args.supervised, task_status=task_status)
+                    finally:
+                        mirror.cancel()  # the last copy of the metrics, then it ends
+
                 try:
-                    port = await nursery.start(partial(
-                        serve, app, host=args.host, port=args.port,
-                        shutdown_trigger=shutdown_trigger,
-                        graceful_timeout=args.drain_window, health=health))
+                    port = await nursery.start(serving)
                 except* OSError as group:
                     raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
                                        f"{_reason(group)}") from None
+                pid = f", pid {os.getpid()}" if args.supervised else ""
                 print(f"trio-disagg: serving {args.model!r} on "
                       f"http://{_address(args.host, port)}/v1 "
-                      f"({args.backend}: {len(prefill)} prefill, {len(decode)} decode)",
+                      f"({args.backend}: {len(prefill)} prefill, {len(decode)} decode{pid})",
                       flush=True)
 
     return await run_until_signalled("serve", body)
+
+
+async def _run_in(scope: trio.CancelScope, fn: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await fn()
+
+
+async def supervised_serve(args: argparse.Namespace) -> int:
+    """``serve --workers N`` (N >= 2): run the command line in N processes on one port
+    (:mod:`trio_disagg._supervisor`). Returns the exit code.
+
+    Raises:
+        StartupError: no ``SO_REUSEPORT`` here, or the address could not be reserved.
+    """
+    if not REUSE_PORT_SUPPORTED:
+        raise StartupError("--workers needs SO_REUSEPORT, which this platform lacks")
+    try:
+        with _ignoring(SHUTDOWN_SIGNALS):
+            return await supervise(args.argv, workers=args.workers, host=args.host,
+                                   port=args.port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {_address(args.host, args.port)}: "
+                           f"{exc.strerror or exc}") from None
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:
@@ -522,6 +584,7 @@ def run_command(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --workers runs it again
     level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # hypercorn prints its own lines with its own handler: not a second time through ours.

@@ -19,6 +19,9 @@ cancelled once. What differs between the handoff styles is a strategy:
   leg is part of the transfer from its dispatch. A room no decode will ever join (the
   decode refused, the request ended before dispatching one) has its prefill ended at once,
   never left to the bootstrap timeout; a failed or terminal prefill ends the decode leg.
+- :class:`DecodeOnlyOwner` (conditional disaggregation): a short prompt goes to one
+  decode worker as an ordinary request, which computes its own prefill: no prefill leg,
+  no KV to account for.
 """
 
 from __future__ import annotations
@@ -99,11 +102,14 @@ class HandoffOwner:
     #: The decode leg is part of the KV transfer until its first output: it runs in the
     #: keeper, and the client's context reaches it only after that output (G9, B6).
     holds_transfer: ClassVar[bool] = False
+    #: The request has a prefill leg (every style but :class:`DecodeOnlyOwner`).
+    disaggregated: ClassVar[bool] = True
 
     router: DisaggRouter
     request: PreprocessedRequest
     context: RequestContext
-    prefill_worker: Worker[PrefillEngine]
+    #: None for a request served by its decode worker alone (:class:`DecodeOnlyOwner`).
+    prefill_worker: Worker[PrefillEngine] | None
     decode_worker: Worker[DecodeEngine]
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
@@ -127,7 +133,15 @@ class HandoffOwner:
     refusal: BaseException | None = None
 
     def __attrs_post_init__(self) -> None:
-        self.window = self.prefill_worker.cancel_window
+        if self.prefill_worker is not None:
+            self.window = self.prefill_worker.cancel_window
+
+    @property
+    def prefill_leg_worker(self) -> Worker[PrefillEngine]:
+        """The prefill worker, for the prefill leg (which only a disaggregated request
+        has)."""
+        assert self.prefill_worker is not None, "a decode-only request has no prefill leg"
+        return self.prefill_worker
 
     @property
     def prefill_task(self) -> PrefillTask[PrefillCompletion]:
@@ -380,6 +394,24 @@ class BootstrapOwner(HandoffOwner):
         # The decode left the room before its KV arrived: no decode will take it (B6).
         if not self.first_output_seen and self.state is HandoffState.DISPATCHED:
             self._cancel_prefill(why="no decode will join its room")
+
+
+class DecodeOnlyOwner(HandoffOwner):
+    """Conditional disaggregation: a prompt shorter than the router's
+    ``disagg_min_prompt_tokens`` is sent to one decode worker with no handoff, and that
+    worker computes its prefill itself. Nothing is staged, so nothing is left to consume
+    however the request ends, and a decode worker that refused it before accepting may be
+    replaced by another as freely as a prefill is retried (B9)."""
+
+    style = "decode_only"
+    disaggregated = False
+
+    async def decode_request(self) -> PreprocessedRequest | Terminal:
+        """The request as the client sent it: no prefill, no handoff."""
+        return self.request
+
+    def _abandon(self, *, client_left: bool) -> None:
+        pass  # no prefill leg, no KV: nothing to decide
 
 
 def owner_for(style: HandoffStyle) -> type[HandoffOwner]:

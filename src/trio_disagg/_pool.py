@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
@@ -111,6 +112,107 @@ class SessionAffinity:
 
 def _weight(session: str, worker: str) -> bytes:
     return hashlib.blake2b(f"{session}\x00{worker}".encode(), digest_size=8).digest()
+
+
+#: Characters of a prompt's beginning that :class:`PrefixAffinity` hashes.
+PREFIX_CHARS = 256
+#: How far above the average load :class:`PrefixAffinity` lets a worker go.
+LOAD_FACTOR = 1.25
+
+
+class PrefixAffinity:
+    """Requests whose prompts begin alike go to the same worker, within a bound on its
+    load: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
+    2018).
+
+    The key is the prompt's beginning (:func:`prompt_prefix`): a chat's leading system
+    (or developer) messages, else its first ``prefix_chars`` characters; a completion's
+    first ``prefix_chars`` characters. Requests sharing a system prompt then reach the
+    worker that already holds its KV in its prefix cache. The workers are ranked for the
+    key by rendezvous hashing, as :class:`SessionAffinity` ranks them for a session (every
+    replica with the same workers ranks them alike, with no shared state; removing a
+    worker moves only its own keys), and the first one in that order whose load stays
+    within the bound gets the request: a worker that would have more than
+    ``ceil(load_factor * (outstanding requests of all + 1) / workers)`` requests in flight
+    is skipped for the next. One hot system prompt therefore spills over to its
+    next-ranked workers instead of queueing on one. A request with no prompt to key on
+    goes to ``fallback``.
+
+    Args:
+        prefix_chars: the characters of the prompt that make the key (>= 1).
+        load_factor: the bound, as a multiple of the average load (>= 1; 1.25: a worker
+            may carry a quarter more than the average).
+        fallback: for requests without a prompt (default :class:`LeastOutstanding`).
+
+    Raises:
+        ValueError: ``prefix_chars`` < 1 or ``load_factor`` < 1 (or NaN).
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix_chars: int = PREFIX_CHARS,
+        load_factor: float = LOAD_FACTOR,
+        fallback: SelectionPolicy | None = None,
+    ) -> None:
+        if prefix_chars < 1:
+            raise ValueError(f"prefix_chars must be >= 1, got {prefix_chars}")
+        if not load_factor >= 1:  # also refuses NaN
+            raise ValueError(f"load_factor must be >= 1, got {load_factor}")
+        self.prefix_chars = prefix_chars
+        self.load_factor = load_factor
+        self.fallback = fallback if fallback is not None else LeastOutstanding()
+
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
+        prefix = prompt_prefix(request.body, self.prefix_chars)
+        if prefix is None:
+            return self.fallback.choose(workers, request)
+        load = sum(worker.outstanding for worker in workers) + 1  # with this request
+        bound = math.ceil(self.load_factor * load / len(workers))
+        ranked = sorted(workers, key=lambda worker: _weight(prefix, worker.name),
+                        reverse=True)
+        for worker in ranked:
+            if worker.outstanding + 1 <= bound:
+                return worker
+        return ranked[0]  # unreachable: the least loaded is at most the average
+
+
+def prompt_prefix(body: Mapping[str, object], chars: int = PREFIX_CHARS) -> str | None:
+    """The beginning of a request's prompt, :class:`PrefixAffinity`'s key; None if the
+    body has no prompt.
+
+    A chat's leading ``system`` and ``developer`` messages (the part requests share),
+    else all its messages, as ``role`` and text; a completion's ``prompt`` (the first
+    of a batch; token ids as their decimal text). Cut to ``chars`` characters.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        leading = []
+        for message in messages:
+            if not isinstance(message, Mapping) or message.get("role") not in (
+                    "system", "developer"):
+                break
+            leading.append(message)
+        parts = [f"{message.get('role')}\x00{_content_text(message.get('content'))}"
+                 for message in (leading or messages) if isinstance(message, Mapping)]
+        return "\x01".join(parts)[:chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(type(item) is int for item in prompt):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, str):
+        return prompt[:chars]
+    if isinstance(prompt, list) and prompt:
+        return " ".join(map(str, prompt))[:chars]
+    return None
+
+
+def _content_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: their text
+        return "".join(part["text"] for part in content
+                       if isinstance(part, Mapping) and isinstance(part.get("text"), str))
+    return ""
 
 
 class WorkerPool(Generic[E]):

@@ -25,8 +25,9 @@ from ._errors import (
     RouterClosed,
     WorkerError,
 )
+from ._estimate import estimate_prompt_tokens
 from ._gate import Gatekeeper
-from ._handoff import BootstrapOwner, HandoffOwner, HandoffState, owner_for
+from ._handoff import BootstrapOwner, DecodeOnlyOwner, HandoffOwner, HandoffState, owner_for
 from ._health import RetryPolicy, retry_reason
 from ._keeper import CLEANUP, PrefillTask, TransferKeeper
 from ._pool import E, Worker, WorkerPool
@@ -57,6 +58,10 @@ CHANNEL_BUFFER = 16
 #: Seconds (at most; 10% of the prefill deadline if less) to read a prefill answer that
 #: was already on its way when the prefill deadline expired, so its KV is consumed (B1).
 LATE_ANSWER_GRACE = 1.0
+#: The routing decisions :attr:`RouterCounters.decisions` counts: with a prefill leg and
+#: a KV transfer, or on one decode worker alone (conditional disaggregation).
+DISAGGREGATED = "disaggregated"
+DECODE_ONLY = "decode_only"
 
 
 def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -98,11 +103,15 @@ class RequestStream:
             or the channel ends (B4 is the server's job).
         tracker: the request's phases and timestamps.
         style: which handoff style served it (``"sequential"``, ``"context_first"``,
-            ``"bootstrap"``), ``"terminal"`` (the prefill answered, S7) or ``"stopped"``
-            (the client stopped or killed its context before a decode took the request).
-        prefill: the prefill drain, owned by the keeper.
+            ``"bootstrap"``), ``"decode_only"`` (a short prompt served by its decode worker
+            alone: conditional disaggregation), ``"terminal"`` (the prefill answered, S7)
+            or ``"stopped"`` (the client stopped or killed its context before a decode
+            took the request).
+        prefill: the prefill drain, owned by the keeper (a decode-only request's has
+            already succeeded, with no value).
         gate: the gatekeeper, or None for a terminal prefill.
-        prefill_worker: the name of the chosen prefill worker (the routing decision).
+        prefill_worker: the name of the chosen prefill worker (the routing decision);
+            None for a decode-only request.
         decode_worker: the name of the chosen decode worker; None for a terminal prefill.
         bootstrap_info: the bootstrap room chosen (bootstrap style).
         handoff: the request's handoff owner (its ``state`` says what became of the KV).
@@ -168,6 +177,8 @@ class RouterCounters:
     #: Legs tried again on another worker (B9), by ``(leg, reason)``: leg ``prefill`` or
     #: ``decode``, reason ``transport_error`` or ``server_error``.
     retries: dict[tuple[str, str], int] = attrs.Factory(dict)
+    #: Requests by routing decision: :data:`DISAGGREGATED` or :data:`DECODE_ONLY`.
+    decisions: dict[str, int] = attrs.Factory(lambda: {DISAGGREGATED: 0, DECODE_ONLY: 0})
 
     def count_retry(self, leg: str, reason: str) -> None:
         self.retries[leg, reason] = self.retries.get((leg, reason), 0) + 1
@@ -212,6 +223,14 @@ class DisaggRouter:
     that no decode will ever read (B6); a client that leaves inside the prefill engine's
     cancel window cancels its prefill (B10).
 
+    Conditional disaggregation: with ``disagg_min_prompt_tokens``, a request whose prompt
+    is estimated shorter than that (:func:`~trio_disagg._estimate.estimate_prompt_tokens`:
+    one token per 4 bytes of UTF-8 text, token ids exactly) is sent to one decode worker
+    as an ordinary request, with no prefill leg and no KV transfer: its decode worker
+    computes the prefill itself (vLLM and TensorRT-LLM decode workers do, given no
+    handoff; SGLang's do not, in their disaggregation mode). A prompt that cannot be
+    estimated (an image) is disaggregated. :attr:`RouterCounters.decisions` counts both.
+
     Args:
         prefill: the prefill workers.
         decode: the decode workers.
@@ -223,9 +242,12 @@ class DisaggRouter:
             the gatekeeper of the client. Smaller costs less memory per slow reader
             (P3: about 0.3 KiB an item); larger lets a worker's burst reach the client in
             one write (P4).
+        disagg_min_prompt_tokens: the estimated prompt length, in tokens, from which a
+            request is disaggregated; shorter ones go to a decode worker alone. None (the
+            default): every request is disaggregated.
 
     Raises:
-        ValueError: a negative ``channel_buffer``.
+        ValueError: a negative ``channel_buffer`` or ``disagg_min_prompt_tokens``.
     """
 
     def __init__(
@@ -237,9 +259,14 @@ class DisaggRouter:
         deadlines: Deadlines | None = None,
         retry: RetryPolicy | None = None,
         channel_buffer: int = CHANNEL_BUFFER,
+        disagg_min_prompt_tokens: int | None = None,
     ) -> None:
         if channel_buffer < 0:
             raise ValueError(f"channel_buffer must be >= 0 items, got {channel_buffer}")
+        if disagg_min_prompt_tokens is not None and disagg_min_prompt_tokens < 0:
+            raise ValueError(f"disagg_min_prompt_tokens must be >= 0 tokens, got "
+                             f"{disagg_min_prompt_tokens}")
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.channel_buffer = channel_buffer
         self.prefill = prefill
         self.decode = decode
@@ -318,7 +345,10 @@ class DisaggRouter:
         owner: HandoffOwner | None = None
         try:
             owner = self._route(request, context)
-            self._start_prefill(owner)
+            if owner.disaggregated:
+                self._start_prefill(owner)
+            else:
+                self._skip_prefill(owner)
             stream = await self._open(nursery, owner)
         except BaseException as exc:
             if owner is not None:
@@ -329,8 +359,23 @@ class DisaggRouter:
             self._release()
         return stream
 
+    def disaggregates(self, request: PreprocessedRequest) -> bool:
+        """Whether ``request`` gets a prefill leg: always, unless its prompt is estimated
+        shorter than ``disagg_min_prompt_tokens`` (conditional disaggregation)."""
+        if self.disagg_min_prompt_tokens is None:
+            return True
+        tokens = estimate_prompt_tokens(request.body)
+        return tokens is None or tokens >= self.disagg_min_prompt_tokens
+
     def _route(self, request: PreprocessedRequest, context: RequestContext) -> HandoffOwner:
         """Choose the workers (S12) and make the request's handoff owner."""
+        if not self.disaggregates(request):
+            decode_worker = _select(self.decode, "decode", request,
+                                    request.routing.decode_worker)
+            self.counters.decisions[DECODE_ONLY] += 1
+            routing = attrs.evolve(request.routing, decode_worker=decode_worker.name)
+            return DecodeOnlyOwner(self, attrs.evolve(request, routing=routing), context,
+                                   None, decode_worker)
         prefill_worker = _select(self.prefill, "prefill", request,
                                  request.routing.prefill_worker)
         decode_worker = _select(self.decode, "decode", request, request.routing.decode_worker)
@@ -347,7 +392,15 @@ class DisaggRouter:
             info = BootstrapInfo(host=engine.bootstrap_host, port=engine.bootstrap_port,
                                  room=room)
             request = attrs.evolve(request, bootstrap_info=info)
+        self.counters.decisions[DISAGGREGATED] += 1
         return strategy(self, request, context, prefill_worker, decode_worker)
+
+    def _skip_prefill(self, owner: HandoffOwner) -> None:
+        """A decode-only request: its prefill is the decode worker's, so the gatekeeper
+        watches a prefill that already succeeded, with nothing to hand off."""
+        done: PrefillTask[PrefillCompletion] = PrefillTask(owner.request.request_id)
+        done._finish(None, None)
+        owner.task = done
 
     def _start_prefill(self, owner: HandoffOwner) -> None:
         """Start the prefill leg in the keeper, on a context of its own (C5)."""
@@ -471,9 +524,10 @@ class DisaggRouter:
         """The worker a refused decode is tried again on with the same handoff (B9), or
         None: the KV is not staged any more (a decode took it, or its worker reported it
         lost), the decode leg is part of the KV transfer (TensorRT-LLM, SGLang), the
-        request ended, or no healthy decode worker is left."""
-        if (owner.holds_transfer or owner.state is not HandoffState.STAGED
-                or not owner.request_open or owner.context.is_stopped):
+        request ended, or no healthy decode worker is left. (A decode-only request has no
+        KV: it may always be tried on another worker before one accepted it.)"""
+        if (owner.holds_transfer or not owner.request_open or owner.context.is_stopped
+                or (owner.disaggregated and owner.state is not HandoffState.STAGED)):
             return None
         return self.decode.alternative(owner.request, tried)
 
@@ -491,7 +545,7 @@ class DisaggRouter:
             style=style or owner.style,
             prefill=owner.prefill_task,
             gate=gate,
-            prefill_worker=owner.prefill_worker.name,
+            prefill_worker=None if owner.prefill_worker is None else owner.prefill_worker.name,
             decode_worker=None if gate is None else owner.decode_worker.name,
             bootstrap_info=request.bootstrap_info,
             handoff=owner,
@@ -628,7 +682,7 @@ class DisaggRouter:
         deadline = trio.current_time() + self.deadlines.prefill
         tried: list[Worker[DecodeEngine]] = []
         while True:
-            tried.append(owner.prefill_worker)
+            tried.append(owner.prefill_leg_worker)
             try:
                 return await self._prefill_attempt(owner, context, deadline)
             except _Retryable as retryable:
@@ -643,7 +697,7 @@ class DisaggRouter:
                 raise error from error.__cause__
             self.counters.count_retry("prefill", reason)
             logger.info("prefill of %s: %s on %s, trying %s (B9)", owner.request.request_id,
-                        reason, owner.prefill_worker.name, worker.name)
+                        reason, owner.prefill_leg_worker.name, worker.name)
             owner.switch_prefill_worker(worker)
 
     def _prefill_replacement(self, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
@@ -655,7 +709,7 @@ class DisaggRouter:
                 or owner.prefill_scope.cancel_called or owner.context.is_stopped
                 or owner.request.bootstrap_info is not None):
             return None
-        style = owner.prefill_worker.engine.handoff_style
+        style = owner.prefill_leg_worker.engine.handoff_style
         other_styles = [worker for worker in self.prefill.workers
                         if worker.engine.handoff_style is not style]
         return self.prefill.alternative(owner.request, [*tried, *other_styles])
@@ -673,7 +727,7 @@ class DisaggRouter:
         Raises:
             _Retryable: the worker refused before it answered anything (B9).
         """
-        worker = owner.prefill_worker
+        worker = owner.prefill_leg_worker
         with self.prefill.lease(worker):
             send, receive = trio.open_memory_channel[Item](self.channel_buffer)
             refusal: list[WorkerError] = []
@@ -725,7 +779,7 @@ class DisaggRouter:
         grace; if it staged KV, the owner has it consumed (B1) instead of leaving it to
         the worker's lease.
         """
-        worker = owner.prefill_worker
+        worker = owner.prefill_leg_worker
         with trio.move_on_at(deadline):
             return await _receive_first(worker, receive, refusal)
         with trio.move_on_after(min(LATE_ANSWER_GRACE, 0.1 * self.deadlines.prefill)):

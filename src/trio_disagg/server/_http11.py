@@ -26,6 +26,8 @@ from urllib.parse import unquote_to_bytes
 import httptools
 import trio
 
+from ._listen import open_listeners
+
 logger = logging.getLogger("trio_disagg.server")
 
 Scope = dict[str, Any]
@@ -389,6 +391,7 @@ async def serve_http(
     port: int,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     shutdown_timeout: float = 30.0,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` (ASGI 3, http scope) on ``host``:``port`` until cancelled, or until
@@ -397,13 +400,14 @@ async def serve_http(
     On shutdown the server stops accepting, closes idle keep-alive connections at once,
     lets the others finish the response in progress (then closes them), and after
     ``shutdown_timeout`` seconds cancels what is left. ``task_status`` reports the bound
-    port.
+    port. ``reuse_port`` shares the port with other processes (``SO_REUSEPORT``: see
+    :func:`~trio_disagg.server._listen.open_listeners`).
 
     Raises:
         OSError: the address could not be bound.
     """
     server = _Server(app)
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    listeners = await open_listeners(host, port, reuse_port=reuse_port)
     bound = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         accepting = trio.CancelScope()

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from .._health import EJECTION_REASONS, RETRY_REASONS, HealthState
 from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN
 from .._router import DisaggRouter
+from ._multiprocess import MultiprocessMirror
 
 #: Every request outcome the ``trio_disagg_requests_total`` counter uses.
 OUTCOMES = (
@@ -94,10 +95,33 @@ class ServerMetrics:
             "(an upper bound on the KV transfer time).",
             buckets=_LATENCY_BUCKETS, registry=registry,
         )
-        registry.register(RouterCollector(router, http_in_flight=http_in_flight))
+        #: The collectors read at scrape time (what :meth:`enable_multiprocess` copies).
+        self.collectors: list[Collector] = []
+        #: Set by :meth:`enable_multiprocess`.
+        self.multiprocess: MultiprocessMirror | None = None
+        self.add_collector(RouterCollector(router, http_in_flight=http_in_flight))
+
+    def add_collector(self, collector: Collector) -> None:
+        """Register a collector read at scrape time (e.g. the embedded mocks'
+        ``KVCollector``); with :meth:`enable_multiprocess` its values are aggregated too."""
+        self.registry.register(collector)
+        self.collectors.append(collector)
+
+    def enable_multiprocess(self, path: str) -> MultiprocessMirror:
+        """Serve every process's metrics from now on (``serve --workers N``): prometheus-
+        client's multiprocess mode, whose directory ``path`` must have been in
+        ``PROMETHEUS_MULTIPROC_DIR`` before prometheus-client was imported. The
+        collectors' values are copied into it by the returned mirror: run its
+        :meth:`~MultiprocessMirror.run` beside the server."""
+        self.multiprocess = MultiprocessMirror(self.collectors, path)
+        self.multiprocess.sync()
+        return self.multiprocess
 
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
+        """The Prometheus text exposition and its content type (every process's, after
+        :meth:`enable_multiprocess`)."""
+        if self.multiprocess is not None:
+            return self.multiprocess.render(), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -110,6 +134,7 @@ class RouterCollector(Collector):
     ``trio_disagg_keeper_tasks_in_flight{kind}``, ``trio_disagg_keeper_tasks_started_total{kind}``
     (kinds: prefill drain, decode leg, B1 cleanup),
     ``trio_disagg_prefills_abandoned_total{outcome}`` (drained, cancelled, released),
+    ``trio_disagg_disagg_decisions_total{decision}`` (disaggregated, decode_only),
     ``trio_disagg_staged_kv_cleanups_total``, ``trio_disagg_staged_kv_cleanup_failures_total``,
     and per worker (labels ``role``, ``worker``): ``trio_disagg_worker_outstanding``,
     ``trio_disagg_worker_healthy``, ``trio_disagg_worker_served_total``,
@@ -194,6 +219,15 @@ class RouterCollector(Collector):
         prefills.add_metric(["cancelled"], counters.prefills_cancelled)
         prefills.add_metric(["released"], counters.prefills_released)
         yield prefills
+        decisions = CounterMetricFamily(
+            "trio_disagg_disagg_decisions",
+            "Requests by routing decision: disaggregated (a prefill leg and a KV transfer) "
+            "or decode_only (a short prompt served by one decode worker alone).",
+            labels=["decision"],
+        )
+        for decision, count in counters.decisions.items():
+            decisions.add_metric([decision], count)
+        yield decisions
         yield CounterMetricFamily(
             "trio_disagg_staged_kv_cleanups",
             "Minimal decodes dispatched to consume KV staged for a request that ended (B1).",

@@ -97,6 +97,7 @@ async def serve(
     graceful_timeout: float = 30.0,
     config: Config | None = None,
     health: HealthMonitor | None = None,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP/1.1 until shut down.
@@ -136,12 +137,18 @@ async def serve(
         health: probes of the router's workers to run while serving: its first round
             ends before the server listens (so ``GET /health`` is right from the first
             request), and it stops when the server does.
+        reuse_port: listen with ``SO_REUSEPORT``, sharing the port with other processes
+            that do the same (``serve --workers N``); not with a hypercorn ``config``.
         task_status: with ``nursery.start(serve, ...)``, reports the bound TCP port once
             the server listens.
 
     Raises:
-        OSError: the address could not be bound.
+        OSError: the address could not be bound (or ``reuse_port`` on a platform without
+            ``SO_REUSEPORT``).
+        ValueError: a negative ``graceful_timeout``, or ``reuse_port`` with ``config``.
     """
+    if reuse_port and config is not None:
+        raise ValueError("reuse_port needs the project's server, not a hypercorn config")
     if not graceful_timeout >= 0 or math.isnan(graceful_timeout):
         raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
     backstop = graceful_timeout + ENDING_WINDOW + _BACKSTOP
@@ -169,7 +176,7 @@ async def serve(
         if config is None:
             bound: int = await nursery.start(_then_cancel, probes, partial(
                 serve_http, app, host=host, port=port, shutdown_trigger=trigger,
-                shutdown_timeout=backstop))
+                shutdown_timeout=backstop, reuse_port=reuse_port))
         else:
             from hypercorn.trio import serve as hypercorn_serve
 
