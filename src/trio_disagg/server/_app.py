@@ -734,22 +734,12 @@ class OpenAIApp:
         usage: CompletionUsage | None = None
         last: float | None = None
         failure: ApiError
-        waited = False  # this batch already let the other ready tasks run once
         with outputs:
             while True:
                 try:
                     item = outputs.receive_nowait()
                 except trio.WouldBlock:
                     if parts:
-                        if not waited and _others_ready():
-                            # Other tasks are ready (a busy loop): let them run once
-                            # first, so that the tokens they bring go out in this write. A
-                            # socket write that wakes the client costs far more than the
-                            # wait; an idle loop writes at once (no added latency).
-                            waited = True
-                            await trio.lowlevel.cancel_shielded_checkpoint()
-                            continue
-                        waited = False
                         if not responder.started:
                             await responder.start_stream()
                         await responder.body(b"".join(parts))
@@ -908,11 +898,6 @@ class OpenAIApp:
         await trio.lowlevel.checkpoint_if_cancelled()  # as in _write_stream
         await responder.error(failure)
         return _outcome(failure)
-
-
-def _others_ready() -> bool:
-    """Whether other tasks are ready to run now (the event loop is busy)."""
-    return trio.lowlevel.current_statistics().tasks_runnable > 0
 
 
 def _failure(item: Item | None) -> ApiError:
