@@ -751,6 +751,30 @@ async def test_G9_client_closing_its_stream_does_not_stop_prefill(
 # --- B2: every wait has a deadline ------------------------------------------------------
 
 
+async def test_B2_a_slow_client_is_not_an_idle_decode(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The decode-idle deadline bounds the wait for the decode, not the wait for a client
+    that reads slowly: a full client channel for longer than the deadline is no error."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        await prefill.settled()
+        stream = Stream(prefill.task, idle_timeout=3, client_buffer=0)
+        async with trio.open_nursery() as nursery:
+            stream.start(nursery)
+            await trio.testing.wait_all_tasks_blocked()  # the gate waits for the decode
+            stream.feed(token(1), token(2))
+            await trio.sleep(10)  # the client reads nothing for 10 s (autojump clock)
+            first = await stream.next()
+            second = await stream.next()
+            stream.feed(finished(FinishReason.STOP, 3), end=True)
+            items = await stream.rest()
+        assert [first.data.token_ids, second.data.token_ids] == [[1], [2]]  # type: ignore[union-attr]
+        assert [item.event for item in items] == [None]
+        assert stream.gate.failure is None
+
+
 @pytest.mark.parametrize("prefill_state", ["pending", "succeeded"])
 async def test_B2_decode_idle_deadline_ends_stream_with_one_error(
     autojump_clock: trio.testing.MockClock, prefill_state: str

@@ -13,6 +13,7 @@ import trio
 from trio_disagg.engines import (
     ConnectError,
     PoolTimeout,
+    ReadTimeout,
     RemoteProtocolError,
     WorkerClient,
 )
@@ -232,3 +233,24 @@ async def test_only_post_to_http_urls() -> None:
             client.stream("PUT", "http://127.0.0.1:1/", content=b"", headers=HEADERS)
         with pytest.raises(ValueError, match="http"):
             client.stream("POST", "ftp://example.com/", content=b"", headers=HEADERS)
+
+
+async def test_a_read_timeout_bounds_a_stalled_answer() -> None:
+    """With ``read_timeout`` set, a worker that stops sending mid-answer is a ReadTimeout;
+    by default the client sets no bound of its own (the router's deadlines bound it)."""
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                              b"9\r\ndata: 1\n\n\r\n")
+        await trio.sleep_forever()
+
+    assert WorkerClient().read_timeout is None
+    with trio.fail_after(10):
+        async with (trio.open_nursery() as nursery,
+                    WorkerClient(read_timeout=0.2) as client):
+            url = await start_server(nursery, handler)
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as response:
+                assert await response.read() == b"data: 1\n\n"
+                with pytest.raises(ReadTimeout):
+                    await response.read()
+            nursery.cancel_scope.cancel()

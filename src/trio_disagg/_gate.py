@@ -321,6 +321,51 @@ class Gatekeeper:
         # point while both channels allow it, so a burst from the engine reaches the client
         # writer as a burst (one socket write) instead of one item per task switch. The
         # loop still blocks, and so checkpoints, whenever either channel is empty or full.
+        if self._on_first_output is not None:
+            await self._pass_through_hooked(decode_outputs, send_channel)
+            return
+        # One cancel scope bounds every wait for the decode (B2 decode idle): its deadline
+        # is armed when the loop is about to wait on an empty channel and lifted while it
+        # waits on a full one (a slow client is not an idle decode), instead of a new scope
+        # per token (a scope costs more than the rest of a token's trip through the gate).
+        timeout = self.idle_timeout
+        armed = timeout != math.inf
+        clock = trio.current_time
+        receive_nowait = decode_outputs.receive_nowait
+        receive = decode_outputs.receive
+        send = send_channel.send
+        send_nowait = send_channel.send_nowait
+        with trio.CancelScope() as idle:
+            while True:
+                try:
+                    item = receive_nowait()
+                except trio.WouldBlock:
+                    if armed:
+                        idle.deadline = clock() + timeout
+                    try:
+                        item = await receive()
+                    except trio.EndOfChannel:
+                        break
+                except trio.EndOfChannel:
+                    break
+                try:
+                    send_nowait(item)
+                except trio.WouldBlock:
+                    idle.deadline = math.inf
+                    await send(item)
+                data = item.data
+                if item.event == "error" or (data is not None and data.finish_reason is not None):
+                    break
+        self._ended = True
+        if idle.cancelled_caught:
+            raise DeadlineExceeded("decode idle", timeout)
+
+    async def _pass_through_hooked(
+        self,
+        decode_outputs: trio.MemoryReceiveChannel[Item],
+        send_channel: trio.MemorySendChannel[Item],
+    ) -> None:
+        """:meth:`_pass_through` for a gate whose ``on_first_output`` has not fired yet."""
         receive = self._receive
         send = send_channel.send
         send_nowait = send_channel.send_nowait

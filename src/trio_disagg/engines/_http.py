@@ -197,7 +197,7 @@ def worker_client(
     max_idle_per_worker: int = 256,
     keepalive_expiry: float = 4.0,
     connect_timeout: float = 5.0,
-    read_timeout: float = 300.0,
+    read_timeout: float | None = None,
     write_timeout: float = 30.0,
     pool_timeout: float = 30.0,
 ) -> WorkerClient:
@@ -209,8 +209,9 @@ def worker_client(
         keepalive_expiry: seconds an idle connection is kept: shorter than the workers'
             own keep-alive timeout (uvicorn's 5 s), so none is closed under a request.
         connect_timeout: seconds to open a connection.
-        read_timeout: seconds between two reads of an answer (a prefill answers only when
-            done, and a decode may pause; the router's deadlines are the real bounds).
+        read_timeout: seconds between two reads of an answer, or None (the default): a
+            prefill answers only when done, and a decode may pause; the router's deadlines
+            bound every wait, without a cancel scope per token.
         write_timeout: seconds to write a request.
         pool_timeout: seconds to wait for a free connection.
 

@@ -136,13 +136,17 @@ class WorkerResponse:
         """One socket read into the parser; False at the end of the connection."""
         connection = self._connection
         assert connection is not None
-        with trio.move_on_after(self._client.read_timeout) as waited:
-            try:
+        timeout = self._client.read_timeout
+        try:
+            if timeout is None:  # no cancel scope per read: the caller's deadlines bound it
                 data = await connection.stream.receive_some(READ_SIZE)
-            except (trio.BrokenResourceError, OSError) as exc:
-                raise RemoteProtocolError(f"connection lost: {exc}") from exc
-        if waited.cancelled_caught:
-            raise ReadTimeout(f"no data for {self._client.read_timeout:g} s")
+            else:
+                with trio.move_on_after(timeout) as waited:
+                    data = await connection.stream.receive_some(READ_SIZE)
+                if waited.cancelled_caught:
+                    raise ReadTimeout(f"no data for {timeout:g} s")
+        except (trio.BrokenResourceError, OSError) as exc:
+            raise RemoteProtocolError(f"connection lost: {exc}") from exc
         if not data:
             return False
         try:
@@ -289,8 +293,10 @@ class WorkerClient:
         max_idle_per_worker: idle connections kept per worker.
         keepalive_expiry: seconds an idle connection is kept.
         connect_timeout: seconds to open a connection.
-        read_timeout: seconds between two reads of an answer (the router's deadlines
-            are the real bounds).
+        read_timeout: seconds between two reads of an answer, or None (the default) for
+            no bound of the client's own: the router's deadlines bound every wait (the
+            prefill deadline, the decode-idle deadline, the transfer deadline), and a
+            cancel scope per read would cost the relay's hot path one scope per token.
         write_timeout: seconds to write a request.
         pool_timeout: seconds to wait for a free connection when ``max_connections``
             are open.
@@ -306,7 +312,7 @@ class WorkerClient:
         max_idle_per_worker: int = 256,
         keepalive_expiry: float = 4.0,
         connect_timeout: float = 5.0,
-        read_timeout: float = 300.0,
+        read_timeout: float | None = None,
         write_timeout: float = 30.0,
         pool_timeout: float = 30.0,
     ) -> None:
