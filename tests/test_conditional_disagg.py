@@ -109,6 +109,15 @@ async def test_a_decode_only_request_a_decode_worker_refused_is_retried() -> Non
         await cluster.settled()
 
 
+def test_serve_defaults_to_disaggregating_every_request_on_every_backend() -> None:
+    """Without the flag there is no threshold (None), so nothing refuses SGLang."""
+    from trio_disagg._cli import build_parser
+
+    for backend in ["mock", "vllm", "sglang", "trtllm"]:
+        args = build_parser().parse_args(["serve", "--backend", backend])
+        assert args.disagg_min_prompt_tokens is None
+
+
 def test_serve_refuses_it_with_sglang(capsys: pytest.CaptureFixture[str]) -> None:
     from trio_disagg._cli import main
 

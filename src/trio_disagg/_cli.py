@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
              "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
              "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
              "and TensorRT-LLM before_handoff, the embedded mocks never)")
-    serve_cmd.add_argument("--disagg-min-prompt-tokens", type=limit, default=0, metavar="N",
+    serve_cmd.add_argument("--disagg-min-prompt-tokens", type=limit, default="0", metavar="N",
                            help="a prompt estimated shorter than N tokens (UTF-8 bytes / 4; "
                                 "token ids exactly) goes to one decode worker alone, with no "
                                 "prefill and no KV transfer (0: every request is "

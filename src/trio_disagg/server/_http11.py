@@ -40,6 +40,8 @@ READ_SIZE = 65536
 KEEP_ALIVE_TIMEOUT = 5.0
 #: Seconds a client gets to send a request's headers once it started sending them.
 HEADERS_TIMEOUT = 10.0
+#: Seconds a request body may pause between two reads before the request ends (408).
+BODY_TIMEOUT = 10.0
 #: Bytes of request line and headers accepted (else 431).
 MAX_HEAD_BYTES = 64 * 1024
 #: Bytes read ahead (request bodies not yet received by the app, pipelined requests)
@@ -48,6 +50,11 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 408: b"Request Timeout",
             431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}
+
+
+#: The OpenAI-style error code of each answer the server gives by itself.
+_CODES = {400: b"malformed_request", 408: b"request_timeout",
+          431: b"request_header_fields_too_large"}
 
 
 class _Request:
@@ -190,7 +197,8 @@ class _Connection:
 
     async def refuse(self, status: int, message: bytes) -> None:
         """Answer an error that no app saw (the request was not HTTP), then close."""
-        body = b'{"error":{"message":"' + message + b'","type":"invalid_request_error"}}'
+        body = (b'{"error":{"message":"' + message + b'","type":"invalid_request_error",'
+                b'"param":null,"code":"' + _CODES.get(status, b"bad_request") + b'"}}')
         head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n"
                 % (status, _REASONS.get(status, b""), len(body)))
@@ -203,8 +211,8 @@ class _Connection:
 class _Exchange:
     """The ASGI ``receive`` and ``send`` of one request."""
 
-    __slots__ = ("body_ended", "chunked", "conn", "done", "head", "head_only", "keep_alive",
-                 "request", "started", "status")
+    __slots__ = ("body_ended", "body_timed_out", "chunked", "conn", "done", "head",
+                 "head_only", "keep_alive", "request", "started", "status")
 
     def __init__(self, conn: _Connection, request: _Request) -> None:
         self.conn = conn
@@ -213,6 +221,7 @@ class _Exchange:
         self.head: bytes | None = None  # the response head, until it goes out
         self.done = False  # the response is complete
         self.body_ended = False  # the app received the request body's last part
+        self.body_timed_out = False  # the body stopped coming (BODY_TIMEOUT)
         self.chunked = True
         self.head_only = request.method == "HEAD"
         self.keep_alive = request.keep_alive
@@ -240,7 +249,17 @@ class _Exchange:
                 request.expect_continue = False
                 await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 continue
-            await conn.changed.wait()
+            if request.complete:
+                await conn.changed.wait()  # the body is all in: wait for the end
+                continue
+            with trio.move_on_after(BODY_TIMEOUT) as waited:
+                await conn.changed.wait()
+            if waited.cancelled_caught:
+                # A body that stopped coming holds the request's slot (admission control)
+                # for nothing: the request ends as a disconnect, and the client gets a 408.
+                self.body_timed_out = True
+                conn.closing = True
+                return {"type": "http.disconnect"}
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
@@ -367,6 +386,9 @@ class _Server:
         except Exception:
             logger.exception("the ASGI app failed serving %s %s", request.method,
                              scope["path"])
+        if exchange.body_timed_out and not exchange.started and not conn.closed:
+            await conn.refuse(408, b"request body not received in time")
+            return
         if not exchange.started and not conn.closed:
             await exchange.send({"type": "http.response.start", "status": 500,
                                  "headers": [(b"content-length", b"0")]})

@@ -1,0 +1,134 @@
+"""The router's HTTP/1.1 server (server/_http11.py) byte for byte, on real sockets: framing,
+keep-alive, pipelining, 100-continue, and the answers it gives by itself (400, 408)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from trio_disagg.server import _http11
+
+Message = dict[str, Any]
+
+
+class EchoApp:
+    """Answers each request with its method, path and body, as JSON; remembers how each
+    request ended (``"answered"`` or ``"disconnect"``)."""
+
+    def __init__(self) -> None:
+        self.endings: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.endings.append("disconnect")
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        answer = orjson.dumps({"method": scope["method"], "path": scope["path"],
+                               "body": body.decode()})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer, "more_body": False})
+        self.endings.append("answered")
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[int]:
+    async with trio.open_nursery() as nursery:
+        port: int = await nursery.start(partial(_http11.serve_http, app, host="127.0.0.1",
+                                                port=0))
+        yield port
+        nursery.cancel_scope.cancel()
+
+
+async def read_all(stream: trio.SocketStream) -> bytes:
+    data = b""
+    while part := await stream.receive_some(65536):
+        data += part
+    return data
+
+
+def post(path: bytes, body: bytes, *extra: bytes) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n" % len(body)
+            + b"".join(extra) + b"\r\n" + body)
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order() -> None:
+    app = EchoApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(post(b"/a", b"one") + post(b"/b", b"two")
+                             + post(b"/c", b"three", b"connection: close\r\n"))
+            data = await read_all(s)
+    answers = [part for part in data.split(b"HTTP/1.1 200 OK\r\n") if part]
+    assert len(answers) == 3
+    bodies = [orjson.loads(_http11_dechunk(a.partition(b"\r\n\r\n")[2])) for a in answers]
+    assert [(b["path"], b["body"]) for b in bodies] == [("/a", "one"), ("/b", "two"),
+                                                       ("/c", "three")]
+    assert b"connection: close" in answers[2]
+    assert app.endings == ["answered"] * 3
+
+
+async def test_expect_100_continue_is_answered_before_the_body() -> None:
+    app = EchoApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+                             b"expect: 100-continue\r\nconnection: close\r\n\r\n")
+            first = await s.receive_some(65536)
+            assert first.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await s.send_all(b"hello")
+            data = first + await read_all(s)
+    assert b'"body":"hello"' in data
+
+
+async def test_a_malformed_request_gets_an_openai_shaped_400() -> None:
+    with trio.fail_after(10):
+        async with serving(EchoApp()) as port, \
+                await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+            data = await read_all(s)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    error = orjson.loads(body)["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", None, "malformed_request")
+
+
+async def test_a_body_that_stops_coming_ends_the_request_with_a_408(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that sends its headers and part of its body, then nothing, does not hold
+    the request (and its admission slot) for ever."""
+    monkeypatch.setattr(_http11, "BODY_TIMEOUT", 0.2)
+    app = EchoApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
+            data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    assert app.endings == ["disconnect"]
+
+
+def _http11_dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += data[:size]
+        data = data[size + 2:]
+    return out
