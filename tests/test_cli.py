@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from functools import partial
+from importlib.metadata import version
 
 import attrs
 import httpx
@@ -259,3 +260,12 @@ def test_B10_cancel_window_flags_per_worker_and_for_all() -> None:
         cancel_windows(["http://p1:8100=anytime", "http://p1:8100/=never"], workers)
     with pytest.raises(StartupError, match="name the worker before '='"):
         cancel_windows(["=never"], workers)
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from trio_disagg._cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"trio-disagg {version('trio-disagg')}"

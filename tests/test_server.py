@@ -339,6 +339,7 @@ async def test_models_health_metrics() -> None:
         models = (await http.get("/v1/models")).json()
         assert models["object"] == "list"
         assert [model["id"] for model in models["data"]] == [MODEL, "other-model"]
+        assert (await http.get(f"/v1/models/{MODEL}")).json() == models["data"][0]
         health = await http.get("/health")
         assert health.status_code == 200
         assert health.json()["status"] == "ok"
@@ -480,6 +481,12 @@ BAD_INPUTS: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("POST", CHAT, _with(CHAT_GOOD, max_completion_tokens=100000), 400,
      "max_completion_tokens", "invalid_value"),
     ("POST", CHAT, _with(CHAT_GOOD, model="nope"), 404, "model", "model_not_found"),
+    ("POST", CHAT, _with(CHAT_GOOD, tools=5), 400, "tools", "invalid_type"),
+    ("POST", CHAT, _with(CHAT_GOOD, tools=[{"type": "x"}]), 400, "tools[0]", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, logprobs=True, top_logprobs=21), 400, "top_logprobs",
+     "invalid_value"),
+    ("GET", "/v1/models/nope", b"", 404, "model", "model_not_found"),
     ("POST", "/v1/embeddings", orjson.dumps(GOOD), 404, None, "unknown_url"),
     ("GET", COMPLETIONS, b"", 405, None, "method_not_allowed"),
     ("POST", "/health", b"", 405, None, "method_not_allowed"),

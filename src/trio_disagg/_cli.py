@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import math
 import os
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="default WARNING; ERROR for the demo, whose injected faults "
                              "would otherwise log a warning each")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {importlib.metadata.version('trio-disagg')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_cmd = commands.add_parser(

@@ -396,7 +396,10 @@ class OpenAIApp:
         if refusal is not None:
             await self._refuse(receive, responder, refusal)
             return
-        route = self._routes.get(scope["path"])
+        path = scope["path"]
+        route = self._routes.get(path)
+        if route is None and path.startswith("/v1/models/"):
+            route = (frozenset({"GET"}), self._retrieve_model)
         if route is None:
             method = scope["method"]
             await responder.error(ApiError(
@@ -439,11 +442,23 @@ class OpenAIApp:
     # --- simple endpoints -------------------------------------------------------------
 
     async def _list_models(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
-        data = [
-            {"id": model, "object": "model", "created": self._created, "owned_by": "trio-disagg"}
-            for model in self.models
-        ]
+        data = [self._model_object(model) for model in self.models]
         await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
+
+    async def _retrieve_model(self, scope: Scope, receive: Receive,
+                              responder: _Responder) -> None:
+        """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""
+        model = scope["path"].removeprefix("/v1/models/")
+        if model not in self.models:
+            await responder.error(ApiError(
+                404, f"The model {model!r} does not exist", param="model",
+                code="model_not_found"))
+            return
+        await responder.respond(200, orjson.dumps(self._model_object(model)))
+
+    def _model_object(self, model: str) -> dict[str, object]:
+        return {"id": model, "object": "model", "created": self._created,
+                "owned_by": "trio-disagg"}
 
     async def _health(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
         """Readiness: 200 while the router admits requests and each pool has a worker

@@ -242,7 +242,7 @@ def server_overloaded(message: str) -> ApiError:
 
 def prompt_too_long(param: str, size: int, limit: int) -> ApiError:
     """400 ``prompt_too_long``: the prompt (``param``) is ``size`` bytes, over ``limit``."""
-    return ApiError(400, f"the {param} is {size} bytes as JSON; the limit is {limit} bytes",
+    return ApiError(400, f"{param}: {size} bytes as JSON, over the limit of {limit} bytes",
                     param=param, code="prompt_too_long")
 
 
@@ -320,6 +320,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     echo: bool | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 def _is_token_list(value: Any) -> bool:
@@ -467,7 +468,8 @@ def check_max_tokens(name: str, value: int, limit: int) -> None:
 
 
 def check_chat(request: ChatCompletionRequest) -> None:
-    """Chat-only checks: at least one message, known roles.
+    """Chat-only checks: at least one message, known roles, ``top_logprobs`` only with
+    ``logprobs``, each tool a function with a name.
 
     Raises:
         ApiError: 400 naming the offending message.
@@ -475,6 +477,21 @@ def check_chat(request: ChatCompletionRequest) -> None:
     if not request.messages:
         raise ApiError(400, "messages must contain at least one message",
                        param="messages", code="invalid_value")
+    if request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= 20:
+            raise ApiError(400, f"top_logprobs must be between 0 and 20, got "
+                           f"{request.top_logprobs}", param="top_logprobs",
+                           code="invalid_value")
+        if not request.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="invalid_value")
+    for index, tool in enumerate(request.tools or ()):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"tools[{index}] must be {{\"type\": \"function\", "
+                           f"\"function\": {{\"name\": ...}}}}", param=f"tools[{index}]",
+                           code="invalid_value")
     for index, message in enumerate(request.messages):
         if message.role not in CHAT_ROLES:
             raise ApiError(
