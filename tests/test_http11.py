@@ -12,7 +12,7 @@ import orjson
 import pytest
 import trio
 
-from trio_disagg.server import _http11
+from trio_disagg import _http11
 
 Message = dict[str, Any]
 

@@ -14,7 +14,7 @@ import pytest
 import trio
 from e2e_support import banner_port
 
-from trio_disagg.server._listen import REUSE_PORT_SUPPORTED
+from trio_disagg.server import REUSE_PORT_SUPPORTED
 
 COMMAND = [sys.executable, "-m", "trio_disagg"]
 REQUESTS = 12

@@ -1,17 +1,17 @@
-"""Serving a mock worker with hypercorn's trio worker (docs/protocols.md section 5)."""
+"""Serving a mock worker over HTTP/1.1, with the project's own server (docs/protocols.md
+section 5)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal, Unpack, overload
-from urllib.parse import urlsplit
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
+from .. import _http11
+from .._http11 import serve_http
 from ._kvwire import PULL_TIMEOUT
 from ._options import WorkerOptions
 from ._sglang import MockSglangWorker
@@ -22,18 +22,7 @@ from ._worker import MockWorker, Role
 #: The wire protocols mock workers exist for (docs/protocols.md sections 2, 3 and 4).
 PROTOCOLS = ("vllm", "sglang", "trtllm")
 #: Seconds an idle keep-alive connection stays open: vLLM's (uvicorn's) default.
-KEEP_ALIVE_TIMEOUT = 5.0
-
-
-def _bind(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def _port_of(bind: str) -> int:
-    port = urlsplit(bind).port
-    if port is None:
-        raise RuntimeError(f"hypercorn reported a bind without a port: {bind!r}")
-    return port
+KEEP_ALIVE_TIMEOUT = _http11.KEEP_ALIVE_TIMEOUT
 
 
 def _advertised(host: str) -> str:
@@ -117,7 +106,7 @@ async def serve_worker(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve a mock worker app over HTTP with hypercorn's trio worker until shut down.
+    """Serve a mock worker app over HTTP/1.1 until shut down.
 
     The app is told its address (:meth:`MockWorker.advertise`) before
     ``task_status.started()``, so the handoffs it answers name the right
@@ -142,24 +131,32 @@ async def serve_worker(
     Cancelling it stops the worker at once: its connections close, so requests in flight
     abort as on a real worker that dies.
     """
-    config = Config()
-    config.bind = [_bind(host, port)]
     extra = app.extra_listen_port
-    if extra is not None:
-        config.bind.append(_bind(host, extra))
-    config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT
-    config.graceful_timeout = 1.0
     owned = app.http_client is None
     if owned:
         app.http_client = _kv_client()
     try:
         async with trio.open_nursery() as nursery:
-            binds: list[str] = await nursery.start(partial(
-                hypercorn_serve, app, config, shutdown_trigger=shutdown_trigger,  # type: ignore[arg-type]
-                mode="asgi",
-            ))
-            bound = _port_of(binds[0])
-            extra_bound = _port_of(binds[1]) if extra is not None else None
+            # The router's own HTTP/1.1 server serves the mock workers too: one server for
+            # both ends of the project (docs/performance.md).
+            stopping: Callable[[], Awaitable[object]] | None = None
+            if shutdown_trigger is not None:  # one trigger, heard by both listeners
+                stop = trio.Event()
+                stopping = stop.wait
+
+                async def relay_trigger(trigger: Callable[[], Awaitable[object]]) -> None:
+                    await trigger()
+                    stop.set()
+
+                nursery.start_soon(relay_trigger, shutdown_trigger)
+            bound: int = await nursery.start(partial(
+                serve_http, app, host=host, port=port, shutdown_trigger=stopping,
+                shutdown_timeout=1.0, head_with_body=False))
+            extra_bound: int | None = None
+            if extra is not None:
+                extra_bound = await nursery.start(partial(
+                    serve_http, app, host=host, port=extra, shutdown_trigger=stopping,
+                    shutdown_timeout=1.0, head_with_body=False))
             app.advertise(advertise_host or _advertised(host), bound, extra_bound)
             task_status.started(bound)
     finally:

@@ -9,9 +9,9 @@ from .._extras import require as _require
 
 _require("server", "trio_disagg.server")  # a clear error naming the extra, not a bare one
 
+from .._listen import REUSE_PORT_SUPPORTED as REUSE_PORT_SUPPORTED
 from ._app import OpenAIApp as OpenAIApp
 from ._app import create_app as create_app
-from ._listen import REUSE_PORT_SUPPORTED as REUSE_PORT_SUPPORTED
 from ._metrics import OUTCOMES as OUTCOMES
 from ._metrics import RouterCollector as RouterCollector
 from ._metrics import ServerMetrics as ServerMetrics

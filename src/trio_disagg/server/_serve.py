@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import trio
 
 from .._health import HealthMonitor
+from .._http11 import serve_http
 from ._app import ENDING_WINDOW, OpenAIApp
-from ._http11 import serve_http
 
 if TYPE_CHECKING:
     from hypercorn.config import Config

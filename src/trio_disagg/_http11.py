@@ -1,4 +1,5 @@
-"""The router's HTTP/1.1 server: ASGI over trio sockets, parsed by httptools.
+"""The project's HTTP/1.1 server: ASGI over trio sockets, parsed by httptools; it serves the
+router (``trio_disagg.server``) and the mock workers (``trio_disagg.mock``).
 
 The relay's other end (docs/performance.md): every batch of tokens a stream sends crosses
 this module, so it does per message only what HTTP/1.1 needs. A response's head goes out
@@ -269,6 +270,11 @@ class _Exchange:
             self.started = True
             self.status = status = int(message["status"])
             self.head = self._head(status, message.get("headers", ()))
+            if not self.conn.server.head_with_body:
+                head, self.head = self.head, None
+                await self._write(head)  # at once, as uvicorn does: the client sees 2xx
+            else:
+                await trio.lowlevel.checkpoint()
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -335,8 +341,9 @@ class _Exchange:
 
 
 class _Server:
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, *, head_with_body: bool = True) -> None:
         self.app = app
+        self.head_with_body = head_with_body
         self.connections: set[_Connection] = set()
         self.shutting_down = False
         self.idle_event = trio.Event()
@@ -389,15 +396,22 @@ class _Server:
         if exchange.body_timed_out and not exchange.started and not conn.closed:
             await conn.refuse(408, b"request body not received in time")
             return
-        if not exchange.started and not conn.closed:
+        if conn.closed or exchange.done:
+            return
+        if not exchange.started:
             await exchange.send({"type": "http.response.start", "status": 500,
                                  "headers": [(b"content-length", b"0")]})
             exchange.keep_alive = False
-        if not exchange.done and not conn.closed:
-            if exchange.head is not None and not exchange.chunked:
-                exchange.keep_alive = False  # a sized body never sent: close instead
             await exchange.send({"type": "http.response.body", "body": b"",
                                  "more_body": False})
+        elif exchange.head is not None:  # started, nothing sent: an empty answer
+            exchange.keep_alive = False
+            await exchange.send({"type": "http.response.body", "body": b"",
+                                 "more_body": False})
+        else:
+            # The app returned in the middle of its answer: the client must see a broken
+            # answer, not a complete one cut short, so the connection closes as it is.
+            conn.closed = True
 
 
 def _unquote(path: bytes) -> str:
@@ -411,24 +425,30 @@ async def serve_http(
     *,
     host: str,
     port: int,
-    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     shutdown_timeout: float = 30.0,
     reuse_port: bool = False,
+    head_with_body: bool = True,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` (ASGI 3, http scope) on ``host``:``port`` until cancelled, or until
     ``shutdown_trigger`` returns and the connections have finished.
 
+    With ``head_with_body`` (the router's way) a response's head waits for its first body
+    and goes out in the same write; without it (the mock workers', as uvicorn in front of
+    a real worker does) the head goes out as soon as the app starts the response, so the
+    client knows at once that the worker accepted the request.
+
     On shutdown the server stops accepting, closes idle keep-alive connections at once,
     lets the others finish the response in progress (then closes them), and after
     ``shutdown_timeout`` seconds cancels what is left. ``task_status`` reports the bound
     port. ``reuse_port`` shares the port with other processes (``SO_REUSEPORT``: see
-    :func:`~trio_disagg.server._listen.open_listeners`).
+    :func:`trio_disagg._listen.open_listeners`).
 
     Raises:
         OSError: the address could not be bound.
     """
-    server = _Server(app)
+    server = _Server(app, head_with_body=head_with_body)
     listeners = await open_listeners(host, port, reuse_port=reuse_port)
     bound = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
