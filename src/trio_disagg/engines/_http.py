@@ -191,38 +191,16 @@ def needs_handoff(output: LLMEngineOutput) -> bool:
     return finish is None or finish.kind is FinishKind.LENGTH
 
 
-def worker_client(
-    *,
-    max_connections: int = 1024,
-    max_idle_per_worker: int = 256,
-    keepalive_expiry: float = 4.0,
-    connect_timeout: float = 5.0,
-    read_timeout: float | None = None,
-    write_timeout: float = 30.0,
-    pool_timeout: float = 30.0,
-) -> WorkerClient:
-    """A new :class:`~trio_disagg.engines.WorkerClient` for HTTP engines to share.
-
-    Args:
-        max_connections: connections open at once, over all workers.
-        max_idle_per_worker: idle keep-alive connections kept per worker.
-        keepalive_expiry: seconds an idle connection is kept: shorter than the workers'
-            own keep-alive timeout (uvicorn's 5 s), so none is closed under a request.
-        connect_timeout: seconds to open a connection.
-        read_timeout: seconds between two reads of an answer, or None (the default): a
-            prefill answers only when done, and a decode may pause; the router's deadlines
-            bound every wait, without a cancel scope per token.
-        write_timeout: seconds to write a request.
-        pool_timeout: seconds to wait for a free connection.
+def worker_client(**options: Any) -> WorkerClient:
+    """A new :class:`~trio_disagg.engines.WorkerClient` for HTTP engines to share; the
+    keywords ``options`` are its own (connection bounds in connections, timeouts in
+    seconds; by default no read timeout of the client's own, since the router's deadlines
+    bound every wait without a cancel scope per token).
 
     Environment proxies are not consulted: worker traffic stays inside the cluster. The
     caller owns the client: ``async with`` it, or ``await client.aclose()``.
     """
-    return WorkerClient(
-        max_connections=max_connections, max_idle_per_worker=max_idle_per_worker,
-        keepalive_expiry=keepalive_expiry, connect_timeout=connect_timeout,
-        read_timeout=read_timeout, write_timeout=write_timeout, pool_timeout=pool_timeout,
-    )
+    return WorkerClient(**options)
 
 
 def endpoint_for(body: Mapping[str, Any]) -> str:

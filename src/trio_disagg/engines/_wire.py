@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Self
 from urllib.parse import urlsplit
@@ -50,6 +50,18 @@ class PoolTimeout(TransportError):
 
 class RemoteProtocolError(TransportError):
     """The worker closed the connection early or sent something that is not HTTP/1.1."""
+
+
+async def read_up_to(read: Callable[[], Awaitable[bytes]], limit: int | None) -> bytes:
+    """The parts ``read`` returns until ``b""`` (or until about ``limit`` bytes), joined."""
+    parts: list[bytes] = []
+    size = 0
+    while part := await read():
+        parts.append(part)
+        size += len(part)
+        if limit is not None and size >= limit:
+            break
+    return b"".join(parts)
 
 
 class _Connection:
@@ -190,14 +202,7 @@ class WorkerResponse:
 
     async def aread(self, limit: int | None = None) -> bytes:
         """The rest of the body (at most about ``limit`` bytes, then the rest is left)."""
-        parts: list[bytes] = []
-        size = 0
-        while part := await self.read():
-            parts.append(part)
-            size += len(part)
-            if limit is not None and size >= limit:
-                break
-        return b"".join(parts)
+        return await read_up_to(self.read, limit)
 
     def _release(self) -> None:
         connection, self._connection = self._connection, None
@@ -477,14 +482,7 @@ class _HttpxResponse:
             raise RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
 
     async def aread(self, limit: int | None = None) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        while part := await self.read():
-            parts.append(part)
-            size += len(part)
-            if limit is not None and size >= limit:
-                break
-        return b"".join(parts)
+        return await read_up_to(self.read, limit)
 
     async def aclose(self) -> None:
         await self._response.aclose()
