@@ -137,26 +137,8 @@ async def serve_worker(
         app.http_client = _kv_client()
     try:
         async with trio.open_nursery() as nursery:
-            # The router's own HTTP/1.1 server serves the mock workers too: one server for
-            # both ends of the project (docs/performance.md).
-            stopping: Callable[[], Awaitable[object]] | None = None
-            if shutdown_trigger is not None:  # one trigger, heard by both listeners
-                stop = trio.Event()
-                stopping = stop.wait
-
-                async def relay_trigger(trigger: Callable[[], Awaitable[object]]) -> None:
-                    await trigger()
-                    stop.set()
-
-                nursery.start_soon(relay_trigger, shutdown_trigger)
-            bound: int = await nursery.start(partial(
-                serve_http, app, host=host, port=port, shutdown_trigger=stopping,
-                shutdown_timeout=1.0, head_with_body=False))
-            extra_bound: int | None = None
-            if extra is not None:
-                extra_bound = await nursery.start(partial(
-                    serve_http, app, host=host, port=extra, shutdown_trigger=stopping,
-                    shutdown_timeout=1.0, head_with_body=False))
+            bound, extra_bound = await _listen(nursery, app, host, port, extra,
+                                               shutdown_trigger)
             app.advertise(advertise_host or _advertised(host), bound, extra_bound)
             task_status.started(bound)
     finally:
@@ -164,6 +146,32 @@ async def serve_worker(
             client, app.http_client = app.http_client, None
             with trio.move_on_after(1.0, shield=True):
                 await client.aclose()
+
+
+async def _listen(
+    nursery: trio.Nursery, app: MockWorker, host: str, port: int, extra: int | None,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None,
+) -> tuple[int, int | None]:
+    """Serve ``app`` on ``port`` (and ``extra``, a second listener) in ``nursery`` with the
+    project's HTTP/1.1 server, the router's too; one shutdown trigger for both. Returns
+    the bound ports."""
+    stopping: Callable[[], Awaitable[object]] | None = None
+    if shutdown_trigger is not None:
+        stop = trio.Event()
+        stopping = stop.wait
+
+        async def relay_trigger(trigger: Callable[[], Awaitable[object]]) -> None:
+            await trigger()
+            stop.set()
+
+        nursery.start_soon(relay_trigger, shutdown_trigger)
+    serve = partial(serve_http, app, host=host, shutdown_trigger=stopping,
+                    shutdown_timeout=1.0, head_with_body=False)
+    bound: int = await nursery.start(partial(serve, port=port))
+    extra_bound: int | None = None
+    if extra is not None:
+        extra_bound = await nursery.start(partial(serve, port=extra))
+    return bound, extra_bound
 
 
 async def serve_mock_worker(role: Role, protocol: str = "vllm", host: str = "127.0.0.1",
