@@ -132,3 +132,28 @@ def _http11_dechunk(data: bytes) -> bytes:
         out += data[:size]
         data = data[size + 2:]
     return out
+
+
+async def test_a_client_that_stops_reading_loses_its_connection_after_the_write_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send goes out whole or breaks the connection: a client that reads nothing while
+    a large answer waits is cut off after WRITE_TIMEOUT, and the app's send returns."""
+    monkeypatch.setattr(_http11, "WRITE_TIMEOUT", 0.3)
+    big = b"x" * (32 * 1024 * 1024)
+    sent = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                  send: Callable[[Message], Awaitable[None]]) -> None:
+        assert _http11.WHOLE_SENDS in scope["extensions"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": big, "more_body": True})
+        sent.set()
+
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            await sent.wait()  # the send returned although nobody read
+            data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 200")
+    assert len(data) < len(big)  # cut off, not delivered whole

@@ -18,6 +18,7 @@ cluster, or pass ``serve(config=...)`` to run under hypercorn instead.
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -39,6 +40,12 @@ App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awa
 READ_SIZE = 65536
 #: Seconds an idle keep-alive connection is kept open (uvicorn's default).
 KEEP_ALIVE_TIMEOUT = 5.0
+#: The ASGI scope extension saying that this server's sends are whole or break the
+#: connection, each bounded by :data:`WRITE_TIMEOUT` (so an app need not shield them).
+WHOLE_SENDS = "trio_disagg.whole_sends"
+#: Seconds a response write may wait for a client that does not read before the
+#: connection is closed.
+WRITE_TIMEOUT = 10.0
 #: Seconds a client gets to send a request's headers once it started sending them.
 HEADERS_TIMEOUT = 10.0
 #: Seconds a request body may pause between two reads before the request ends (408).
@@ -92,6 +99,7 @@ class _Connection:
         self.idle = True
         self.changed = trio.Event()
         self.scope = trio.CancelScope()
+        self.fileno = stream.socket.fileno()
         try:
             self.client: tuple[str, int] | None = stream.socket.getpeername()[:2]
             self.local: tuple[str, int] | None = stream.socket.getsockname()[:2]
@@ -274,7 +282,7 @@ class _Exchange:
                 head, self.head = self.head, None
                 await self._write(head)  # at once, as uvicorn does: the client sees 2xx
             else:
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()  # recorded: not undone
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -329,15 +337,38 @@ class _Exchange:
         return b"".join(lines)
 
     async def _write(self, data: bytes) -> None:
+        """Write ``data`` whole, or break the connection: never half of it and return.
+
+        The common case costs one system call and no cancel scope: the socket takes all
+        of ``data`` at once (it is non-blocking). Only when its buffer is full (a slow
+        client) does the rest go out under a shielded deadline (:data:`WRITE_TIMEOUT`);
+        a client that does not read for that long loses its connection. So a send never
+        stops half-way because the app's request was cancelled (B4: the stream a client
+        sees is whole events or broken, never a torn one)."""
         conn = self.conn
         if conn.closed:
             await trio.lowlevel.checkpoint()  # the client is gone: the app hears of it
             return
         try:
-            await conn.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            sent = os.write(conn.fileno, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
             conn.closed = True
             conn._wake()
+            await trio.lowlevel.checkpoint()
+            return
+        if sent == len(data):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT, shield=True):
+            try:
+                await conn.stream.send_all(memoryview(data)[sent:])
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        conn.closed = True  # broken, or the client did not read for WRITE_TIMEOUT
+        conn._wake()
 
 
 class _Server:
@@ -387,6 +418,9 @@ class _Server:
             "path": _unquote(path), "raw_path": path, "query_string": query,
             "root_path": "", "headers": request.headers,
             "client": conn.client, "server": conn.local,
+            # Each send goes out whole or breaks the connection, bounded by WRITE_TIMEOUT,
+            # whatever becomes of the app's task: the app needs no shield of its own.
+            "extensions": {WHOLE_SENDS: {}},
         }
         try:
             await self.app(scope, exchange.receive, exchange.send)

@@ -14,6 +14,7 @@ import trio
 from trio_util import AsyncValue
 
 from .._context import RequestContext
+from .._http11 import WHOLE_SENDS
 from .._protocols import (
     Annotated,
     CompletionUsage,
@@ -107,10 +108,13 @@ class _Responder:
     """
 
     __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_deadline",
-                 "started")
+                 "started", "whole_sends")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, *, whole_sends: bool = False) -> None:
         self.send = send
+        #: The server sends each message whole or breaks the connection, bounded in time
+        #: (the project's own server): no shielded scope per send is needed.
+        self.whole_sends = whole_sends
         self.request_id: bytes | None = None
         self.started = False
         self.finished = False
@@ -138,6 +142,13 @@ class _Responder:
         """
         if self.done:
             raise ResponseBroken(f"cannot send {message['type']}: the response is over")
+        if self.whole_sends and self.send_deadline == math.inf:
+            try:
+                await self.send(message)  # the relay's hot path: no scope per send
+            except BaseException:
+                self.broken = True
+                raise
+            return
         deadline = min(trio.current_time() + _SEND_WINDOW, self.send_deadline)
         with trio.CancelScope(deadline=deadline, shield=True) as scope:
             try:
@@ -375,7 +386,7 @@ class OpenAIApp:
         error event and ``[DONE]``. A request the server cancels from outside (its graceful
         timeout over, a hard stop) still gets its ending, shielded and bounded.
         """
-        responder = _Responder(send)
+        responder = _Responder(send, whole_sends=WHOLE_SENDS in scope.get("extensions", ()))
         handled = False
         try:
             await self._http(scope, receive, responder)
