@@ -176,17 +176,29 @@ class Cluster:
     targets: dict[str, Server]  # name -> the process a client sends to
 
 
-async def start_cluster(servers: Servers, itl: float, anchors: Sequence[str]) -> Cluster:
+def router_command(python: str, prefill: Server, decode: Server, port: int) -> list[str]:
+    """``serve --backend vllm`` with ``python``'s trio-disagg (another build, for an A/B),
+    its admission limits off where it has them (the anchors have none)."""
+    argv = [python, "-m", "trio_disagg", "serve", "--backend", "vllm", "--prefill",
+            prefill.url, "--decode", decode.url, "--model", MODEL, "--host", "127.0.0.1",
+            "--port", str(port)]
+    usage = subprocess.run([python, "-m", "trio_disagg", "serve", "--help"],
+                           capture_output=True, text=True, check=False).stdout
+    if "--max-in-flight" in usage:
+        argv += ["--max-in-flight", "0", "--max-keeper-tasks", "0"]
+    return argv
+
+
+async def start_cluster(servers: Servers, itl: float, anchors: Sequence[str],
+                        router_python: str = sys.executable) -> Cluster:
     prefill = await servers.start("prefill worker", mock_worker("prefill", p := free_port(),
                                                                   itl), p)
     decode = await servers.start("decode worker", mock_worker("decode", p := free_port(),
                                                                 itl), p)
     targets = {"direct": decode}
     port = free_port()
-    targets["router"] = await servers.start("router", trio_disagg(
-        "serve", "--backend", "vllm", "--prefill", prefill.url, "--decode", decode.url,
-        "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--max-in-flight", "0", "--max-keeper-tasks", "0"), port)
+    targets["router"] = await servers.start(
+        "router", router_command(router_python, prefill, decode, port), port)
     if "proxy" in anchors:
         port = free_port()
         targets["proxy"] = await servers.start("proxy", [
@@ -511,13 +523,14 @@ async def run(args: argparse.Namespace) -> int:
     servers = Servers()
     try:
         with trio.fail_after(args.timeout):
-            fast = await start_cluster(servers, 0.0, anchors)
+            fast = await start_cluster(servers, 0.0, anchors, args.router_python)
             done = await runs(fast, list(fast.targets), args.streams, args.tokens,
                               args.repeat)
             p4a(done, args.streams, args.tokens)
             await p4c(fast, args.samples, 4)
             paced = await start_cluster(servers, args.itl, [a for a in anchors
-                                                             if a == "proxy"])
+                                                             if a == "proxy"],
+                                        args.router_python)
             done = await runs(paced, list(paced.targets), args.paced_streams,
                               args.paced_tokens, max(1, args.repeat // 2))
             p4b(done, args.paced_streams, args.paced_tokens, args.itl)
@@ -546,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="P5 seconds between two closes")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the whole run may take before it fails")
+    parser.add_argument("--router-python", default=sys.executable, metavar="PYTHON",
+                        help="the interpreter whose trio-disagg runs the router (another "
+                        "build's, to compare it with the same workers and anchors)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run that only checks the script works")
     args = parser.parse_args(argv)
