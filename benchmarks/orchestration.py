@@ -366,7 +366,7 @@ class P3Result:
 
 
 async def p3_run(count: int, tokens: int, trace: bool, top: int,
-                 freeze: bool = False) -> P3Result:
+                 freeze: bool = False, channel_buffer: int | None = None) -> P3Result:
     """Start ``count`` streams, measure memory once all are in flight with every decode leg
     blocked on a full channel, then read them all to the end."""
     latency = LatencyModel(inter_token_latency=0.01)
@@ -374,6 +374,9 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int,
         cluster = mock_cluster(latency=latency, default_max_tokens=tokens)
         router = td.DisaggRouter(td.WorkerPool(cluster.prefill),
                                  td.WorkerPool(cluster.decode), keeper)
+        if channel_buffer is not None:
+            router = td.DisaggRouter(router.prefill, router.decode, keeper,
+                                     channel_buffer=channel_buffer)
         warm = Streams(router, 8, 2)  # warm-up: imports, caches, code paths
         warm.release.set()
         async with trio.open_nursery() as nursery:
@@ -440,7 +443,8 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int,
 
 
 def measure_p3(count: int, tokens: int, trace_count: int, top: int,
-               gc_threshold: int | None, gc_freeze: bool = False) -> bool:
+               gc_threshold: int | None, gc_freeze: bool = False,
+               channel_buffer: int | None = None) -> bool:
     print(f"P3 concurrent streams: {count:,} streams of {tokens} tokens at 10 ms/token on mock "
           "engines; memory measured once all are in flight, each client a slow reader")
     saved = gc.get_threshold()
@@ -450,14 +454,15 @@ def measure_p3(count: int, tokens: int, trace_count: int, top: int,
     if gc_freeze:
         print("  (gc.freeze() after the warm-up, as serve does once it listens)")
     try:
-        main = (trio.run(p3_run, count, tokens, False, top, gc_freeze)
+        main = (trio.run(p3_run, count, tokens, False, top, gc_freeze, channel_buffer)
                 if rss_bytes() is not None else None)
         if main is None:
             print("  (no /proc/self/statm here: RSS not measured)")
         traced = None
         if trace_count:
             print(f"  tracemalloc run with {trace_count:,} streams (tracing is slow):")
-            traced = trio.run(p3_run, trace_count, tokens, True, top, gc_freeze)
+            traced = trio.run(p3_run, trace_count, tokens, True, top, gc_freeze,
+                              channel_buffer)
     finally:
         gc.set_threshold(*saved)
     result = main or traced
@@ -496,6 +501,8 @@ def main() -> None:
     parser.add_argument("--gc-freeze", action="store_true",
                         help="P3: gc.freeze() after the warm-up; with --gc-threshold 50000 "
                         "this is what `trio-disagg serve` does once it listens")
+    parser.add_argument("--channel-buffer", type=int, default=None,
+                        help="P3: the router's channel_buffer (default: its own, 16)")
     parser.add_argument("--only", choices=["p2", "p3"], help="run only one of the two")
     parser.add_argument("--quick", action="store_true",
                         help="a short run (a few seconds) that only checks the script works; "
@@ -512,7 +519,7 @@ def main() -> None:
         trio.run(measure_p2, args.requests, args.concurrency, args.repeat)
     if args.only != "p2":
         ok = measure_p3(args.streams, args.stream_tokens, args.trace_streams, args.top,
-                        args.gc_threshold, args.gc_freeze)
+                        args.gc_threshold, args.gc_freeze, args.channel_buffer)
     sys.exit(0 if ok else 1)
 
 

@@ -172,6 +172,13 @@ class RequestContext:
         elif self.is_stopped:
             callback(False)
 
+    def _forget_on_stop(self, callback: Callable[[bool], None]) -> None:
+        """Drop a callback of :meth:`on_stop` that has no more use, so that what it holds
+        (a cancel scope) is not kept for the rest of the request (docs/design.md P3).
+        For the router's own short waits; a callback not registered is ignored."""
+        if self._callbacks is not None and callback in self._callbacks:
+            self._callbacks.remove(callback)
+
     def _notify(self, *, killed: bool) -> None:
         for callback in self._callbacks or ():
             callback(killed)

@@ -115,7 +115,8 @@ class PrefillTask(Generic[T]):
         self._error = error
         self._ended = True
         if self._done is not None:
-            self._done.set()
+            self._done.set()  # wakes its waiters, which hold it; later ones see _ended
+            self._done = None
 
 
 class TransferKeeper:

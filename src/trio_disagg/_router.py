@@ -424,11 +424,19 @@ class DisaggRouter:
         its context meanwhile ends the request at once, as one that left does (B10, B1):
         the keeper keeps what is part of a KV transfer."""
         with trio.CancelScope() as wait:
-            owner.context.on_stop(lambda killed: wait.cancel())
-            decode_request = await owner.decode_request()
-            if isinstance(decode_request, Terminal):  # S7
-                return self._terminal(owner, decode_request)
-            return await self._dispatch(nursery, owner, decode_request)
+            def on_stop(killed: bool) -> None:
+                wait.cancel()
+
+            owner.context.on_stop(on_stop)
+            try:
+                decode_request = await owner.decode_request()
+                if isinstance(decode_request, Terminal):  # S7
+                    return self._terminal(owner, decode_request)
+                return await self._dispatch(nursery, owner, decode_request)
+            finally:
+                # Once dispatched, the stream's own scopes answer a stop: the wait's scope
+                # need not live as long as the request (P3: memory per stream).
+                owner.context._forget_on_stop(on_stop)
         owner.close_request(client_left=True)
         return self._stopped(owner)
 
