@@ -28,7 +28,8 @@ extensions = [
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+# _p3_section.md: a section of performance.md, to be pasted in there (not a page).
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "_p3_section.md"]
 
 # MyST: anchors for headings down to ### so pages can link to sections.
 myst_heading_anchors = 3

@@ -57,7 +57,7 @@ EXIT_STARTUP = 2
 API_KEY_ENV = "TRIO_DISAGG_API_KEY"
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: The cyclic garbage collector's generation-0 threshold ``serve`` sets once it listens
-#: (Python's default is 700). Thousands of streams in flight keep ~100 container objects
+#: (Python's default is 700). Thousands of streams in flight keep ~250 container objects
 #: each alive, and at 700 allocations per young collection tokens buffered for a few
 #: milliseconds get promoted and trigger full collections of the whole heap: in the P3
 #: benchmark (docs/performance.md) those took most of the run. Only cyclic garbage waits
@@ -71,6 +71,7 @@ def tune_gc_for_serving() -> None:
     walks them again, and raise the young threshold to :data:`SERVE_GC_THRESHOLD`."""
     gc.freeze()
     gc.set_threshold(SERVE_GC_THRESHOLD, *gc.get_threshold()[1:])
+
 
 logger = logging.getLogger("trio_disagg")
 

@@ -327,7 +327,10 @@ class Gatekeeper:
         while (item := await receive(decode_outputs)) is not None:
             try:
                 send_nowait(item)
+                sent = True
             except trio.WouldBlock:
+                sent = False
+            if not sent:  # awaited outside the except: a parked send keeps no exception
                 await send(item)
             data = item.data
             if item.event == "error" or (data is not None and data.finish_reason is not None):
