@@ -365,7 +365,8 @@ class P3Result:
     ok: bool
 
 
-async def p3_run(count: int, tokens: int, trace: bool, top: int) -> P3Result:
+async def p3_run(count: int, tokens: int, trace: bool, top: int,
+                 freeze: bool = False, channel_buffer: int | None = None) -> P3Result:
     """Start ``count`` streams, measure memory once all are in flight with every decode leg
     blocked on a full channel, then read them all to the end."""
     latency = LatencyModel(inter_token_latency=0.01)
@@ -373,6 +374,9 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int) -> P3Result:
         cluster = mock_cluster(latency=latency, default_max_tokens=tokens)
         router = td.DisaggRouter(td.WorkerPool(cluster.prefill),
                                  td.WorkerPool(cluster.decode), keeper)
+        if channel_buffer is not None:
+            router = td.DisaggRouter(router.prefill, router.decode, keeper,
+                                     channel_buffer=channel_buffer)
         warm = Streams(router, 8, 2)  # warm-up: imports, caches, code paths
         warm.release.set()
         async with trio.open_nursery() as nursery:
@@ -381,6 +385,8 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int) -> P3Result:
         await keeper.wait_idle()
         streams = Streams(router, count, tokens)
         gc.collect()
+        if freeze:  # as ``trio-disagg serve`` does once it listens
+            gc.freeze()
         if trace:
             tracemalloc.start(FRAMES)
         before_rss = rss_bytes()
@@ -409,6 +415,8 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int) -> P3Result:
             total = time.perf_counter() - start
         await keeper.wait_idle()
         kv = cluster.counters()
+    if freeze:
+        gc.unfreeze()
     # Unread per stream: both channel buffers (the router uses one size for both), plus the
     # item the gatekeeper and the decode engine each hold while blocked on a send (or all
     # that is left of a short stream).
@@ -435,21 +443,26 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int) -> P3Result:
 
 
 def measure_p3(count: int, tokens: int, trace_count: int, top: int,
-               gc_threshold: int | None) -> bool:
+               gc_threshold: int | None, gc_freeze: bool = False,
+               channel_buffer: int | None = None) -> bool:
     print(f"P3 concurrent streams: {count:,} streams of {tokens} tokens at 10 ms/token on mock "
           "engines; memory measured once all are in flight, each client a slow reader")
     saved = gc.get_threshold()
     if gc_threshold is not None:
         gc.set_threshold(gc_threshold, *saved[1:])
         print(f"  (GC generation-0 threshold set to {gc_threshold}; Python's default is 700)")
+    if gc_freeze:
+        print("  (gc.freeze() after the warm-up, as serve does once it listens)")
     try:
-        main = trio.run(p3_run, count, tokens, False, top) if rss_bytes() is not None else None
+        main = (trio.run(p3_run, count, tokens, False, top, gc_freeze, channel_buffer)
+                if rss_bytes() is not None else None)
         if main is None:
             print("  (no /proc/self/statm here: RSS not measured)")
         traced = None
         if trace_count:
             print(f"  tracemalloc run with {trace_count:,} streams (tracing is slow):")
-            traced = trio.run(p3_run, trace_count, tokens, True, top)
+            traced = trio.run(p3_run, trace_count, tokens, True, top, gc_freeze,
+                              channel_buffer)
     finally:
         gc.set_threshold(*saved)
     result = main or traced
@@ -485,6 +498,11 @@ def main() -> None:
                         help="P3: call sites to list in the tracemalloc breakdown")
     parser.add_argument("--gc-threshold", type=int, default=None,
                         help="P3: the GC's generation-0 threshold (default: Python's, 700)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="P3: gc.freeze() after the warm-up; with --gc-threshold 50000 "
+                        "this is what `trio-disagg serve` does once it listens")
+    parser.add_argument("--channel-buffer", type=int, default=None,
+                        help="P3: the router's channel_buffer (default: its own, 16)")
     parser.add_argument("--only", choices=["p2", "p3"], help="run only one of the two")
     parser.add_argument("--quick", action="store_true",
                         help="a short run (a few seconds) that only checks the script works; "
@@ -501,7 +519,7 @@ def main() -> None:
         trio.run(measure_p2, args.requests, args.concurrency, args.repeat)
     if args.only != "p2":
         ok = measure_p3(args.streams, args.stream_tokens, args.trace_streams, args.top,
-                        args.gc_threshold)
+                        args.gc_threshold, args.gc_freeze, args.channel_buffer)
     sys.exit(0 if ok else 1)
 
 

@@ -9,6 +9,9 @@ from typing import Any
 import trio
 
 _LIVE, _STOPPED, _KILLED = 0, 1, 2
+#: The metadata of every context made without any: one shared read-only mapping, not an
+#: empty dict and a proxy per context (a request has three contexts; docs/design.md P3).
+_NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
 
 class RequestContext:
@@ -41,14 +44,16 @@ class RequestContext:
 
     def __init__(self, request_id: str, metadata: Mapping[str, Any] | None = None) -> None:
         self.id = request_id
-        self.metadata: Mapping[str, Any] = MappingProxyType(dict(metadata or {}))
+        self.metadata: Mapping[str, Any] = (MappingProxyType(dict(metadata)) if metadata
+                                            else _NO_METADATA)
         self._state = _LIVE
-        # Made only when somebody waits: most contexts are never awaited, and a request in
-        # flight should cost as little memory as it can (docs/design.md P3).
+        # Made only when somebody waits, links or registers: most contexts are never
+        # awaited, and a request in flight should cost as little memory as it can
+        # (docs/design.md P3).
         self._stopped: trio.Event | None = None
         self._killed: trio.Event | None = None
-        self._children: list[RequestContext] = []
-        self._callbacks: list[Callable[[bool], None]] = []
+        self._children: list[RequestContext] | None = None
+        self._callbacks: list[Callable[[bool], None]] | None = None
 
     def __repr__(self) -> str:
         state = "killed" if self.is_killed else "stopped" if self.is_stopped else "live"
@@ -75,7 +80,7 @@ class RequestContext:
         """
         if self._state >= _STOPPED:
             return  # already stopped or killed: never downgrade a kill (C3)
-        for child in self._children:
+        for child in self._children or ():
             child.stop_generating()
         self._state = _STOPPED
         if self._stopped is not None:
@@ -91,7 +96,7 @@ class RequestContext:
         """
         if self._state == _KILLED:
             return
-        for child in self._children:
+        for child in self._children or ():
             child.kill()
         self._state = _KILLED
         if self._stopped is not None:
@@ -130,6 +135,8 @@ class RequestContext:
         Args:
             child: the context of a leg working for this request.
         """
+        if self._children is None:
+            self._children = []
         self._children.append(child)
         if self.is_killed:
             child.kill()
@@ -157,12 +164,21 @@ class RequestContext:
         Args:
             callback: called with ``killed``.
         """
+        if self._callbacks is None:
+            self._callbacks = []
         self._callbacks.append(callback)
         if self.is_killed:
             callback(True)
         elif self.is_stopped:
             callback(False)
 
+    def _forget_on_stop(self, callback: Callable[[bool], None]) -> None:
+        """Drop a callback of :meth:`on_stop` that has no more use, so that what it holds
+        (a cancel scope) is not kept for the rest of the request (docs/design.md P3).
+        For the router's own short waits; a callback not registered is ignored."""
+        if self._callbacks is not None and callback in self._callbacks:
+            self._callbacks.remove(callback)
+
     def _notify(self, *, killed: bool) -> None:
-        for callback in self._callbacks:
+        for callback in self._callbacks or ():
             callback(killed)

@@ -335,22 +335,30 @@ class Gatekeeper:
         receive = decode_outputs.receive
         send = send_channel.send
         send_nowait = send_channel.send_nowait
+        # Waits are awaited outside the except clauses: a task parked in one would keep the
+        # WouldBlock and its traceback alive for as long as it waits (P3, per stream).
         with trio.CancelScope() as idle:
             while True:
                 try:
                     item = receive_nowait()
+                    ready = True
                 except trio.WouldBlock:
+                    ready = False
+                except trio.EndOfChannel:
+                    break
+                if not ready:
                     if armed:
                         idle.deadline = clock() + timeout
                     try:
                         item = await receive()
                     except trio.EndOfChannel:
                         break
-                except trio.EndOfChannel:
-                    break
                 try:
                     send_nowait(item)
+                    sent = True
                 except trio.WouldBlock:
+                    sent = False
+                if not sent:
                     idle.deadline = math.inf
                     await send(item)
                 data = item.data
@@ -372,7 +380,10 @@ class Gatekeeper:
         while (item := await receive(decode_outputs)) is not None:
             try:
                 send_nowait(item)
+                sent = True
             except trio.WouldBlock:
+                sent = False
+            if not sent:  # awaited outside the except: a parked send keeps no exception
                 await send(item)
             data = item.data
             if item.event == "error" or (data is not None and data.finish_reason is not None):

@@ -40,11 +40,13 @@ class PrefillTask(Generic[T]):
         name: the drain's name, as the keeper's logs show it (usually the request id).
     """
 
-    __slots__ = ("_done", "_error", "_value", "name")
+    __slots__ = ("_done", "_ended", "_error", "_value", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._done = trio.Event()
+        self._ended = False
+        # Made only when somebody waits before the drain ended (docs/design.md P3).
+        self._done: trio.Event | None = None
         self._value: T | None = None
         self._error: PrefillError | None = None
 
@@ -55,7 +57,7 @@ class PrefillTask(Generic[T]):
     @property
     def done(self) -> bool:
         """True once the drain ended, however it ended."""
-        return self._done.is_set()
+        return self._ended
 
     @property
     def failed(self) -> bool:
@@ -65,7 +67,7 @@ class PrefillTask(Generic[T]):
     @property
     def succeeded(self) -> bool:
         """True once the drain returned (:attr:`value` is what it returned)."""
-        return self._done.is_set() and self._error is None
+        return self._ended and self._error is None
 
     @property
     def error(self) -> PrefillError | None:
@@ -79,7 +81,7 @@ class PrefillTask(Generic[T]):
 
     async def wait_done(self) -> None:
         """Return once the drain ended, however it ended. Never raises but ``Cancelled``."""
-        await self._done.wait()
+        await self._ended_wait()
 
     async def result(self) -> T:
         """Wait for the drain and return its value.
@@ -91,7 +93,7 @@ class PrefillTask(Generic[T]):
 
         Cancelling the wait does not affect the drain (T1).
         """
-        await self._done.wait()
+        await self._ended_wait()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -100,10 +102,21 @@ class PrefillTask(Generic[T]):
         """Like :meth:`result`, discarding the value."""
         await self.result()
 
+    async def _ended_wait(self) -> None:
+        if self._ended:
+            await trio.lowlevel.checkpoint()  # as Event.wait() on a set event
+            return
+        if self._done is None:
+            self._done = trio.Event()
+        await self._done.wait()
+
     def _finish(self, value: T | None, error: PrefillError | None) -> None:
         self._value = value
         self._error = error
-        self._done.set()
+        self._ended = True
+        if self._done is not None:
+            self._done.set()  # wakes its waiters, which hold it; later ones see _ended
+            self._done = None
 
 
 class TransferKeeper:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import trio
@@ -67,6 +66,23 @@ class Worker(Generic[E]):
 
 #: Any worker, of either pool: what a :class:`SelectionPolicy` chooses among.
 W = TypeVar("W", bound="Worker[DecodeEngine]")
+
+
+class _Lease(Generic[W]):
+    """:meth:`WorkerPool.lease`: a slotted context manager, not a generator, as every
+    request in flight holds one (docs/design.md P3)."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: W) -> None:
+        self.worker = worker
+
+    def __enter__(self) -> W:
+        self.worker.outstanding += 1
+        return self.worker
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.outstanding -= 1
 
 
 class SelectionPolicy(Protocol):
@@ -317,14 +333,9 @@ class WorkerPool(Generic[E]):
         candidates = self._choosable(tried)
         return self._choose(candidates, request) if candidates else None
 
-    @contextmanager
-    def lease(self, worker: W) -> Iterator[W]:
+    def lease(self, worker: W) -> _Lease[W]:
         """Count ``worker`` as having one more outstanding request for the block."""
-        worker.outstanding += 1
-        try:
-            yield worker
-        finally:
-            worker.outstanding -= 1
+        return _Lease(worker)
 
     def record_success(self, worker: Worker[DecodeEngine]) -> None:
         """Count a success of ``worker``; it closes its breaker (the worker answered)."""

@@ -424,11 +424,19 @@ class DisaggRouter:
         its context meanwhile ends the request at once, as one that left does (B10, B1):
         the keeper keeps what is part of a KV transfer."""
         with trio.CancelScope() as wait:
-            owner.context.on_stop(lambda killed: wait.cancel())
-            decode_request = await owner.decode_request()
-            if isinstance(decode_request, Terminal):  # S7
-                return self._terminal(owner, decode_request)
-            return await self._dispatch(nursery, owner, decode_request)
+            def on_stop(killed: bool) -> None:
+                wait.cancel()
+
+            owner.context.on_stop(on_stop)
+            try:
+                decode_request = await owner.decode_request()
+                if isinstance(decode_request, Terminal):  # S7
+                    return self._terminal(owner, decode_request)
+                return await self._dispatch(nursery, owner, decode_request)
+            finally:
+                # Once dispatched, the stream's own scopes answer a stop: the wait's scope
+                # need not live as long as the request (P3: memory per stream).
+                owner.context._forget_on_stop(on_stop)
         owner.close_request(client_left=True)
         return self._stopped(owner)
 
@@ -464,12 +472,13 @@ class DisaggRouter:
             decode_receive.close()
             raise
         out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
-        forward = trio.CancelScope()
+        forward: trio.CancelScope | None = None  # only a kept leg needs one (P3: memory)
         if owner.holds_transfer:
             # The client's stop or kill ends its stream at once; the kept leg goes on to
             # fetch its KV (G9). (Not when the gatekeeper itself stopped the client.)
+            scope = forward = trio.CancelScope()
             owner.context.on_stop(lambda killed: None if owner.first_output_seen
-                                  or gate.failure is not None else forward.cancel())
+                                  or gate.failure is not None else scope.cancel())
         nursery.start_soon(self._forward, owner, gate, decode_receive, out_send,
                            decode_context, forward)
         return self._request_stream(owner, out_receive, gate)
@@ -576,14 +585,17 @@ class DisaggRouter:
         decode_receive: trio.MemoryReceiveChannel[Item],
         out_send: trio.MemorySendChannel[Item],
         decode_context: RequestContext,
-        scope: trio.CancelScope,
+        scope: trio.CancelScope | None,
     ) -> None:
         # A kept leg is ended by its owner, never by a stop it would obey before it fetched
         # its KV (that would leave the KV to a worker timeout): see forward_ended().
         leg_context = None if owner.holds_transfer else decode_context
         try:
-            with scope:
+            if scope is None:
                 await gate.forward(decode_receive, out_send, leg_context)
+            else:
+                with scope:
+                    await gate.forward(decode_receive, out_send, leg_context)
         finally:
             owner.tracker.finish()
             self._release()

@@ -719,8 +719,10 @@ class HttpEngine:
                     item = Annotated(data=output)
                     try:
                         send_nowait(item)
+                        continue
                     except trio.WouldBlock:
-                        await send.send(item)
+                        pass
+                    await send.send(item)  # outside the except: no exception kept alive
                 if done:
                     # The body's end follows [DONE] at once: read it, so that the
                     # connection goes back to the pool instead of being closed.
