@@ -92,7 +92,8 @@ class Gatekeeper:
         self.client_context = client_context
         self.idle_timeout = idle_timeout
         self.terminal_hold_timeout = terminal_hold_timeout
-        #: Why the gate ended the stream with an error item of its own, if it did.
+        #: Why the gate ended the stream with an error item of its own, if it did: the
+        #: prefill's :class:`PrefillError` or a :class:`DeadlineExceeded` (B2); else None.
         self.failure: Exception | None = None
         self._ended = False
 
@@ -202,8 +203,26 @@ class Gatekeeper:
         prefill ran out of time), or the :class:`DeadlineExceeded` of the decode-idle or
         terminal-hold wait (B2).
 
-        Cancellation (the client went away) just stops forwarding: the prefill is owned by
-        the keeper and is not affected (G9).
+        A gate made from a :class:`Terminal` forwards the prefill's answer alone (S7). A
+        receiver of ``send_channel`` that is gone (broken or closed) ends forwarding
+        quietly and stops ``decode_context``.
+
+        Args:
+            decode_outputs: the decode leg's outputs (what the engine sends).
+            send_channel: the client's channel.
+            decode_context: the decode leg's context, stopped when the gate ends the stream
+                early (a prefill failure, an answer from the prefill, a receiver gone), or
+                None when the leg must not be stopped from here (the router passes None
+                for a decode leg that is part of a KV transfer: its handoff owner ends
+                it, G9).
+
+        It raises nothing of its own: a deadline (B2) or a prefill failure becomes the
+        last item, and :attr:`failure` says which.
+
+        Cancellation (the client went away) just stops forwarding, and both channels are
+        closed; ``decode_context`` is not stopped (the decode leg lives in the same
+        nursery, or belongs to the keeper), and the prefill is owned by the keeper and is
+        not affected (G9).
         """
         with send_channel, decode_outputs:
             try:

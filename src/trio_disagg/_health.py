@@ -57,6 +57,10 @@ class HealthProbe(Protocol):
     async def check_health(self) -> None:
         """Probe the worker once; return if it is healthy.
 
+        It need not bound itself: the :class:`HealthMonitor` cancels a probe after its
+        ``timeout`` seconds, which counts as a failed probe, so the probe must leave
+        nothing behind when cancelled (an HTTP adapter closes its connection).
+
         Raises:
             Exception: any, if it is not (the adapter's :class:`~trio_disagg.WorkerError`).
         """
@@ -65,6 +69,13 @@ class HealthProbe(Protocol):
 
 class WorkerHealth:
     """One worker's circuit breaker and probe results.
+
+    Each :class:`~trio_disagg.Worker` has one (``worker.health``); its pool feeds it the
+    outcomes of requests and a :class:`HealthMonitor` the probes'. Times are
+    ``trio.current_time()`` values, durations seconds. Its methods are synchronous.
+
+    Args:
+        probed: the worker's engine is a :class:`HealthProbe`.
 
     Attributes:
         probed: the worker's engine is a :class:`HealthProbe`, so probes decide ``DOWN``.
@@ -99,7 +110,9 @@ class WorkerHealth:
         self.last_probe_seconds: float | None = None
 
     def state(self, now: float) -> HealthState:
-        """The breaker's state at ``now`` (``trio.current_time()``)."""
+        """The breaker's state at ``now`` (``trio.current_time()``): ``DOWN`` while the
+        last probe failed, whatever the breaker says; else ``HEALTHY``, ``EJECTED`` in
+        the cool-down, or ``HALF_OPEN`` after it."""
         if not self.probe_ok:
             return HealthState.DOWN
         if not self.ejected:
@@ -131,7 +144,14 @@ class WorkerHealth:
 
     def fault(self, now: float, *, threshold: int, cooldown: float) -> None:
         """One fault of the worker's own: the breaker opens for ``cooldown`` seconds after
-        ``threshold`` in a row, or at once when it was half-open (the trial failed)."""
+        ``threshold`` in a row, or at once when it was half-open (the trial failed).
+        A fault while the breaker is open and cooling down only counts.
+
+        Args:
+            now: ``trio.current_time()``.
+            threshold: consecutive faults that open a closed breaker.
+            cooldown: seconds the breaker stays open.
+        """
         self.consecutive_faults += 1
         half_open = self.ejected and now >= self.ejected_until
         if half_open or (not self.ejected and self.consecutive_faults >= threshold):
@@ -216,7 +236,15 @@ class RetryPolicy:
             raise ValueError(f"{attribute.name} must be >= 0 seconds, got {value!r}")
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait before attempt number ``attempt`` (2 for the first retry)."""
+        """Seconds to wait before attempt number ``attempt`` (2 for the first retry).
+
+        Args:
+            attempt: the attempt about to be made, counting the first as 1.
+
+        Returns:
+            A random number of seconds from half to all of ``min(max_backoff, backoff *
+            2 ** (attempt - 2))`` (attempts below 2 wait as attempt 2 would).
+        """
         full = min(self.max_backoff, self.backoff * 2.0 ** max(0, attempt - 2))
         return full * (0.5 + 0.5 * random.random())  # jitter, not a secret
 
@@ -229,7 +257,8 @@ class HealthMonitor:
     when that returns, so readiness (``GET /health``) is right before the first request.
     Each probe is bounded by ``timeout`` seconds; a probe that fails or runs out of time
     marks its worker ``DOWN`` (skipped by selection), and one that succeeds re-admits it.
-    Workers whose engine has no ``check_health()`` are not probed.
+    Workers whose engine has no ``check_health()`` are not probed. Probes of one round
+    run at once, each in its own task; a round ends when its slowest probe ends.
 
     Args:
         workers: the workers to watch (``pool.workers`` of each pool).
@@ -255,7 +284,13 @@ class HealthMonitor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Probe forever; ``task_status.started()`` after the first round. Never raises
-        for a worker's failure; cancel it to stop."""
+        for a worker's failure; cancel it to stop.
+
+        With no probe-able worker it returns once ``started()`` was called, having probed
+        nothing. Cancelled, it stops at once: probes in flight are cancelled (an HTTP
+        adapter closes its connection) and recorded as nothing, so no worker's state
+        changes.
+        """
         await self.probe_all()
         task_status.started()
         if not self.workers:
@@ -265,7 +300,10 @@ class HealthMonitor:
             await self.probe_all()
 
     async def probe_all(self) -> None:
-        """One round: probe every watched worker at once."""
+        """One round: probe every watched worker at once, each bounded by ``timeout``
+        seconds, and return when all have ended (a failure is recorded, never raised).
+        Cancelled, the probes in flight are cancelled, recorded as nothing, and the round
+        is not counted in :attr:`rounds`."""
         async with trio.open_nursery() as nursery:
             for worker in self.workers:
                 nursery.start_soon(self._probe, worker)
@@ -274,7 +312,8 @@ class HealthMonitor:
         self._round_done = trio.Event()
 
     async def wait_rounds(self, count: int) -> None:
-        """Return once ``count`` more rounds have completed (for tests and tools)."""
+        """Return once ``count`` more rounds have completed (for tests and tools); at once
+        if ``count`` <= 0. It probes nothing itself: :meth:`run` must be running."""
         target = self.rounds + count
         while self.rounds < target:
             await self._round_done.wait()

@@ -24,6 +24,14 @@ E = TypeVar("E", bound=DecodeEngine, covariant=True)
 class Worker(Generic[E]):
     """One engine in a pool, with the counters selection and metrics need.
 
+    A :class:`WorkerPool` makes its workers from its engines; read them, the pool and the
+    router update them.
+
+    Args:
+        engine: the engine.
+        cancel_window: overrides the engine's own ``cancel_window`` (B10); None: the
+            engine's (:attr:`~trio_disagg.CancelWindow.NEVER` if it has none).
+
     Attributes:
         engine: the engine itself.
         outstanding: requests dispatched to it and not yet finished (rule B5 in docs/semantics.md).
@@ -53,11 +61,16 @@ class Worker(Generic[E]):
 
     @property
     def name(self) -> str:
+        """The engine's ``name``: unique in its pool, the label of its metrics."""
         return self.engine.name
 
     @property
     def state(self) -> HealthState:
-        """Its health state now (inside a trio run)."""
+        """Its health state now (:meth:`WorkerHealth.state` at ``trio.current_time()``).
+
+        Raises:
+            RuntimeError: called outside a trio run.
+        """
         return self.health.state(trio.current_time())
 
     def __repr__(self) -> str:
@@ -86,13 +99,31 @@ class _Lease(Generic[W]):
 
 
 class SelectionPolicy(Protocol):
-    """Chooses one of the healthy workers for a request."""
+    """Chooses one of the healthy workers for a request (rule S12 in docs/semantics.md).
 
-    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W: ...
+    A policy is synchronous and must not block: the pool calls it for every request, and
+    has already filtered out the workers that cannot take one (ejected, down, or
+    half-open with a trial in flight; or, in panic routing, the workers whose probe did
+    not fail).
+    """
+
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
+        """Choose one of ``workers`` for ``request``.
+
+        Args:
+            workers: the candidates, never empty, in the pool's order.
+            request: the request (its ``routing`` and ``body`` may inform the choice).
+
+        Returns:
+            One of ``workers``.
+        """
+        ...
 
 
 class RoundRobin:
-    """Each worker in turn."""
+    """Each worker in turn: the ``n``-th request goes to ``workers[n % len(workers)]``
+    of the candidates it was offered (one counter over all requests, so a candidate list
+    that changes shifts the turn)."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -102,7 +133,9 @@ class RoundRobin:
 
 
 class LeastOutstanding:
-    """The worker with the fewest outstanding requests (first one on a tie)."""
+    """The worker with the fewest outstanding requests (first one on a tie); the pool's
+    default. ``outstanding`` counts requests dispatched and not yet finished, including a
+    prefill the keeper still drains."""
 
     def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
         return min(workers, key=lambda worker: worker.outstanding)
@@ -114,6 +147,13 @@ class SessionAffinity:
     Rendezvous (highest random weight) hashing: every router replica with the same worker
     list picks the same worker for a session with no shared state, and removing a worker
     moves only its own sessions. Requests without a session id go to ``fallback``.
+
+    The session id is ``request.routing.session_id`` (the server sets it from the
+    ``X-Session-Id`` header, else the body's ``user``). Load is not considered: a busy
+    session stays on its worker while that worker can take requests.
+
+    Args:
+        fallback: for requests without a session id (default :class:`LeastOutstanding`).
     """
 
     def __init__(self, fallback: SelectionPolicy | None = None) -> None:
@@ -200,6 +240,14 @@ def prompt_prefix(body: Mapping[str, object], chars: int = PREFIX_CHARS) -> str 
     A chat's leading ``system`` and ``developer`` messages (the part requests share),
     else all its messages, as ``role`` and text; a completion's ``prompt`` (the first
     of a batch; token ids as their decimal text). Cut to ``chars`` characters.
+
+    Args:
+        body: the client's request body (OpenAI completions or chat completions).
+        chars: the length of the key, in characters.
+
+    Returns:
+        The key, or None when ``body`` has neither ``messages`` nor a ``prompt`` to key
+        on (an empty list, a prompt of another type).
     """
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
@@ -280,7 +328,8 @@ class WorkerPool(Generic[E]):
         return len(self.workers)
 
     def healthy(self) -> list[Worker[E]]:
-        """The workers that count towards readiness: healthy or half-open."""
+        """The workers that count towards readiness: healthy or half-open (not ejected in
+        their cool-down, not ``DOWN``). Call it inside a trio run (it reads the clock)."""
         now = trio.current_time()
         return [worker for worker in self.workers if worker.health.selectable(now)]
 
@@ -306,7 +355,12 @@ class WorkerPool(Generic[E]):
 
         Args:
             request: the request; session affinity reads ``request.routing.session_id``.
-            pinned: a worker name the request asked for; used if healthy.
+            pinned: a worker name the request asked for; used if it may take a request
+                now (healthy, or half-open with no trial in flight), else ignored.
+
+        Returns:
+            The chosen worker; if half-open, this request is its trial. The caller
+            counts its outcome with :meth:`record_success` or :meth:`record_failure`.
 
         Raises:
             NoWorkerAvailable: the pool is empty, or every worker failed its probe.
@@ -329,16 +383,31 @@ class WorkerPool(Generic[E]):
         self, request: PreprocessedRequest, tried: Collection[Worker[DecodeEngine]]
     ) -> Worker[E] | None:
         """A healthy worker not in ``tried``, for a retry (rule B9 in docs/semantics.md);
-        None if there is none (no panic routing: a retry on an ejected worker is futile)."""
+        None if there is none (no panic routing: a retry on an ejected worker is futile).
+
+        Args:
+            request: the request, for the policy.
+            tried: the workers the leg already failed on.
+
+        Returns:
+            A worker chosen by the policy among those that may take a request now and are
+            not in ``tried``, or None.
+        """
         candidates = self._choosable(tried)
         return self._choose(candidates, request) if candidates else None
 
     def lease(self, worker: W) -> _Lease[W]:
-        """Count ``worker`` as having one more outstanding request for the block."""
+        """Count ``worker`` as having one more outstanding request for the block.
+
+        ``with pool.lease(worker):`` adds one to ``worker.outstanding`` on entry and takes
+        it away on exit, however the block ends (cancellation included). Synchronous: no
+        checkpoint.
+        """
         return _Lease(worker)
 
     def record_success(self, worker: Worker[DecodeEngine]) -> None:
-        """Count a success of ``worker``; it closes its breaker (the worker answered)."""
+        """Count a success of ``worker``: it closes its breaker (the worker answered) and
+        adds one to ``served_total``."""
         worker.health.success()
         worker.served_total += 1
 
@@ -350,7 +419,15 @@ class WorkerPool(Generic[E]):
         Only the worker's own faults count against it: a transport failure, a 5xx, a
         stream that ended with nothing. A 4xx is the worker refusing a bad request, so a
         success; an answer the router refused as a handoff (S8, S9, B7) or a prefill it
-        ended on purpose (B6, B10) counts as neither.
+        ended on purpose (B6, B10) counts as neither (``worker_fault``).
+        A fault adds one to ``failures_total`` and may eject the worker for ``cooldown``
+        seconds (``failure_threshold`` in a row, or a failed half-open trial).
+
+        Args:
+            worker: the worker the leg ran on.
+            error: what the leg raised or ended with (its cause chain is followed to a
+                :class:`~trio_disagg.WorkerError`); None when the worker gave no answer
+                in time.
         """
         fault = worker_fault(error)
         if fault is None:
@@ -364,5 +441,6 @@ class WorkerPool(Generic[E]):
 
     @property
     def outstanding(self) -> int:
+        """Requests outstanding over all the pool's workers (B5)."""
         return sum(worker.outstanding for worker in self.workers)
 

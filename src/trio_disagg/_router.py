@@ -98,9 +98,18 @@ class Deadlines:
 class RequestStream:
     """A request in flight: what :meth:`DisaggRouter.stream` returns.
 
+    The caller reads ``outputs`` to its end. The decode leg and the gatekeeper that feed
+    it run in the nursery the caller gave :meth:`DisaggRouter.stream`; cancelling that
+    nursery (the client went away) closes ``outputs`` and stops the decode leg, while the
+    prefill leg (``prefill``) stays the keeper's: it runs on, or is cancelled inside its
+    engine's cancel window, and staged KV that no decode took is consumed (B1, B10, G9).
+    Closing ``outputs`` early ends the forwarding as a client that left does; the prefill
+    leg is not affected (G9).
+
     Attributes:
         outputs: the client's stream of items; the last one is a terminal, an error,
-            or the channel ends (B4 is the server's job).
+            or the channel ends (B4 is the server's job). A ``"stopped"`` request's holds
+            one ``cancelled`` finish (C3), or nothing if the context was killed.
         tracker: the request's phases and timestamps.
         style: which handoff style served it (``"sequential"``, ``"context_first"``,
             ``"bootstrap"``), ``"decode_only"`` (a short prompt served by its decode worker
@@ -109,10 +118,12 @@ class RequestStream:
             took the request).
         prefill: the prefill drain, owned by the keeper (a decode-only request's has
             already succeeded, with no value).
-        gate: the gatekeeper, or None for a terminal prefill.
+        gate: the gatekeeper, or None when no decode leg runs (``"terminal"`` and
+            ``"stopped"``).
         prefill_worker: the name of the chosen prefill worker (the routing decision);
             None for a decode-only request.
-        decode_worker: the name of the chosen decode worker; None for a terminal prefill.
+        decode_worker: the name of the chosen decode worker; None when no decode leg runs
+            (``"terminal"`` and ``"stopped"``).
         bootstrap_info: the bootstrap room chosen (bootstrap style).
         handoff: the request's handoff owner (its ``state`` says what became of the KV).
     """
@@ -181,6 +192,13 @@ class RouterCounters:
     decisions: dict[str, int] = attrs.Factory(lambda: {DISAGGREGATED: 0, DECODE_ONLY: 0})
 
     def count_retry(self, leg: str, reason: str) -> None:
+        """Count one retry in :attr:`retries` (B9).
+
+        Args:
+            leg: ``"prefill"`` or ``"decode"``.
+            reason: ``"transport_error"`` or ``"server_error"``
+                (``retry_reason`` in the health module).
+        """
         self.retries[leg, reason] = self.retries.get((leg, reason), 0) + 1
 
 
@@ -280,19 +298,34 @@ class DisaggRouter:
 
     @property
     def in_flight(self) -> int:
-        """Requests admitted and not yet finished (B5)."""
+        """Requests admitted and not yet finished (B5): counted from :meth:`stream`'s call
+        until its gatekeeper stops forwarding (at once for a request that failed before
+        its decode accepted it, or that needs no decode leg). A prefill the keeper still
+        drains after its request ended is the keeper's, not counted here."""
         return self._in_flight.value
 
     @property
     def closing(self) -> bool:
+        """True once :meth:`close` was called: :meth:`stream` raises
+        :class:`~trio_disagg.RouterClosed` (B3)."""
         return self._closing
 
     def close(self) -> None:
-        """Stop admitting requests; those in flight go on (B3)."""
+        """Stop admitting requests; those in flight go on (B3).
+
+        Synchronous and idempotent: later calls to :meth:`stream` raise
+        :class:`~trio_disagg.RouterClosed`. Nothing is cancelled; pair it with
+        :meth:`wait_idle` (and the keeper's ``wait_idle``) for a graceful drain.
+        """
         self._closing = True
 
     async def wait_idle(self) -> None:
-        """Return once no request is in flight."""
+        """Return once no request is in flight (:attr:`in_flight` is 0); at once if none is.
+
+        It does not stop admission (call :meth:`close` first for a drain) and does not
+        wait for prefill legs the keeper still runs (``keeper.wait_idle()`` does).
+        Cancelling it leaves nothing behind.
+        """
         await self._in_flight.wait_value(0)
 
     def _admit(self) -> None:
@@ -361,7 +394,16 @@ class DisaggRouter:
 
     def disaggregates(self, request: PreprocessedRequest) -> bool:
         """Whether ``request`` gets a prefill leg: always, unless its prompt is estimated
-        shorter than ``disagg_min_prompt_tokens`` (conditional disaggregation)."""
+        shorter than ``disagg_min_prompt_tokens`` (conditional disaggregation).
+
+        Args:
+            request: the request; only its body's prompt is read (one token per 4 bytes
+                of UTF-8 text, token ids counted exactly).
+
+        Returns:
+            True for a prefill leg and a KV transfer; False for one decode worker alone.
+            A prompt that cannot be estimated (an image) is disaggregated (True).
+        """
         if self.disagg_min_prompt_tokens is None:
             return True
         tokens = estimate_prompt_tokens(request.body)
