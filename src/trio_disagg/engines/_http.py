@@ -199,6 +199,10 @@ def worker_client(**options: Any) -> WorkerClient:
 
     Environment proxies are not consulted: worker traffic stays inside the cluster. The
     caller owns the client: ``async with`` it, or ``await client.aclose()``.
+
+    Raises:
+        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0.
+        TypeError: a keyword :class:`~trio_disagg.engines.WorkerClient` does not take.
     """
     return WorkerClient(**options)
 
@@ -365,6 +369,20 @@ class HttpEngine:
     ``cancel_window`` (B10) is the class's :attr:`default_cancel_window` unless the
     constructor's ``cancel_window`` says otherwise (a deployment whose workers free KV
     differently); ``handoff_style`` is ``SEQUENTIAL`` unless a subclass says otherwise.
+
+    Args:
+        url: the worker's base URL (``http://host:port``; a trailing slash is dropped).
+        role: ``"prefill"`` or ``"decode"``.
+        client: a :class:`~trio_disagg.engines.WorkerClient` (shared by the engines;
+            the engine never closes it) or an :class:`httpx.AsyncClient` of the caller's
+            own (wrapped in a :class:`~trio_disagg.engines.HttpxWorkerClient`).
+        name: unique within its pool; default ``url``.
+        cancel_window: overrides :attr:`default_cancel_window` for this engine (B10).
+
+    Raises:
+        ValueError: ``url`` is not an ``http(s)://host[:port]`` URL (a port outside 1 to
+            65535, a query or a fragment included), or ``role`` is neither role.
+        TypeError: ``cancel_window`` is not a :class:`~trio_disagg.CancelWindow`.
     """
 
     #: The protocol's name, for messages.

@@ -290,8 +290,8 @@ class SglangEngine(HttpEngine):
     Args:
         url: the worker's base URL (``http://host:port``, no ``/v1``).
         role: ``"prefill"`` or ``"decode"``.
-        client: the shared client (see :func:`~trio_disagg.engines.worker_client`); the
-            engine never closes it.
+        client: the shared client (see :func:`~trio_disagg.engines.worker_client`), or
+            an :class:`httpx.AsyncClient` of the caller's own; the engine never closes it.
         name: unique within its pool; default ``url``.
         bootstrap_port: a prefill worker's bootstrap port (default 8998, SGLang's); its
             :attr:`bootstrap_host` is the URL's host.
@@ -300,6 +300,7 @@ class SglangEngine(HttpEngine):
     Raises:
         ValueError: a malformed URL, a bad role, or a bootstrap port out of 1-65535 or
             given for a decode worker.
+        TypeError: ``cancel_window`` is not a :class:`~trio_disagg.CancelWindow`.
     """
 
     protocol: ClassVar[str] = "SGLang"

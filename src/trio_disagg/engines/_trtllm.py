@@ -214,13 +214,14 @@ class TrtllmEngine(HttpEngine):
     Args:
         url: the server's base URL (``http://host:port``, no ``/v1``).
         role: ``"prefill"`` (context) or ``"decode"`` (generation).
-        client: the shared client (see :func:`~trio_disagg.engines.worker_client`); the
-            engine never closes it.
+        client: the shared client (see :func:`~trio_disagg.engines.worker_client`), or
+            an :class:`httpx.AsyncClient` of the caller's own; the engine never closes it.
         name: unique within its pool; default ``url``.
         cancel_window: overrides ``BEFORE_HANDOFF`` for this engine.
 
     Raises:
         ValueError: a malformed URL or a bad role.
+        TypeError: ``cancel_window`` is not a :class:`~trio_disagg.CancelWindow`.
     """
 
     protocol: ClassVar[str] = "TensorRT-LLM"

@@ -85,7 +85,12 @@ def vllm_client(**options: Any) -> WorkerClient:
     """A new :class:`~trio_disagg.engines.WorkerClient` for :class:`VllmEngine`\\ s to
     share: :func:`~trio_disagg.engines.worker_client`, whose keywords ``options`` are
     (connection bounds in connections, timeouts in seconds). The caller owns it: ``async
-    with`` it, or ``await client.aclose()``."""
+    with`` it, or ``await client.aclose()``.
+
+    Raises:
+        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0.
+        TypeError: a keyword :class:`~trio_disagg.engines.WorkerClient` does not take.
+    """
     return worker_client(**options)
 
 
@@ -164,9 +169,10 @@ class VllmEngine(HttpEngine):
     **Decode** (``role="decode"``): ``POST`` :func:`decode_body` (always streamed) and
     turn each server-sent event into an output: its text, ``token_ids`` if present, and
     on the last one the finish reason with the usage of the final usage chunk. Worker
-    finish reasons map as ``stop``/``tool_calls`` -> ``STOP``, ``length`` -> ``LENGTH``,
-    ``abort`` -> ``CANCELLED``, ``content_filter``, ``eos``, and ``error`` -> an error
-    finish; any other string -> ``STOP``.
+    finish reasons map as ``stop``/``tool_calls``/``function_call`` -> ``STOP``,
+    ``length`` -> ``LENGTH``, ``abort``/``cancelled`` -> ``CANCELLED``, ``eos`` -> ``EOS``,
+    ``content_filter`` -> ``CONTENT_FILTER``, ``error`` (or ``{"error": message}``) -> an
+    error finish; any other string -> ``STOP``.
 
     Every request carries ``X-Request-Id: request.request_id``. ``task_status.started()``
     is called once the worker answered 2xx headers.
@@ -199,13 +205,15 @@ class VllmEngine(HttpEngine):
     Args:
         url: the worker's base URL, such as ``http://10.0.0.5:8100`` (no ``/v1``).
         role: ``"prefill"`` or ``"decode"``.
-        client: the shared client (see :func:`vllm_client`); the engine never closes it.
+        client: the shared client (see :func:`vllm_client`), or an
+            :class:`httpx.AsyncClient` of the caller's own; the engine never closes it.
         name: unique within its pool; default ``url``.
         cancel_window: overrides ``ANYTIME`` for this engine.
 
     Raises:
         ValueError: ``url`` is not an ``http://`` or ``https://`` URL, or ``role`` is
             neither role.
+        TypeError: ``cancel_window`` is not a :class:`~trio_disagg.CancelWindow`.
     """
 
     protocol: ClassVar[str] = "vLLM"

@@ -29,27 +29,39 @@ MAX_HEADER_BYTES = 64 * 1024
 
 
 class TransportError(Exception):
-    """A worker could not be reached, or broke the HTTP exchange (no status to report)."""
+    """A worker could not be reached, or broke the HTTP exchange (no status to report).
+
+    The base of the worker client's failures, raised by :meth:`WorkerClient.stream` (on
+    entering) and :meth:`WorkerResponse.read`; also raised as is when a request is made
+    on a closed client. The HTTP engines turn it into a
+    :class:`~trio_disagg.WorkerError` with status 502 before the worker accepted the
+    request, or into one error item after.
+    """
 
 
 class ConnectError(TransportError):
-    """The connection to the worker could not be opened (refused, unreachable, timeout)."""
+    """The connection to the worker could not be opened: refused, unreachable, or not
+    open within the client's ``connect_timeout`` (seconds)."""
 
 
 class ReadTimeout(TransportError):
-    """The worker sent nothing for the read timeout (seconds)."""
+    """The worker sent nothing for the client's ``read_timeout`` (seconds); never raised
+    by a client without one (the default)."""
 
 
 class WriteTimeout(TransportError):
-    """The request could not be written within the write timeout (seconds)."""
+    """The request could not be written within the client's ``write_timeout`` (seconds)."""
 
 
 class PoolTimeout(TransportError):
-    """No connection became free within the pool timeout (seconds)."""
+    """No connection became free within the client's ``pool_timeout`` (seconds), with
+    ``max_connections`` open."""
 
 
 class RemoteProtocolError(TransportError):
-    """The worker closed the connection early or sent something that is not HTTP/1.1."""
+    """The worker closed the connection early (before or in the middle of its answer),
+    the connection broke, or the worker sent something that is not HTTP/1.1 (or headers
+    larger than 64 KiB)."""
 
 
 async def read_up_to(read: Callable[[], Awaitable[bytes]], limit: int | None) -> bytes:
@@ -101,6 +113,7 @@ class WorkerResponse:
     the ``async with`` of :meth:`WorkerClient.stream`) ends the exchange. A response read
     to its end gives its connection back to the pool; one closed before its end closes the
     connection, which is how the worker learns that the router has gone (it aborts).
+    Made by :meth:`WorkerClient.stream`, never directly.
     """
 
     __slots__ = ("_body", "_client", "_complete", "_connection", "_headers_done",
@@ -181,8 +194,13 @@ class WorkerResponse:
         events of a stream), decoded from chunked transfer; ``b""`` at its end.
 
         Raises:
-            ReadTimeout: nothing arrived for the client's read timeout.
-            RemoteProtocolError: the connection broke before the body's end.
+            ReadTimeout: nothing arrived for the client's ``read_timeout`` seconds (only
+                with one).
+            RemoteProtocolError: the connection broke before the body's end, or the
+                answer is not valid HTTP/1.1.
+
+        Cancelled, it leaves the response open and the rest of the body unread; the
+        exchange's ``async with`` (or :meth:`aclose`) then closes the connection.
         """
         while not self._body:
             if self._complete:
@@ -201,7 +219,16 @@ class WorkerResponse:
             "transfer-encoding", "").lower()
 
     async def aread(self, limit: int | None = None) -> bytes:
-        """The rest of the body (at most about ``limit`` bytes, then the rest is left)."""
+        """The rest of the body, as :meth:`read` returns it part by part, joined.
+
+        Args:
+            limit: stop after the read that brings the total to this many bytes or
+                more (the result may be longer; the rest is left unread); None: read to
+                the end.
+
+        Raises:
+            ReadTimeout, RemoteProtocolError: as :meth:`read`.
+        """
         return await read_up_to(self.read, limit)
 
     def _release(self) -> None:
@@ -221,7 +248,8 @@ class WorkerResponse:
 
     async def aclose(self) -> None:
         """End the exchange: give the connection back if the answer was read to its end,
-        else close it (the worker aborts the request). Idempotent."""
+        else close it (the worker aborts the request). Idempotent. Closing is done even if
+        the call is cancelled (trio closes a socket on a cancelled ``aclose``)."""
         if self._complete:
             self._release()
             return
@@ -308,6 +336,9 @@ class WorkerClient:
 
     Use it as an async context manager, or call :meth:`aclose`; closing it closes the
     idle connections (the ones in use close with their responses).
+
+    Raises:
+        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0.
     """
 
     def __init__(
@@ -357,6 +388,18 @@ class WorkerClient:
         """Send ``method`` (``POST``, or ``GET`` for a probe) with ``content`` to ``url``
         with ``headers``; ``async with`` it for the :class:`WorkerResponse`, once its status
         and headers are in.
+
+        Nothing is sent until the ``async with`` is entered. Leaving it closes the
+        response (:meth:`WorkerResponse.aclose`): the connection goes back to the pool if
+        the body was read to its end, else it is closed and the worker aborts the
+        request. A cancelled entry closes the connection it was using.
+
+        Args:
+            method: ``"POST"`` or ``"GET"``.
+            url: the worker's URL with the path (``http://host:port/v1/completions``).
+            content: the request body, in bytes (``b""`` for none); ``content-length`` is
+                set from it.
+            headers: extra header names to values, in bytes (``host`` is set).
 
         Raises:
             ValueError: ``method`` is not POST or GET, or ``url`` is not an http(s) URL.
@@ -452,7 +495,8 @@ class WorkerClient:
             self._slots.release()
 
     async def aclose(self) -> None:
-        """Close the idle connections; later requests raise :class:`TransportError`."""
+        """Close the idle connections; later requests raise :class:`TransportError`.
+        Connections carrying a response are closed when that response is. Idempotent."""
         self._closed = True
         for pool in self._pools.values():
             while pool.idle:
@@ -518,7 +562,12 @@ class HttpxWorkerClient:
     """The worker client's interface over an :class:`httpx.AsyncClient`: for a client with
     its own transport (a test's ``httpx.MockTransport``, a proxy, TLS settings httpx
     knows). Slower than :class:`WorkerClient` on the relay's hot path; its failures are
-    the same :class:`TransportError`\\ s."""
+    the same :class:`TransportError`\\ s.
+
+    Args:
+        client: the httpx client to send with; the caller owns it (this wrapper never
+            closes it).
+    """
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
