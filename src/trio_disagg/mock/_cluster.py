@@ -17,12 +17,18 @@ from ._registry import KVRegistry
 
 @attrs.define(eq=False)
 class MockCluster:
-    """In-process mock engines sharing one :class:`KVRegistry`.
+    """In-process mock engines sharing one :class:`KVRegistry`: what :func:`mock_cluster`
+    returns.
+
+    It owns no task and needs no closing: the engines do their work inside their
+    ``generate`` calls. Put ``prefill`` and ``decode`` in two
+    :class:`~trio_disagg.WorkerPool`\\ s for a :class:`~trio_disagg.DisaggRouter`.
 
     Attributes:
-        registry: links the engines.
-        prefill: the prefill engines.
-        decode: the decode engines.
+        registry: links the engines: a decode engine finds the prefill engine whose KV it
+            pulls, or whose bootstrap room it joins, there.
+        prefill: the prefill engines (:class:`MockPrefillEngine`).
+        decode: the decode engines (:class:`MockDecodeEngine`).
     """
 
     registry: KVRegistry
@@ -30,7 +36,13 @@ class MockCluster:
     decode: list[MockDecodeEngine]
 
     def counters(self) -> KVCounters:
-        """The sum of the prefill engines' KV counters (after expiring what is due)."""
+        """The sum of the prefill engines' KV counters (after expiring what is due), for
+        checking that every staged block was pulled or released (rule B1). Outside a trio
+        run it reads them without expiring anything.
+
+        Returns:
+            A new :class:`KVCounters`; later changes do not show in it.
+        """
         return self.registry.counters()
 
 
@@ -52,6 +64,8 @@ def mock_cluster(prefill: int = 1, decode: int = 1, *,
     (``decode-0``, ...) on one new registry, all with the same settings.
 
     Args:
+        prefill: the number of prefill engines.
+        decode: the number of decode engines.
         style: the prefill engines' handoff style.
         kv_ttl: as for :class:`MockPrefillEngine`.
         default_max_tokens: as for :class:`MockDecodeEngine`.
@@ -61,6 +75,9 @@ def mock_cluster(prefill: int = 1, decode: int = 1, *,
 
     Returns:
         The :class:`MockCluster`.
+
+    Raises:
+        ValueError: a bad setting (see the engines).
     """
     registry = KVRegistry()
     if options.get("latency") is None:

@@ -213,7 +213,16 @@ class FaultPlan:
     seed: int = 0
 
     def pick(self, request_id: str) -> Fault | None:
-        """The fault for ``request_id``, or None."""
+        """The fault for ``request_id``, or None: the same answer for the same
+        ``request_id`` and ``seed``, every time.
+
+        Args:
+            request_id: the request's id (``X-Request-Id``, or the engine request's id).
+
+        Returns:
+            One of :attr:`faults` for a fraction ``rate`` of request ids; None for the
+            others, and always with no faults or ``rate`` 0.
+        """
         if not self.faults or self.rate == 0.0:
             return None
         unit = seeded_unit(self.seed, "fault", request_id)

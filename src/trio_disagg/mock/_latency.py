@@ -44,14 +44,17 @@ class LatencyModel:
 
     @property
     def is_zero(self) -> bool:
+        """True when every delay is 0 (as :meth:`zero` makes it)."""
         return (self.ttft_per_prompt_token == 0 and self.inter_token_latency == 0
                 and self.kv_transfer_per_token == 0)
 
     def time_to_first_token(self, prompt_tokens: int) -> float:
-        """Seconds of prefill compute for a prompt of ``prompt_tokens`` tokens."""
+        """Seconds of prefill compute for a prompt of ``prompt_tokens`` tokens:
+        ``ttft_per_prompt_token * prompt_tokens``."""
         return self.ttft_per_prompt_token * prompt_tokens
 
     def kv_transfer_time(self, prompt_tokens: int) -> float:
-        """Seconds to transfer the KV cache of a prompt of ``prompt_tokens`` tokens."""
+        """Seconds to transfer the KV cache of a prompt of ``prompt_tokens`` tokens:
+        ``kv_transfer_per_token * prompt_tokens``."""
         return self.kv_transfer_per_token * prompt_tokens
 

@@ -75,7 +75,11 @@ def create_mock_worker(
             one); default 8998, SGLang's.
         bootstrap_timeout: SGLang only: seconds either side of a bootstrap room waits for
             the other.
-        others: see :class:`~trio_disagg.workers.MockWorker`.
+        others: see :class:`~trio_disagg.mock.MockWorker`.
+
+    Returns:
+        The worker app, not yet serving: pass it to :func:`serve_worker`, or to any ASGI
+        server on trio (then :meth:`MockWorker.advertise` its address yourself).
 
     Raises:
         ValueError: an unknown ``protocol``, a ``bootstrap_port`` for anything but an
@@ -128,8 +132,11 @@ async def serve_worker(
     Raises:
         OSError: the address could not be bound.
 
+    When ``shutdown_trigger`` returns, the worker stops accepting connections, closes
+    idle ones, and gives the responses in progress 1 s to end before they are cancelled.
     Cancelling it stops the worker at once: its connections close, so requests in flight
-    abort as on a real worker that dies.
+    abort as on a real worker that dies. Either way, the KV-pull client it made is closed
+    (within 1 s, shielded).
     """
     extra = app.extra_listen_port
     owned = app.http_client is None

@@ -97,7 +97,10 @@ class MockWorker:
     frees them (the request is *served*). If the puller disconnects first, the KV is
     released. ``POST /kv/{key}/release`` frees KV still waiting for its pull.
 
-    Args: see the protocol subclasses.
+    Its arguments are those of :class:`MockVllmWorker`, which every protocol takes
+    (:class:`MockSglangWorker` adds ``bootstrap_port`` and ``bootstrap_timeout``); make
+    one with :func:`create_mock_worker` and serve it with :func:`serve_worker`. A bad
+    role or setting raises :class:`ValueError`.
     """
 
     #: The protocol's name (``"vllm"``, ``"sglang"``, ``"trtllm"``).
@@ -167,16 +170,23 @@ class MockWorker:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.role} {self.name!r} at {self.host}:{self.port}>"
 
-    #: The port of a second listener the worker wants (SGLang's bootstrap port), 0 for any
-    #: free one, or None; :func:`~trio_disagg.workers.serve_worker` binds it.
     @property
     def extra_listen_port(self) -> int | None:
+        """The port of a second listener the worker wants (SGLang's bootstrap port), 0 for
+        any free one, or None; :func:`~trio_disagg.mock.serve_worker` binds it."""
         return None
 
     def advertise(self, host: str, port: int, extra_port: int | None = None) -> None:
         """Set the worker's own address, put in the handoffs it answers (``extra_port``:
         the bound port of :attr:`extra_listen_port`); an unnamed worker is named
-        ``"{role}@host:port"``."""
+        ``"{role}@host:port"``. :func:`serve_worker` calls it once listening; call it
+        yourself when serving the app another way.
+
+        Args:
+            host: the host decode workers reach this worker at (not a wildcard address).
+            port: its bound HTTP port.
+            extra_port: the bound port of its second listener, if it has one.
+        """
         self.host = host
         self.port = port
         if not self._named:
@@ -184,7 +194,10 @@ class MockWorker:
             self.kv.name = self.name
 
     def client(self) -> httpx.AsyncClient:
-        """The HTTP client of the worker's KV pulls and releases."""
+        """The HTTP client of the worker's KV pulls and releases: ``http_client``, else
+        one made on first use (no proxies from the environment), which is then the
+        caller's to close (``app.http_client``). :func:`serve_worker` provides one and
+        closes it, so an app it serves never makes its own."""
         if self.http_client is None:
             self.http_client = httpx.AsyncClient(timeout=PULL_TIMEOUT, trust_env=False)
         return self.http_client
