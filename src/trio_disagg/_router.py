@@ -74,8 +74,13 @@ class Deadlines:
     """Every bounded wait of a request, in seconds (rule B2 in docs/semantics.md).
 
     Attributes:
-        prefill: prefill dispatch until its handoff is classified (a bootstrap prefill:
-            until its answer, which comes after the KV transfer).
+        prefill: from the prefill's dispatch until its first output, the handoff,
+            retries on other workers included (B9). A bootstrap prefill's answer, which
+            comes after the KV transfer, then gets as long again, counted from that first
+            output. On expiry the request fails with a
+            :class:`~trio_disagg.PrefillDeadlineExceeded`; an answer already on its way
+            is still read, within ``min(1 s, 10% of it)``, so its staged KV is consumed
+            (B1).
         handoff: handoff ready until the decode worker accepted the request.
         decode_idle: the longest gap between two decode outputs.
         terminal_hold: how long a success terminal waits for the prefill outcome.

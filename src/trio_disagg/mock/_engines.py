@@ -64,7 +64,8 @@ class MockPrefillEngine:
     Each request: ``started()`` at once (the worker accepted it), then prefill compute
     for ``latency.time_to_first_token(prompt tokens)`` seconds, then the handoff:
 
-    * ``HandoffStyle.SEQUENTIAL`` (vLLM): the KV is staged in :attr:`kv` under the request
+    * ``HandoffStyle.SEQUENTIAL`` (vLLM; ``CONTEXT_FIRST``, TensorRT-LLM's, is served
+      the same way): the KV is staged in :attr:`kv` under the request
       id and ONE output is sent: one token, ``finish_reason`` length, usage with
       ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (a deterministic
       prefix-cache hit), and ``disaggregated_params`` = ``{"remote_engine_id": name,

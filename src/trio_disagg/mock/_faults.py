@@ -91,7 +91,8 @@ def _fault_names() -> str:
 
 @attrs.frozen(slots=True)
 class Fault:
-    """One injected fault.
+    """One injected fault. ``str(fault)`` is its wire string (``"decode_error_at:3"``),
+    which :func:`parse_fault` reads back.
 
     Attributes:
         kind: what to break.
@@ -105,6 +106,7 @@ class Fault:
 
     @property
     def role(self) -> str:
+        """``"prefill"`` or ``"decode"``: the worker that acts on it (its kind's role)."""
         return self.kind.role
 
     def __str__(self) -> str:
@@ -117,6 +119,14 @@ class Fault:
 
 def parse_fault(text: str) -> Fault:
     """Parse one fault string such as ``"prefill_stall"`` or ``"decode_error_at:3"``.
+
+    Args:
+        text: ``KIND``, ``KIND:K`` (a token count, for the ``*_at`` kinds) or
+            ``KIND[:STATUS]`` (an HTTP status 400-599, for the ``*_reject`` kinds, 503 if
+            omitted); surrounding blanks are ignored.
+
+    Returns:
+        The :class:`Fault`.
 
     Raises:
         ValueError: an unknown kind, a missing or malformed ``:ARG``; the message lists
@@ -146,6 +156,9 @@ def parse_fault(text: str) -> Fault:
 def parse_faults(value: Any) -> tuple[Fault, ...]:
     """Parse a body's ``"fault"`` value: None, a string (comma-separated allowed) or a
     list of strings.
+
+    Returns:
+        The faults, in order, at most one per role (empty for None or an empty string).
 
     Raises:
         ValueError: a malformed value, an unknown fault, or two faults for one role.

@@ -71,6 +71,7 @@ class StagedKV:
 
     @property
     def num_blocks(self) -> int:
+        """How many blocks are staged: ``len(block_ids)``."""
         return len(self.block_ids)
 
     @property
