@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import pytest
 import trio
@@ -254,3 +255,12 @@ async def test_a_read_timeout_bounds_a_stalled_answer() -> None:
                 with pytest.raises(ReadTimeout):
                     await response.read()
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("option", ["connect_timeout", "read_timeout", "write_timeout",
+                                    "pool_timeout", "keepalive_expiry"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_a_timeout_must_be_a_positive_number_of_seconds(option: str, value: float) -> None:
+    options: dict[str, Any] = {option: value}
+    with pytest.raises(ValueError, match=option):
+        WorkerClient(**options)

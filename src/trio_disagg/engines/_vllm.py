@@ -29,6 +29,7 @@ from ._http import (
     Must,
     NonNegativeInt,
     check_unique,
+    check_worker_url,
     choices_problem,
     endpoint_for,
     handoff_problem,
@@ -269,6 +270,8 @@ def vllm_engines(
     """
     check_unique("prefill", list(prefill_urls))
     check_unique("decode", list(decode_urls))
+    for url in [*prefill_urls, *decode_urls]:
+        check_worker_url(url, VllmEngine.protocol)  # before a client is made
     shared = client if client is not None else vllm_client()
     prefill = [VllmEngine(url, "prefill", client=shared, cancel_window=cancel_window)
                for url in prefill_urls]

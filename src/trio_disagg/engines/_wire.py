@@ -354,6 +354,12 @@ class WorkerClient:
     ) -> None:
         if max_connections < 1 or max_idle_per_worker < 0:
             raise ValueError("max_connections must be >= 1 and max_idle_per_worker >= 0")
+        for name, value in [("keepalive_expiry", keepalive_expiry),
+                            ("connect_timeout", connect_timeout),
+                            ("read_timeout", 1.0 if read_timeout is None else read_timeout),
+                            ("write_timeout", write_timeout), ("pool_timeout", pool_timeout)]:
+            if not value > 0:  # NaN too
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         self.max_idle_per_worker = max_idle_per_worker
         self.keepalive_expiry = keepalive_expiry
         self.connect_timeout = connect_timeout
