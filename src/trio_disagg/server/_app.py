@@ -6,8 +6,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
 import trio
@@ -50,20 +49,23 @@ from ._openai import (
     usage_dict,
     worker_aborted,
 )
+from ._responder import (
+    ENDING_WINDOW,
+    SEND_WINDOW,
+    Receive,
+    Responder,
+    Scope,
+    Send,
+    end_cancelled,
+)
 
 logger = logging.getLogger("trio_disagg.server")
-
-Scope = Mapping[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 #: Bytes of an oversized body read (and thrown away) before answering 413, so the client
 #: sees the answer rather than a connection reset.
 _DRAIN_LIMIT = 8 * 1024 * 1024
 _MAX_REQUEST_ID = 256
 
-_JSON = b"application/json"
 
 Item = Annotated[LLMEngineOutput]
 
@@ -81,144 +83,6 @@ def _outcome(error: ApiError) -> str:
     return "upstream_error"
 
 
-#: Seconds one send of a response may wait for the connection. Sends are shielded so that
-#: the responder's state is exactly what went out: a send cancelled half-way can leave
-#: hypercorn and h11 disagreeing about the response, and the next message then crashes
-#: the connection's task group, and with it the whole server.
-_SEND_WINDOW = 10.0
-
-#: Seconds a request cancelled at shutdown (or by the server from outside) gets to write
-#: its ending: a 503 error, or an error event and ``[DONE]`` (B3, B4).
-ENDING_WINDOW = 1.0
-
-
-class ResponseBroken(Exception):
-    """A send of the response did not complete: nothing more can be sent on it."""
-
-
-class _Responder:
-    """One HTTP response, and where it is: not started, streaming, or finished.
-
-    ``started`` and ``finished`` say what really went out: each is set once its send
-    completed. A send that failed or ran out of time marks the response ``broken``: what
-    reached the connection is then unknown, and nothing more is sent.
-
-    Before the final bytes go out it cancels the disconnect listener, because hypercorn
-    reports the end of a response to the app as an ``http.disconnect`` too.
-    """
-
-    __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_deadline",
-                 "started", "whole_sends")
-
-    def __init__(self, send: Send, *, whole_sends: bool = False) -> None:
-        self.send = send
-        #: The server sends each message whole or breaks the connection, bounded in time
-        #: (the project's own server): no shielded scope per send is needed.
-        self.whole_sends = whole_sends
-        self.request_id: bytes | None = None
-        self.started = False
-        self.finished = False
-        self.broken = False
-        self.listener: trio.CancelScope | None = None
-        #: No send may go on past this time (the shutdown ending caps it).
-        self.send_deadline = math.inf
-
-    @property
-    def done(self) -> bool:
-        """Nothing more can be sent: the response is finished, or broken."""
-        return self.finished or self.broken
-
-    def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        headers = [(b"content-type", content_type)]
-        if self.request_id is not None:
-            headers.append((b"x-request-id", self.request_id))
-        return headers
-
-    async def _send(self, message: Message) -> None:
-        """Send one message, shielded and bounded, so it either completes or breaks.
-
-        Raises:
-            ResponseBroken: the response was already broken, or this send timed out.
-        """
-        if self.done:
-            raise ResponseBroken(f"cannot send {message['type']}: the response is over")
-        if self.whole_sends and self.send_deadline == math.inf:
-            try:
-                await self.send(message)  # the relay's hot path: no scope per send
-            except BaseException:
-                self.broken = True
-                raise
-            return
-        deadline = min(trio.current_time() + _SEND_WINDOW, self.send_deadline)
-        with trio.CancelScope(deadline=deadline, shield=True) as scope:
-            try:
-                await self.send(message)
-            except BaseException:
-                self.broken = True
-                raise
-        if scope.cancelled_caught:
-            raise ResponseBroken(f"sending {message['type']} timed out")
-
-    async def start_stream(self) -> None:
-        headers = self._headers(b"text/event-stream")
-        headers.append((b"cache-control", b"no-cache"))
-        headers.append((b"x-accel-buffering", b"no"))
-        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        self.started = True
-
-    async def body(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def finish(self, data: bytes) -> None:
-        if self.listener is not None:
-            self.listener.cancel()
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
-        self.finished = True
-
-    async def respond(
-        self,
-        status: int,
-        data: bytes,
-        content_type: bytes = _JSON,
-        extra: Sequence[tuple[bytes, bytes]] = (),
-    ) -> None:
-        headers = self._headers(content_type)
-        headers.extend(extra)
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
-        await self.finish(data)
-
-    async def error(self, error: ApiError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-        """An error response, or, once streaming, an error event and ``[DONE]`` (B4)."""
-        if self.done:
-            await trio.lowlevel.checkpoint()
-        elif not self.started:
-            await self.respond(error.status, error.to_json(), extra=extra)
-        else:
-            await self.finish(error.to_event() + DONE_EVENT)
-
-
-def shutdown_error() -> ApiError:
-    """The error of a request the server cancelled because it is shutting down."""
-    return ApiError(503, "the server is shutting down; the request was cancelled before it "
-                    "completed", type="service_unavailable_error", code="server_shutting_down")
-
-
-async def _end_cancelled(responder: _Responder) -> None:
-    """Give a request cancelled by the server its ending (B3, B4): a 503 if nothing was
-    sent yet, else an error event and ``[DONE]``; shielded, for ``ENDING_WINDOW``."""
-    if responder.done:
-        await trio.lowlevel.checkpoint()
-        return
-    responder.send_deadline = min(responder.send_deadline,
-                                  trio.current_time() + ENDING_WINDOW)
-    with trio.move_on_after(ENDING_WINDOW, shield=True):
-        try:
-            await responder.error(shutdown_error())
-        except Exception as exc:
-            logger.debug("could not end a cancelled request: %r", exc)
-
-
 class _RequestState:
     """One generation request, as the app's shutdown sees it.
 
@@ -232,7 +96,7 @@ class _RequestState:
 
     __slots__ = ("disconnected", "outcome", "responder", "scope", "shutdown")
 
-    def __init__(self, responder: _Responder) -> None:
+    def __init__(self, responder: Responder) -> None:
         self.responder = responder
         self.scope = trio.CancelScope()
         self.disconnected = False
@@ -386,7 +250,7 @@ class OpenAIApp:
         error event and ``[DONE]``. A request the server cancels from outside (its graceful
         timeout over, a hard stop) still gets its ending, shielded and bounded.
         """
-        responder = _Responder(send, whole_sends=WHOLE_SENDS in scope.get("extensions", ()))
+        responder = Responder(send, whole_sends=WHOLE_SENDS in scope.get("extensions", ()))
         handled = False
         try:
             await self._http(scope, receive, responder)
@@ -399,9 +263,9 @@ class OpenAIApp:
         finally:
             if not handled and not responder.done:  # cancelled from outside
                 with trio.move_on_after(ENDING_WINDOW, shield=True):
-                    await _end_cancelled(responder)
+                    await end_cancelled(responder)
 
-    async def _http(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _http(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         edge = self.edge
         refusal = edge.authorize(scope)  # before routing: no key, nothing learnt
         if refusal is not None:
@@ -435,16 +299,16 @@ class OpenAIApp:
         else:
             await handler(scope, receive, responder)
 
-    async def _refuse(self, receive: Receive, responder: _Responder, refusal: Refusal) -> None:
+    async def _refuse(self, receive: Receive, responder: Responder, refusal: Refusal) -> None:
         """Answer a request the edge refused, its body read and thrown away first."""
         self.edge.refused.labels(refusal.reason).inc()
         await discard_body(receive, self.max_body_bytes)
         await responder.error(refusal.error, extra=refusal.headers)
 
-    async def _internal_error(self, responder: _Responder) -> None:
+    async def _internal_error(self, responder: Responder) -> None:
         """Report a bug to the client, shielded and bounded: a 500 if nothing was sent,
         else an error event and ``[DONE]``."""
-        with trio.move_on_after(_SEND_WINDOW, shield=True):
+        with trio.move_on_after(SEND_WINDOW, shield=True):
             try:
                 await responder.error(error_for_exception(RuntimeError()))
             except Exception as exc:
@@ -452,12 +316,12 @@ class OpenAIApp:
 
     # --- simple endpoints -------------------------------------------------------------
 
-    async def _list_models(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _list_models(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         data = [self._model_object(model) for model in self.models]
         await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
 
     async def _retrieve_model(self, scope: Scope, receive: Receive,
-                              responder: _Responder) -> None:
+                              responder: Responder) -> None:
         """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""
         model = scope["path"].removeprefix("/v1/models/")
         if model not in self.models:
@@ -471,7 +335,7 @@ class OpenAIApp:
         return {"id": model, "object": "model", "created": self._created,
                 "owned_by": "trio-disagg"}
 
-    async def _health(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _health(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         """Readiness: 200 while the router admits requests and each pool has a worker
         selection may choose; else 503 naming the pools without one (docs/router.md
         "Worker health")."""
@@ -496,26 +360,26 @@ class OpenAIApp:
             "workers": workers,
         }))
 
-    async def _livez(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _livez(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         """Liveness: 200 while the process serves, whatever its workers' health."""
         await responder.respond(200, orjson.dumps({"status": "alive"}))
 
-    async def _metrics(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _metrics(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         data, content_type = self.metrics.render()
         await responder.respond(200, data, content_type.encode())
 
     # --- generation -------------------------------------------------------------------
 
-    async def _completions(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _completions(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         await self._generate(scope, receive, responder, chat=False)
 
     async def _chat_completions(
-        self, scope: Scope, receive: Receive, responder: _Responder
+        self, scope: Scope, receive: Receive, responder: Responder
     ) -> None:
         await self._generate(scope, receive, responder, chat=True)
 
     async def _generate(
-        self, scope: Scope, receive: Receive, responder: _Responder, *, chat: bool
+        self, scope: Scope, receive: Receive, responder: Responder, *, chat: bool
     ) -> None:
         endpoint = "chat_completions" if chat else "completions"
         state = _RequestState(responder)
@@ -528,7 +392,7 @@ class OpenAIApp:
                 await self._serve_generation(scope, receive, state, chat=chat)
             if state.shutdown and not responder.done and not state.disconnected:
                 state.outcome = "unavailable"
-                await _end_cancelled(responder)
+                await end_cancelled(responder)
         except* Exception as group:
             logger.error("unexpected error serving %s", endpoint, exc_info=group)
             state.outcome = "internal_error"
@@ -736,7 +600,7 @@ class OpenAIApp:
 
     async def _write_stream(
         self,
-        responder: _Responder,
+        responder: Responder,
         stream: RequestStream,
         encoder: ChunkEncoder,
         include_usage: bool,
@@ -847,7 +711,7 @@ class OpenAIApp:
 
     async def _write_json(
         self,
-        responder: _Responder,
+        responder: Responder,
         stream: RequestStream,
         *,
         chat: bool,

@@ -14,7 +14,8 @@ import trio
 
 from .._health import HealthMonitor
 from .._http11 import serve_http
-from ._app import ENDING_WINDOW, OpenAIApp
+from ._app import OpenAIApp
+from ._responder import ENDING_WINDOW
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
