@@ -15,22 +15,15 @@ from trio_util import AsyncValue
 from .._context import RequestContext
 from .._http11 import WHOLE_SENDS
 from .._protocols import (
-    Annotated,
-    CompletionUsage,
-    FinishReason,
-    LLMEngineOutput,
     PreprocessedRequest,
     RoutingHints,
 )
 from .._router import DisaggRouter, RequestStream
 from ._edge import Edge, Refusal, discard_body
-from ._metrics import ServerMetrics
+from ._metrics import ServerMetrics, outcome_of
 from ._openai import (
-    DONE_EVENT,
-    OPENAI_FINISH,
     ApiError,
     ChatCompletionRequest,
-    ChoiceCollector,
     ChunkEncoder,
     CompletionRequest,
     check_chat,
@@ -38,16 +31,10 @@ from ._openai import (
     check_completion,
     check_max_tokens,
     check_prompt_fields,
-    completion_response,
-    counted_tokens,
     error_for_exception,
-    failure_error,
-    has_content,
     parse_json,
     request_too_large,
     structure_body,
-    usage_dict,
-    worker_aborted,
 )
 from ._responder import (
     ENDING_WINDOW,
@@ -58,6 +45,7 @@ from ._responder import (
     Send,
     end_cancelled,
 )
+from ._writer import JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
 
@@ -65,22 +53,6 @@ logger = logging.getLogger("trio_disagg.server")
 #: sees the answer rather than a connection reset.
 _DRAIN_LIMIT = 8 * 1024 * 1024
 _MAX_REQUEST_ID = 256
-
-
-Item = Annotated[LLMEngineOutput]
-
-
-def _outcome(error: ApiError) -> str:
-    status = error.status
-    if status == 503:
-        return "unavailable"
-    if status == 504:
-        return "timeout"
-    if status < 500:
-        return "invalid_request"
-    if status == 500:
-        return "internal_error"
-    return "upstream_error"
 
 
 class _RequestState:
@@ -516,7 +488,7 @@ class OpenAIApp:
                                "characters", param="X-Request-Id", code="invalid_value")
             request, include_usage = self._build_request(scope, data, request_id, chat=chat)
         except ApiError as error:
-            state.outcome = _outcome(error)
+            state.outcome = outcome_of(error)
             await responder.error(error)
             return
         context = RequestContext(
@@ -538,23 +510,24 @@ class OpenAIApp:
                         logger.error("unexpected error routing %s", request.request_id,
                                      exc_info=exc)
                     await responder.error(refusal)
-                    outcome = _outcome(refusal)
+                    outcome = outcome_of(refusal)
                 else:
                     created = int(time.time())
                     response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+                    sink: SseSink | JsonSink
                     if request.stream:
                         encoder = ChunkEncoder(
                             chat=chat, response_id=response_id, model=request.model,
                             created=created, include_usage=include_usage,
                         )
-                        outcome = await self._write_stream(
-                            responder, stream, encoder, include_usage
-                        )
+                        sink = SseSink(responder, encoder, include_usage)
+                        observe_itl: Callable[[float], None] | None = self.metrics.itl.observe
                     else:
-                        outcome = await self._write_json(
-                            responder, stream, chat=chat, response_id=response_id,
-                            model=request.model, created=created,
-                        )
+                        sink = JsonSink(responder, chat=chat, response_id=response_id,
+                                        model=request.model, created=created)
+                        observe_itl = None
+                    outcome = await write_response(
+                        stream, sink, lambda: self._first_token(stream), observe_itl)
                     self._observe_phases(stream)
                 state.outcome = outcome
                 # The answer is complete: let the decode leg end on its own (it records
@@ -572,7 +545,7 @@ class OpenAIApp:
                                  exc_info=group)
                 else:
                     logger.warning("request %s failed: %s", request.request_id, crash.message)
-                outcome = _outcome(crash)
+                outcome = outcome_of(crash)
                 await responder.error(crash)
             else:
                 logger.warning("request %s: a task failed after the answer was complete",
@@ -597,227 +570,6 @@ class OpenAIApp:
         ttft = tracker.time_to_first_token
         if ttft is not None:
             self.metrics.ttft.observe(ttft)
-
-    async def _write_stream(
-        self,
-        responder: Responder,
-        stream: RequestStream,
-        encoder: ChunkEncoder,
-        include_usage: bool,
-    ) -> str:
-        """Forward ``stream.outputs`` as server-sent events; exactly one ``[DONE]`` (B4).
-
-        An output that carries the worker's own choice is relayed as sent, in this
-        response's envelope (B8); one without (an in-process engine) is encoded from its
-        text. A worker's ``abort`` is an error, never a success.
-
-        Outputs already waiting in the channel are sent in one write. The response starts
-        with the first token, not before: a request that fails before producing anything
-        (a bootstrap prefill that failed, a decode that never started) gets a real HTTP
-        status and error body (docs/protocols.md section 1), not a 200 with an error event.
-        """
-        observe_itl = self.metrics.itl.observe
-        now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
-        outputs = stream.outputs
-        parts: list[bytes] = []
-        tokens = 0
-        usage: CompletionUsage | None = None
-        last: float | None = None
-        failure: ApiError
-        with outputs:
-            while True:
-                try:
-                    item = outputs.receive_nowait()
-                except trio.WouldBlock:
-                    if parts:
-                        if not responder.started:
-                            await responder.start_stream()
-                        await responder.body(b"".join(parts))
-                        parts = []
-                        continue
-                    try:
-                        item = await outputs.receive()
-                    except trio.EndOfChannel:
-                        failure = _failure(None)
-                        break
-                except trio.EndOfChannel:
-                    failure = _failure(None)
-                    break
-                if item.event == "error":
-                    failure = _failure(item)
-                    break
-                data = item.data
-                if data is None:
-                    continue
-                if last is None:
-                    last = now()
-                    self._first_token(stream)
-                else:
-                    current = now()
-                    observe_itl(current - last)
-                    last = current
-                tokens += len(data.token_ids)
-                if data.completion_usage is not None:
-                    usage = data.completion_usage
-                finish = data.finish_reason
-                choice = data.choice
-                if finish is None:
-                    if choice is None:  # an in-process engine: its text
-                        text = data.text
-                        if text:
-                            parts.append(encoder.token(text))
-                        continue
-                    if not data.token_ids:
-                        tokens += counted_tokens(choice)  # a chunk with no ids is one token
-                    parts.append(encoder.choice(choice))  # the worker's own choice, as sent (B8)
-                    continue
-                if choice is not None and not data.token_ids:
-                    tokens += counted_tokens(choice)
-                name = OPENAI_FINISH.get(finish.kind)
-                if name is None or worker_aborted(choice):  # the request did not complete
-                    if choice is not None:
-                        if has_content(choice):
-                            parts.append(encoder.choice({**choice, "finish_reason": None}))
-                    elif data.text:
-                        parts.append(encoder.token(data.text))
-                    failure = _failure(item)
-                    break
-                if choice is not None:
-                    parts.append(encoder.choice(choice, name))
-                else:
-                    parts.append(encoder.final(data.text, name))
-                if include_usage:
-                    parts.append(encoder.usage(usage_dict(usage, tokens, _cached(stream),
-                                                          stream.prompt_tokens)))
-                parts.append(DONE_EVENT)
-                if not responder.started:
-                    await responder.start_stream()
-                await responder.finish(b"".join(parts))
-                return "success"
-        # A decode leg cancelled with this request ends its channel first: the request's
-        # own cancellation then decides the ending (client gone, shutdown), not the leg.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if failure.status == 500:
-            logger.error("request stream failed: %s", failure.message)
-        if not responder.started and not parts:
-            await responder.error(failure)  # nothing sent yet: a real status
-            return _outcome(failure)
-        parts.append(failure.to_event())
-        parts.append(DONE_EVENT)
-        if not responder.started:
-            await responder.start_stream()
-        await responder.finish(b"".join(parts))
-        return _outcome(failure)
-
-    async def _write_json(
-        self,
-        responder: Responder,
-        stream: RequestStream,
-        *,
-        chat: bool,
-        response_id: str,
-        model: str,
-        created: int,
-    ) -> str:
-        """Collect ``stream.outputs`` into one JSON answer, or an error response.
-
-        Outputs that carry the worker's own choice are collected by a
-        :class:`ChoiceCollector` (B8); the text of outputs without one (the in-process
-        engines) makes the answer as before.
-        """
-        texts: list[str] = []
-        collector: ChoiceCollector | None = None
-        tokens = 0
-        usage: CompletionUsage | None = None
-        failure: ApiError
-        first = True
-        with stream.outputs as outputs:
-            while True:
-                try:
-                    item = await outputs.receive()
-                except trio.EndOfChannel:
-                    failure = _failure(None)
-                    break
-                if item.event == "error":
-                    failure = _failure(item)
-                    break
-                data = item.data
-                if data is None:
-                    continue
-                if first:
-                    first = False
-                    self._first_token(stream)
-                tokens += len(data.token_ids)
-                choice = data.choice
-                if choice is None:  # an in-process engine: its text
-                    text = data.text
-                    if text:
-                        texts.append(text)
-                else:  # the worker's own choice, as sent (B8)
-                    if not data.token_ids:
-                        tokens += counted_tokens(choice)  # a chunk with no ids is one token
-                    if collector is None:
-                        collector = ChoiceCollector(chat=chat)
-                    if texts:  # text of outputs without a choice came first: in order
-                        collector.add_text("".join(texts))
-                        texts.clear()
-                    collector.add(choice)
-                if data.completion_usage is not None:
-                    usage = data.completion_usage
-                finish = data.finish_reason
-                if finish is None:
-                    continue
-                name = OPENAI_FINISH.get(finish.kind)
-                if name is None or worker_aborted(choice):
-                    failure = _failure(item)
-                    break
-                answer = None
-                if collector is not None:
-                    if texts:
-                        collector.add_text("".join(texts))
-                    sent = choice.get("finish_reason") if choice is not None else None
-                    answer = collector.choice(name if sent is None else sent)
-                body = completion_response(
-                    chat=chat, response_id=response_id, model=model, created=created,
-                    text="".join(texts), finish_reason=name,
-                    usage=usage_dict(usage, tokens, _cached(stream), stream.prompt_tokens),
-                    choice=answer,
-                )
-                await responder.respond(200, body)
-                return "success"
-        await trio.lowlevel.checkpoint_if_cancelled()  # as in _write_stream
-        await responder.error(failure)
-        return _outcome(failure)
-
-
-def _failure(item: Item | None) -> ApiError:
-    """Why a stream failed, from the item that ended it.
-
-    An item that carries its exception (the gatekeeper's own errors, an engine's typed
-    failure) is answered from the exception's type; one that carries none (a worker's
-    error envelope or error finish, as it sent it) from its message and finish reason.
-
-    Args:
-        item: the error item, or the item with a failed finish reason; None if the stream
-            ended with no terminal at all.
-
-    Returns:
-        The :class:`ApiError` to answer with.
-    """
-    if item is None:
-        return failure_error(None)
-    if item.exception is not None:
-        return error_for_exception(item.exception)
-    data = item.data
-    if data is not None and worker_aborted(data.choice):
-        return failure_error(FinishReason.CANCELLED)  # an abort is an error (B8)
-    finish = data.finish_reason if data is not None else None
-    return failure_error(finish, item.error_message())
-
-
-def _cached(stream: RequestStream) -> int | None:
-    details = stream.prompt_tokens_details
-    return details.cached_tokens if details is not None else None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

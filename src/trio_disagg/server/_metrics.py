@@ -25,6 +25,7 @@ from .._health import EJECTION_REASONS, RETRY_REASONS, HealthState
 from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN
 from .._router import DisaggRouter
 from ._multiprocess import MultiprocessMirror
+from ._openai import ApiError
 
 #: Every request outcome the ``trio_disagg_requests_total`` counter uses.
 OUTCOMES = (
@@ -321,3 +322,17 @@ def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
         for reason in RETRY_REASONS:
             retries.add_metric([leg, reason], router.counters.retries.get((leg, reason), 0))
     yield retries
+
+
+def outcome_of(error: ApiError) -> str:
+    """The ``requests_total`` outcome of a request answered with ``error``."""
+    status = error.status
+    if status == 503:
+        return "unavailable"
+    if status == 504:
+        return "timeout"
+    if status < 500:
+        return "invalid_request"
+    if status == 500:
+        return "internal_error"
+    return "upstream_error"
