@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
@@ -16,25 +15,21 @@ from .._context import RequestContext
 from .._http11 import WHOLE_SENDS
 from .._protocols import (
     PreprocessedRequest,
-    RoutingHints,
 )
 from .._router import DisaggRouter, RequestStream
 from ._edge import Edge, Refusal, discard_body
 from ._metrics import ServerMetrics, outcome_of
 from ._openai import (
     ApiError,
-    ChatCompletionRequest,
     ChunkEncoder,
-    CompletionRequest,
-    check_chat,
-    check_common,
-    check_completion,
-    check_max_tokens,
-    check_prompt_fields,
     error_for_exception,
-    parse_json,
-    request_too_large,
-    structure_body,
+)
+from ._request import (
+    RequestLimits,
+    bad_request_id,
+    build_request,
+    read_body,
+    request_id_of,
 )
 from ._responder import (
     ENDING_WINDOW,
@@ -49,10 +44,6 @@ from ._writer import JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
 
-#: Bytes of an oversized body read (and thrown away) before answering 413, so the client
-#: sees the answer rather than a connection reset.
-_DRAIN_LIMIT = 8 * 1024 * 1024
-_MAX_REQUEST_ID = 256
 
 
 class _RequestState:
@@ -130,7 +121,6 @@ class OpenAIApp:
     ) -> None:
         self.router = router
         self.models = tuple(models)
-        self._model_set = frozenset(self.models)
         self.max_body_bytes = max_body_bytes
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
@@ -142,6 +132,8 @@ class OpenAIApp:
             max_prompt_bytes=max_body_bytes, fault_injection=False,
             keeper_in_flight=lambda: router.keeper.in_flight)
         self.metrics.registry.register(self.edge.refused)
+        self._limits = RequestLimits(self.edge, frozenset(self.models), max_tokens_limit,
+                                     default_max_tokens)
         self._created = int(time.time())
         self._active: set[_RequestState] = set()
         self._cancelling = False
@@ -374,123 +366,44 @@ class OpenAIApp:
             self._active.discard(state)
             self._handled.value = len(self._active)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The request body, or None if the client went away first.
-
-        Raises:
-            ApiError: 413 if the body is over ``max_body_bytes``.
-        """
-        limit = self.max_body_bytes
-        declared = _header(scope, b"content-length")
-        too_large = declared is not None and declared.isdigit() and int(declared) > limit
-        if too_large and declared is not None and int(declared) > limit + _DRAIN_LIMIT:
-            raise request_too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            data = message.get("body", b"")
-            size += len(data)
-            if size > limit:
-                too_large = True
-                chunks.clear()
-            if not too_large:
-                chunks.append(data)
-            if not message.get("more_body", False):
-                break
-            if size > limit + _DRAIN_LIMIT:
-                break  # stop draining: the server closes the connection after the 413
-        if too_large:
-            raise request_too_large(limit)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _build_request(
-        self, scope: Scope, data: bytes, request_id: str, *, chat: bool
-    ) -> tuple[PreprocessedRequest, bool]:
-        """Validate a generation request at the edge.
-
-        Returns:
-            The router's request, and whether the client asked for a usage chunk.
-
-        Raises:
-            ApiError: 400 for malformed JSON, a prompt over ``max_prompt_bytes``
-                (``prompt_too_long``), wrong types, missing fields, out-of-range values,
-                ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an unknown
-                model.
-        """
-        raw = parse_json(data)
-        if not isinstance(raw, dict):
-            raise ApiError(400, f"the request body must be a JSON object, "
-                           f"got {type(raw).__name__}", code="invalid_type")
-        self.edge.check_prompt(data, raw, chat=chat)  # 400 before any worker is called
-        self.edge.strip_fault(raw)
-        budget_name = "max_tokens"
-        if chat:
-            chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
-            check_chat(chat_request)
-            parsed: CompletionRequest | ChatCompletionRequest = chat_request
-            budget = chat_request.max_tokens
-            if chat_request.max_completion_tokens is not None:
-                if budget is not None:  # both given: both must be valid; the newer wins
-                    check_max_tokens("max_tokens", budget, self.max_tokens_limit)
-                budget_name, budget = "max_completion_tokens", chat_request.max_completion_tokens
-        else:
-            completion_request: CompletionRequest = structure_body(raw, CompletionRequest)
-            check_completion(completion_request)
-            parsed = completion_request
-            budget = completion_request.max_tokens
-        if budget is None:
-            budget = self.default_max_tokens
-        else:
-            check_max_tokens(budget_name, budget, self.max_tokens_limit)
-        check_common(parsed, budget, param=budget_name)
-        check_prompt_fields(raw)  # B8: what only the prefill computed is not served
-        if parsed.model not in self._model_set:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist.",
-                           param="model", code="model_not_found")
-        session = _header(scope, b"x-session-id") or parsed.user
-        options = parsed.stream_options
-        include_usage = bool(options is not None and options.include_usage)
-        request = PreprocessedRequest(
-            request_id=request_id,
-            model=parsed.model,
-            body=raw,
-            max_tokens=budget,
-            stream=bool(parsed.stream),
-            routing=RoutingHints(session_id=session),
-        )
-        return request, include_usage
-
     async def _serve_generation(
         self, scope: Scope, receive: Receive, state: _RequestState, *, chat: bool
     ) -> None:
         """Read, validate, route and answer one generation request; record its outcome
         in ``state`` as soon as it is known."""
         responder = state.responder
-        # The request id goes out on every answer, errors included: the client's if it is
-        # usable, else a fresh uuid4.
-        request_id = _header(scope, b"x-request-id")
-        bad_id = request_id is not None and (
-            len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable()
-        )
-        if request_id is None or bad_id or not request_id.strip():
-            request_id = str(uuid.uuid4())
+        request_id, bad_id = request_id_of(scope)
         responder.request_id = request_id.encode()
         try:
-            data = await self._read_body(scope, receive)
+            data = await read_body(scope, receive, self.max_body_bytes)
             if data is None:
                 state.disconnected = True
                 return
             if bad_id:
-                raise ApiError(400, f"X-Request-Id must be 1 to {_MAX_REQUEST_ID} printable "
-                               "characters", param="X-Request-Id", code="invalid_value")
-            request, include_usage = self._build_request(scope, data, request_id, chat=chat)
+                raise bad_request_id()
+            request, include_usage = build_request(
+                scope, data, request_id, self._limits, chat=chat)
         except ApiError as error:
             state.outcome = outcome_of(error)
             await responder.error(error)
             return
+        outcome = await self._route(receive, state, request, include_usage, chat=chat)
+        if outcome is None:
+            outcome = "disconnected" if state.disconnected else "internal_error"
+        state.outcome = outcome
+
+    async def _route(
+        self,
+        receive: Receive,
+        state: _RequestState,
+        request: PreprocessedRequest,
+        include_usage: bool,
+        *,
+        chat: bool,
+    ) -> str | None:
+        """Route one valid request and answer it, in a nursery the client's disconnect
+        cancels; return its outcome, None if it is still unknown (the client went away)."""
+        responder = state.responder
         context = RequestContext(
             request.request_id, {"session_id": request.routing.session_id}
         )
@@ -512,22 +425,8 @@ class OpenAIApp:
                     await responder.error(refusal)
                     outcome = outcome_of(refusal)
                 else:
-                    created = int(time.time())
-                    response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
-                    sink: SseSink | JsonSink
-                    if request.stream:
-                        encoder = ChunkEncoder(
-                            chat=chat, response_id=response_id, model=request.model,
-                            created=created, include_usage=include_usage,
-                        )
-                        sink = SseSink(responder, encoder, include_usage)
-                        observe_itl: Callable[[float], None] | None = self.metrics.itl.observe
-                    else:
-                        sink = JsonSink(responder, chat=chat, response_id=response_id,
-                                        model=request.model, created=created)
-                        observe_itl = None
-                    outcome = await write_response(
-                        stream, sink, lambda: self._first_token(stream), observe_itl)
+                    outcome = await self._answer(
+                        responder, request, stream, include_usage, chat=chat)
                     self._observe_phases(stream)
                 state.outcome = outcome
                 # The answer is complete: let the decode leg end on its own (it records
@@ -550,9 +449,25 @@ class OpenAIApp:
             else:
                 logger.warning("request %s: a task failed after the answer was complete",
                                request.request_id, exc_info=group)
-        if outcome is None:
-            outcome = "disconnected" if state.disconnected else "internal_error"
-        state.outcome = outcome
+        return outcome
+
+    async def _answer(self, responder: Responder, request: PreprocessedRequest,
+                      stream: RequestStream, include_usage: bool, *, chat: bool) -> str:
+        """Write the answer of a routed request: server-sent events or one JSON body."""
+        created = int(time.time())
+        response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+        sink: SseSink | JsonSink
+        observe_itl: Callable[[float], None] | None = None
+        if request.stream:
+            encoder = ChunkEncoder(chat=chat, response_id=response_id, model=request.model,
+                                   created=created, include_usage=include_usage)
+            sink = SseSink(responder, encoder, include_usage)
+            observe_itl = self.metrics.itl.observe
+        else:
+            sink = JsonSink(responder, chat=chat, response_id=response_id,
+                            model=request.model, created=created)
+        return await write_response(stream, sink, lambda: self._first_token(stream),
+                                    observe_itl)
 
     def _observe_phases(self, stream: RequestStream) -> None:
         tracker = stream.tracker
@@ -570,13 +485,6 @@ class OpenAIApp:
         ttft = tracker.time_to_first_token
         if ttft is not None:
             self.metrics.ttft.observe(ttft)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value).decode("latin-1")
-    return None
 
 
 def create_app(

@@ -190,32 +190,27 @@ async def write_response(
     first_token: Callable[[], None],
     observe_itl: Callable[[float], None] | None,
 ) -> str:
-    """Answer one request from ``stream.outputs`` through ``sink`` (B4, B8).
-
-    ``first_token`` is called with the first output, ``observe_itl`` (if given) with the
-    seconds between each later one and the one before. A worker's ``abort`` is an error,
-    never a success. Returns the request's ``requests_total`` outcome.
-    """
+    """Answer one request from ``stream.outputs`` through ``sink`` (B4, B8); return its
+    ``requests_total`` outcome. ``first_token`` is called with the first output,
+    ``observe_itl`` (if given) with the seconds since the output before, for each later one.
+    A worker's ``abort`` is an error, never a success."""
     now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
     outputs = stream.outputs
     parts, batched, on_text, on_choice = sink.parts, sink.batched, sink.text, sink.choice
     tokens = 0
     usage: CompletionUsage | None = None
     last: float | None = None
-    item: Item | None = None
+    item: Item | None
     with outputs:
         while True:
             try:
-                item = outputs.receive_nowait() if batched else await outputs.receive()
-            except trio.WouldBlock:
-                if parts:
-                    await sink.flush()
-                    continue
                 try:
+                    item = outputs.receive_nowait() if batched else await outputs.receive()
+                except trio.WouldBlock:
+                    if parts:  # what was already waiting goes out in one write
+                        await sink.flush()
+                        continue
                     item = await outputs.receive()
-                except trio.EndOfChannel:
-                    item = None
-                    break
             except trio.EndOfChannel:
                 item = None
                 break
