@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import orjson
 import trio
 from trio_util import AsyncValue
 
@@ -18,6 +17,7 @@ from .._protocols import (
 )
 from .._router import DisaggRouter, RequestStream
 from ._edge import Edge, Refusal, discard_body
+from ._endpoints import InfoEndpoints
 from ._metrics import ServerMetrics, outcome_of
 from ._openai import (
     ApiError,
@@ -26,10 +26,12 @@ from ._openai import (
 )
 from ._request import (
     RequestLimits,
+    RequestState,
     bad_request_id,
     build_request,
     read_body,
     request_id_of,
+    watch_disconnect,
 )
 from ._responder import (
     ENDING_WINDOW,
@@ -44,51 +46,6 @@ from ._writer import JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
 
-
-
-class _RequestState:
-    """One generation request, as the app's shutdown sees it.
-
-    Attributes:
-        responder: its response.
-        scope: cancelled by :meth:`OpenAIApp.shutdown` (with ``shutdown`` set).
-        disconnected: the client went away.
-        shutdown: the server cancelled the request because it is shutting down.
-        outcome: the ``requests_total`` outcome, once known.
-    """
-
-    __slots__ = ("disconnected", "outcome", "responder", "scope", "shutdown")
-
-    def __init__(self, responder: Responder) -> None:
-        self.responder = responder
-        self.scope = trio.CancelScope()
-        self.disconnected = False
-        self.shutdown = False
-        self.outcome = "disconnected"  # unless the request gets further
-
-    def cancel_for_shutdown(self) -> None:
-        self.shutdown = True
-        self.scope.cancel()
-
-
-async def _watch_disconnect(
-    receive: Receive,
-    request_scope: trio.CancelScope,
-    listener: trio.CancelScope,
-    state: _RequestState,
-) -> None:
-    """Cancel the request's nursery, and only it, when the client goes away.
-
-    Hypercorn never cancels an app by itself: a client that disconnects is only an
-    ``http.disconnect`` message on ``receive``.
-    """
-    with listener:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                state.disconnected = True
-                request_scope.cancel()
-                return
 
 
 class OpenAIApp:
@@ -134,18 +91,18 @@ class OpenAIApp:
         self.metrics.registry.register(self.edge.refused)
         self._limits = RequestLimits(self.edge, frozenset(self.models), max_tokens_limit,
                                      default_max_tokens)
-        self._created = int(time.time())
-        self._active: set[_RequestState] = set()
+        self._info = info = InfoEndpoints(router, self.models, self.metrics)
+        self._active: set[RequestState] = set()
         self._cancelling = False
         self._generation = frozenset({"/v1/completions", "/v1/chat/completions"})
         self._handled = AsyncValue(0)  # len(self._active), for the tasks in wait_idle
         self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
             "/v1/completions": (frozenset({"POST"}), self._completions),
             "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
-            "/v1/models": (frozenset({"GET", "HEAD"}), self._list_models),
-            "/health": (frozenset({"GET", "HEAD"}), self._health),
-            "/livez": (frozenset({"GET", "HEAD"}), self._livez),
-            "/metrics": (frozenset({"GET", "HEAD"}), self._metrics),
+            "/v1/models": (frozenset({"GET", "HEAD"}), info.list_models),
+            "/health": (frozenset({"GET", "HEAD"}), info.health),
+            "/livez": (frozenset({"GET", "HEAD"}), info.livez),
+            "/metrics": (frozenset({"GET", "HEAD"}), info.render_metrics),
         }
 
     @property
@@ -238,7 +195,7 @@ class OpenAIApp:
         path = scope["path"]
         route = self._routes.get(path)
         if route is None and path.startswith("/v1/models/"):
-            route = (frozenset({"GET"}), self._retrieve_model)
+            route = (frozenset({"GET"}), self._info.retrieve_model)
         if route is None:
             method = scope["method"]
             await responder.error(ApiError(
@@ -278,60 +235,6 @@ class OpenAIApp:
             except Exception as exc:
                 logger.debug("could not report an internal error: %r", exc)
 
-    # --- simple endpoints -------------------------------------------------------------
-
-    async def _list_models(self, scope: Scope, receive: Receive, responder: Responder) -> None:
-        data = [self._model_object(model) for model in self.models]
-        await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
-
-    async def _retrieve_model(self, scope: Scope, receive: Receive,
-                              responder: Responder) -> None:
-        """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""
-        model = scope["path"].removeprefix("/v1/models/")
-        if model not in self.models:
-            await responder.error(ApiError(
-                404, f"The model {model!r} does not exist", param="model",
-                code="model_not_found"))
-            return
-        await responder.respond(200, orjson.dumps(self._model_object(model)))
-
-    def _model_object(self, model: str) -> dict[str, object]:
-        return {"id": model, "object": "model", "created": self._created,
-                "owned_by": "trio-disagg"}
-
-    async def _health(self, scope: Scope, receive: Receive, responder: Responder) -> None:
-        """Readiness: 200 while the router admits requests and each pool has a worker
-        selection may choose; else 503 naming the pools without one (docs/router.md
-        "Worker health")."""
-        router = self.router
-        pools = {"prefill": router.prefill, "decode": router.decode}
-        healthy = {role: len(pool.healthy()) for role, pool in pools.items()}
-        unhealthy = [role for role, count in healthy.items() if count == 0]
-        if router.closing:
-            status, state = 503, "closing"
-        elif unhealthy:
-            status, state = 503, "no healthy workers"
-        else:
-            status, state = 200, "ok"
-        workers = {role: {worker.name: worker.state.value for worker in pool.workers}
-                   for role, pool in pools.items()}
-        await responder.respond(status, orjson.dumps({
-            "status": state,
-            "in_flight": router.in_flight,
-            "prefill_workers_healthy": healthy["prefill"],
-            "decode_workers_healthy": healthy["decode"],
-            "pools_without_healthy_workers": unhealthy,
-            "workers": workers,
-        }))
-
-    async def _livez(self, scope: Scope, receive: Receive, responder: Responder) -> None:
-        """Liveness: 200 while the process serves, whatever its workers' health."""
-        await responder.respond(200, orjson.dumps({"status": "alive"}))
-
-    async def _metrics(self, scope: Scope, receive: Receive, responder: Responder) -> None:
-        data, content_type = self.metrics.render()
-        await responder.respond(200, data, content_type.encode())
-
     # --- generation -------------------------------------------------------------------
 
     async def _completions(self, scope: Scope, receive: Receive, responder: Responder) -> None:
@@ -346,7 +249,7 @@ class OpenAIApp:
         self, scope: Scope, receive: Receive, responder: Responder, *, chat: bool
     ) -> None:
         endpoint = "chat_completions" if chat else "completions"
-        state = _RequestState(responder)
+        state = RequestState(responder)
         self._active.add(state)
         self._handled.value = len(self._active)
         try:
@@ -367,7 +270,7 @@ class OpenAIApp:
             self._handled.value = len(self._active)
 
     async def _serve_generation(
-        self, scope: Scope, receive: Receive, state: _RequestState, *, chat: bool
+        self, scope: Scope, receive: Receive, state: RequestState, *, chat: bool
     ) -> None:
         """Read, validate, route and answer one generation request; record its outcome
         in ``state`` as soon as it is known."""
@@ -395,7 +298,7 @@ class OpenAIApp:
     async def _route(
         self,
         receive: Receive,
-        state: _RequestState,
+        state: RequestState,
         request: PreprocessedRequest,
         include_usage: bool,
         *,
@@ -413,7 +316,7 @@ class OpenAIApp:
                 listener = trio.CancelScope()
                 responder.listener = listener
                 nursery.start_soon(
-                    _watch_disconnect, receive, nursery.cancel_scope, listener, state
+                    watch_disconnect, receive, nursery.cancel_scope, listener, state
                 )
                 try:
                     stream = await self.router.stream(nursery, request, context)
@@ -488,19 +391,11 @@ class OpenAIApp:
 
 
 def create_app(
-    router: DisaggRouter,
-    *,
-    models: Sequence[str],
-    max_body_bytes: int = 2 * 1024 * 1024,
-    max_prompt_bytes: int = 1024 * 1024,
-    max_tokens_limit: int = 32768,
-    default_max_tokens: int = 16,
-    linger: float = 5.0,
-    api_key: str | None = None,
-    protect_metrics: bool = False,
-    max_in_flight: int | None = None,
-    max_keeper_tasks: int | None = None,
-    fault_injection: bool = False,
+    router: DisaggRouter, *, models: Sequence[str], max_body_bytes: int = 2 * 1024 * 1024,
+    max_prompt_bytes: int = 1024 * 1024, max_tokens_limit: int = 32768,
+    default_max_tokens: int = 16, linger: float = 5.0, api_key: str | None = None,
+    protect_metrics: bool = False, max_in_flight: int | None = None,
+    max_keeper_tasks: int | None = None, fault_injection: bool = False,
 ) -> OpenAIApp:
     """Build the OpenAI-compatible ASGI app for ``router``.
 
@@ -547,6 +442,20 @@ def create_app(
         ValueError: no models, a limit that is not positive, an empty ``api_key``, or
             ``protect_metrics`` without one.
     """
+    _check_arguments(models, max_body_bytes, max_tokens_limit, default_max_tokens, linger)
+    keeper = router.keeper
+    edge = Edge(
+        api_key=api_key, protect_metrics=protect_metrics, max_in_flight=max_in_flight,
+        max_keeper_tasks=max_keeper_tasks, max_prompt_bytes=max_prompt_bytes,
+        fault_injection=fault_injection, keeper_in_flight=lambda: keeper.in_flight)
+    return OpenAIApp(router, models=models, max_body_bytes=max_body_bytes,
+                     max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
+                     linger=linger, edge=edge)
+
+
+def _check_arguments(models: Sequence[str], max_body_bytes: int, max_tokens_limit: int,
+                     default_max_tokens: int, linger: float) -> None:
+    """Raise ValueError for an argument of :func:`create_app` out of its range."""
     if not models or any(not isinstance(model, str) or not model for model in models):
         raise ValueError(f"models must be a non-empty list of names, got {models!r}")
     if max_body_bytes < 1:
@@ -559,17 +468,3 @@ def create_app(
         )
     if not linger >= 0 or math.isnan(linger):
         raise ValueError(f"linger must be >= 0 seconds, got {linger}")
-    keeper = router.keeper
-    edge = Edge(
-        api_key=api_key, protect_metrics=protect_metrics, max_in_flight=max_in_flight,
-        max_keeper_tasks=max_keeper_tasks, max_prompt_bytes=max_prompt_bytes,
-        fault_injection=fault_injection, keeper_in_flight=lambda: keeper.in_flight)
-    return OpenAIApp(
-        router,
-        models=models,
-        max_body_bytes=max_body_bytes,
-        max_tokens_limit=max_tokens_limit,
-        default_max_tokens=default_max_tokens,
-        linger=linger,
-        edge=edge,
-    )

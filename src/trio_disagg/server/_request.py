@@ -1,11 +1,14 @@
-"""A generation request at the edge: its id, its body (bounded in size), and its
-validation into the router's :class:`~trio_disagg.PreprocessedRequest` (B8)."""
+"""A generation request at the edge: its state as the app sees it (and the disconnect
+listener that cancels it), its id, its body (bounded in size), and its validation into
+the router's :class:`~trio_disagg.PreprocessedRequest` (B8)."""
 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import attrs
+import trio
 
 from .._protocols import PreprocessedRequest, RoutingHints
 from ._edge import Edge
@@ -22,7 +25,7 @@ from ._openai import (
     request_too_large,
     structure_body,
 )
-from ._responder import Receive, Scope
+from ._responder import Receive, Responder, Scope
 
 #: Bytes of an oversized body read (and thrown away) before answering 413, so the client
 #: sees the answer rather than a connection reset.
@@ -45,6 +48,51 @@ class RequestLimits:
     models: frozenset[str]
     max_tokens_limit: int
     default_max_tokens: int
+
+
+class RequestState:
+    """One generation request, as the app's shutdown sees it.
+
+    Attributes:
+        responder: its response.
+        scope: cancelled by :meth:`OpenAIApp.shutdown` (with ``shutdown`` set).
+        disconnected: the client went away.
+        shutdown: the server cancelled the request because it is shutting down.
+        outcome: the ``requests_total`` outcome, once known.
+    """
+
+    __slots__ = ("disconnected", "outcome", "responder", "scope", "shutdown")
+
+    def __init__(self, responder: Responder) -> None:
+        self.responder = responder
+        self.scope = trio.CancelScope()
+        self.disconnected = False
+        self.shutdown = False
+        self.outcome = "disconnected"  # unless the request gets further
+
+    def cancel_for_shutdown(self) -> None:
+        self.shutdown = True
+        self.scope.cancel()
+
+
+async def watch_disconnect(
+    receive: Receive,
+    request_scope: trio.CancelScope,
+    listener: trio.CancelScope,
+    state: RequestState,
+) -> None:
+    """Cancel the request's nursery, and only it, when the client goes away.
+
+    Hypercorn never cancels an app by itself: a client that disconnects is only an
+    ``http.disconnect`` message on ``receive``.
+    """
+    with listener:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                state.disconnected = True
+                request_scope.cancel()
+                return
 
 
 def request_id_of(scope: Scope) -> tuple[str, bool]:
@@ -123,6 +171,30 @@ def build_request(
                        f"got {type(raw).__name__}", code="invalid_type")
     limits.edge.check_prompt(data, raw, chat=chat)  # 400 before any worker is called
     limits.edge.strip_fault(raw)
+    parsed, budget, budget_name = _typed(raw, limits, chat=chat)
+    check_common(parsed, budget, param=budget_name)
+    check_prompt_fields(raw)  # B8: what only the prefill computed is not served
+    if parsed.model not in limits.models:
+        raise ApiError(404, f"The model `{parsed.model}` does not exist.",
+                       param="model", code="model_not_found")
+    session = header(scope, b"x-session-id") or parsed.user
+    options = parsed.stream_options
+    include_usage = bool(options is not None and options.include_usage)
+    request = PreprocessedRequest(
+        request_id=request_id,
+        model=parsed.model,
+        body=raw,
+        max_tokens=budget,
+        stream=bool(parsed.stream),
+        routing=RoutingHints(session_id=session),
+    )
+    return request, include_usage
+
+
+def _typed(
+    raw: dict[str, Any], limits: RequestLimits, *, chat: bool
+) -> tuple[CompletionRequest | ChatCompletionRequest, int, str]:
+    """The typed request, its completion budget in tokens, and the budget's field name."""
     budget_name = "max_tokens"
     if chat:
         chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
@@ -142,23 +214,7 @@ def build_request(
         budget = limits.default_max_tokens
     else:
         check_max_tokens(budget_name, budget, limits.max_tokens_limit)
-    check_common(parsed, budget, param=budget_name)
-    check_prompt_fields(raw)  # B8: what only the prefill computed is not served
-    if parsed.model not in limits.models:
-        raise ApiError(404, f"The model `{parsed.model}` does not exist.",
-                       param="model", code="model_not_found")
-    session = header(scope, b"x-session-id") or parsed.user
-    options = parsed.stream_options
-    include_usage = bool(options is not None and options.include_usage)
-    request = PreprocessedRequest(
-        request_id=request_id,
-        model=parsed.model,
-        body=raw,
-        max_tokens=budget,
-        stream=bool(parsed.stream),
-        routing=RoutingHints(session_id=session),
-    )
-    return request, include_usage
+    return parsed, budget, budget_name
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -195,13 +195,11 @@ async def write_response(
     ``observe_itl`` (if given) with the seconds since the output before, for each later one.
     A worker's ``abort`` is an error, never a success."""
     now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
-    outputs = stream.outputs
     parts, batched, on_text, on_choice = sink.parts, sink.batched, sink.text, sink.choice
     tokens = 0
     usage: CompletionUsage | None = None
     last: float | None = None
-    item: Item | None
-    with outputs:
+    with stream.outputs as outputs:
         while True:
             try:
                 try:
@@ -211,9 +209,8 @@ async def write_response(
                         await sink.flush()
                         continue
                     item = await outputs.receive()
-            except trio.EndOfChannel:
-                item = None
-                break
+            except trio.EndOfChannel:  # no terminal at all
+                return await _fail(sink, failure_of(None))
             if item.event == "error":
                 break
             data = item.data
