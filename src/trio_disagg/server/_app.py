@@ -19,11 +19,8 @@ from .._router import DisaggRouter, RequestStream
 from ._edge import Edge, Refusal, discard_body
 from ._endpoints import InfoEndpoints
 from ._metrics import ServerMetrics, outcome_of
-from ._openai import (
-    ApiError,
-    ChunkEncoder,
-    error_for_exception,
-)
+from ._openai_errors import ApiError, error_for_exception
+from ._openai_responses import ChunkEncoder
 from ._request import (
     RequestLimits,
     RequestState,

@@ -8,7 +8,7 @@ import orjson
 
 from .._router import DisaggRouter
 from ._metrics import ServerMetrics
-from ._openai import ApiError
+from ._openai_errors import ApiError
 from ._responder import Receive, Responder, Scope
 
 

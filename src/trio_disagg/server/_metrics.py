@@ -25,7 +25,7 @@ from .._health import EJECTION_REASONS, RETRY_REASONS, HealthState
 from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN
 from .._router import DisaggRouter
 from ._multiprocess import MultiprocessMirror
-from ._openai import ApiError
+from ._openai_errors import ApiError
 
 #: Every request outcome the ``trio_disagg_requests_total`` counter uses.
 OUTCOMES = (

@@ -12,8 +12,8 @@ import trio
 
 from .._protocols import PreprocessedRequest, RoutingHints
 from ._edge import Edge
-from ._openai import (
-    ApiError,
+from ._openai_errors import ApiError, request_too_large
+from ._openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     check_chat,
@@ -22,7 +22,6 @@ from ._openai import (
     check_max_tokens,
     check_prompt_fields,
     parse_json,
-    request_too_large,
     structure_body,
 )
 from ._responder import Receive, Responder, Scope

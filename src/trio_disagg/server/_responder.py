@@ -10,7 +10,8 @@ from typing import Any
 
 import trio
 
-from ._openai import DONE_EVENT, ApiError
+from ._openai_errors import ApiError
+from ._openai_responses import DONE_EVENT
 
 logger = logging.getLogger("trio_disagg.server")
 

@@ -20,15 +20,14 @@ import trio
 from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput
 from .._router import RequestStream
 from ._metrics import outcome_of
-from ._openai import (
+from ._openai_errors import ApiError, error_for_exception
+from ._openai_responses import (
     DONE_EVENT,
     OPENAI_FINISH,
-    ApiError,
     ChoiceCollector,
     ChunkEncoder,
     completion_response,
     counted_tokens,
-    error_for_exception,
     failure_error,
     has_content,
     usage_dict,
