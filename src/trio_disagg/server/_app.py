@@ -392,8 +392,7 @@ def create_app(
     max_prompt_bytes: int = 1024 * 1024, max_tokens_limit: int = 32768,
     default_max_tokens: int = 16, linger: float = 5.0, api_key: str | None = None,
     protect_metrics: bool = False, max_in_flight: int | None = None,
-    max_keeper_tasks: int | None = None, fault_injection: bool = False,
-) -> OpenAIApp:
+    max_keeper_tasks: int | None = None, fault_injection: bool = False) -> OpenAIApp:
     """Build the OpenAI-compatible ASGI app for ``router``.
 
     Each generation request runs in a nursery of its own, in which the router starts the
