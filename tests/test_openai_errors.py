@@ -17,7 +17,7 @@ from trio_disagg import (
     WorkerError,
 )
 from trio_disagg.server import error_for_exception
-from trio_disagg.server._openai import ERROR_TABLE
+from trio_disagg.server._openai_errors import ERROR_TABLE
 
 FIELD = "choices[0].disaggregated_params.ctx_request_id"
 

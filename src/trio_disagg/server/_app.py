@@ -5,263 +5,44 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
-import orjson
 import trio
 from trio_util import AsyncValue
 
 from .._context import RequestContext
 from .._http11 import WHOLE_SENDS
 from .._protocols import (
-    Annotated,
-    CompletionUsage,
-    FinishReason,
-    LLMEngineOutput,
     PreprocessedRequest,
-    RoutingHints,
 )
 from .._router import DisaggRouter, RequestStream
 from ._edge import Edge, Refusal, discard_body
-from ._metrics import ServerMetrics
-from ._openai import (
-    DONE_EVENT,
-    OPENAI_FINISH,
-    ApiError,
-    ChatCompletionRequest,
-    ChoiceCollector,
-    ChunkEncoder,
-    CompletionRequest,
-    check_chat,
-    check_common,
-    check_completion,
-    check_max_tokens,
-    check_prompt_fields,
-    completion_response,
-    counted_tokens,
-    error_for_exception,
-    failure_error,
-    has_content,
-    parse_json,
-    request_too_large,
-    structure_body,
-    usage_dict,
-    worker_aborted,
+from ._endpoints import InfoEndpoints
+from ._metrics import ServerMetrics, outcome_of
+from ._openai_errors import ApiError, error_for_exception
+from ._openai_responses import ChunkEncoder
+from ._request import (
+    RequestLimits,
+    RequestState,
+    bad_request_id,
+    build_request,
+    read_body,
+    request_id_of,
+    watch_disconnect,
 )
+from ._responder import (
+    ENDING_WINDOW,
+    SEND_WINDOW,
+    Receive,
+    Responder,
+    Scope,
+    Send,
+    end_cancelled,
+)
+from ._writer import JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
 
-Scope = Mapping[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-#: Bytes of an oversized body read (and thrown away) before answering 413, so the client
-#: sees the answer rather than a connection reset.
-_DRAIN_LIMIT = 8 * 1024 * 1024
-_MAX_REQUEST_ID = 256
-
-_JSON = b"application/json"
-
-Item = Annotated[LLMEngineOutput]
-
-
-def _outcome(error: ApiError) -> str:
-    status = error.status
-    if status == 503:
-        return "unavailable"
-    if status == 504:
-        return "timeout"
-    if status < 500:
-        return "invalid_request"
-    if status == 500:
-        return "internal_error"
-    return "upstream_error"
-
-
-#: Seconds one send of a response may wait for the connection. Sends are shielded so that
-#: the responder's state is exactly what went out: a send cancelled half-way can leave
-#: hypercorn and h11 disagreeing about the response, and the next message then crashes
-#: the connection's task group, and with it the whole server.
-_SEND_WINDOW = 10.0
-
-#: Seconds a request cancelled at shutdown (or by the server from outside) gets to write
-#: its ending: a 503 error, or an error event and ``[DONE]`` (B3, B4).
-ENDING_WINDOW = 1.0
-
-
-class ResponseBroken(Exception):
-    """A send of the response did not complete: nothing more can be sent on it."""
-
-
-class _Responder:
-    """One HTTP response, and where it is: not started, streaming, or finished.
-
-    ``started`` and ``finished`` say what really went out: each is set once its send
-    completed. A send that failed or ran out of time marks the response ``broken``: what
-    reached the connection is then unknown, and nothing more is sent.
-
-    Before the final bytes go out it cancels the disconnect listener, because hypercorn
-    reports the end of a response to the app as an ``http.disconnect`` too.
-    """
-
-    __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_deadline",
-                 "started", "whole_sends")
-
-    def __init__(self, send: Send, *, whole_sends: bool = False) -> None:
-        self.send = send
-        #: The server sends each message whole or breaks the connection, bounded in time
-        #: (the project's own server): no shielded scope per send is needed.
-        self.whole_sends = whole_sends
-        self.request_id: bytes | None = None
-        self.started = False
-        self.finished = False
-        self.broken = False
-        self.listener: trio.CancelScope | None = None
-        #: No send may go on past this time (the shutdown ending caps it).
-        self.send_deadline = math.inf
-
-    @property
-    def done(self) -> bool:
-        """Nothing more can be sent: the response is finished, or broken."""
-        return self.finished or self.broken
-
-    def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        headers = [(b"content-type", content_type)]
-        if self.request_id is not None:
-            headers.append((b"x-request-id", self.request_id))
-        return headers
-
-    async def _send(self, message: Message) -> None:
-        """Send one message, shielded and bounded, so it either completes or breaks.
-
-        Raises:
-            ResponseBroken: the response was already broken, or this send timed out.
-        """
-        if self.done:
-            raise ResponseBroken(f"cannot send {message['type']}: the response is over")
-        if self.whole_sends and self.send_deadline == math.inf:
-            try:
-                await self.send(message)  # the relay's hot path: no scope per send
-            except BaseException:
-                self.broken = True
-                raise
-            return
-        deadline = min(trio.current_time() + _SEND_WINDOW, self.send_deadline)
-        with trio.CancelScope(deadline=deadline, shield=True) as scope:
-            try:
-                await self.send(message)
-            except BaseException:
-                self.broken = True
-                raise
-        if scope.cancelled_caught:
-            raise ResponseBroken(f"sending {message['type']} timed out")
-
-    async def start_stream(self) -> None:
-        headers = self._headers(b"text/event-stream")
-        headers.append((b"cache-control", b"no-cache"))
-        headers.append((b"x-accel-buffering", b"no"))
-        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        self.started = True
-
-    async def body(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def finish(self, data: bytes) -> None:
-        if self.listener is not None:
-            self.listener.cancel()
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
-        self.finished = True
-
-    async def respond(
-        self,
-        status: int,
-        data: bytes,
-        content_type: bytes = _JSON,
-        extra: Sequence[tuple[bytes, bytes]] = (),
-    ) -> None:
-        headers = self._headers(content_type)
-        headers.extend(extra)
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
-        await self.finish(data)
-
-    async def error(self, error: ApiError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-        """An error response, or, once streaming, an error event and ``[DONE]`` (B4)."""
-        if self.done:
-            await trio.lowlevel.checkpoint()
-        elif not self.started:
-            await self.respond(error.status, error.to_json(), extra=extra)
-        else:
-            await self.finish(error.to_event() + DONE_EVENT)
-
-
-def shutdown_error() -> ApiError:
-    """The error of a request the server cancelled because it is shutting down."""
-    return ApiError(503, "the server is shutting down; the request was cancelled before it "
-                    "completed", type="service_unavailable_error", code="server_shutting_down")
-
-
-async def _end_cancelled(responder: _Responder) -> None:
-    """Give a request cancelled by the server its ending (B3, B4): a 503 if nothing was
-    sent yet, else an error event and ``[DONE]``; shielded, for ``ENDING_WINDOW``."""
-    if responder.done:
-        await trio.lowlevel.checkpoint()
-        return
-    responder.send_deadline = min(responder.send_deadline,
-                                  trio.current_time() + ENDING_WINDOW)
-    with trio.move_on_after(ENDING_WINDOW, shield=True):
-        try:
-            await responder.error(shutdown_error())
-        except Exception as exc:
-            logger.debug("could not end a cancelled request: %r", exc)
-
-
-class _RequestState:
-    """One generation request, as the app's shutdown sees it.
-
-    Attributes:
-        responder: its response.
-        scope: cancelled by :meth:`OpenAIApp.shutdown` (with ``shutdown`` set).
-        disconnected: the client went away.
-        shutdown: the server cancelled the request because it is shutting down.
-        outcome: the ``requests_total`` outcome, once known.
-    """
-
-    __slots__ = ("disconnected", "outcome", "responder", "scope", "shutdown")
-
-    def __init__(self, responder: _Responder) -> None:
-        self.responder = responder
-        self.scope = trio.CancelScope()
-        self.disconnected = False
-        self.shutdown = False
-        self.outcome = "disconnected"  # unless the request gets further
-
-    def cancel_for_shutdown(self) -> None:
-        self.shutdown = True
-        self.scope.cancel()
-
-
-async def _watch_disconnect(
-    receive: Receive,
-    request_scope: trio.CancelScope,
-    listener: trio.CancelScope,
-    state: _RequestState,
-) -> None:
-    """Cancel the request's nursery, and only it, when the client goes away.
-
-    Hypercorn never cancels an app by itself: a client that disconnects is only an
-    ``http.disconnect`` message on ``receive``.
-    """
-    with listener:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                state.disconnected = True
-                request_scope.cancel()
-                return
 
 
 class OpenAIApp:
@@ -294,7 +75,6 @@ class OpenAIApp:
     ) -> None:
         self.router = router
         self.models = tuple(models)
-        self._model_set = frozenset(self.models)
         self.max_body_bytes = max_body_bytes
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
@@ -306,18 +86,20 @@ class OpenAIApp:
             max_prompt_bytes=max_body_bytes, fault_injection=False,
             keeper_in_flight=lambda: router.keeper.in_flight)
         self.metrics.registry.register(self.edge.refused)
-        self._created = int(time.time())
-        self._active: set[_RequestState] = set()
+        self._limits = RequestLimits(self.edge, frozenset(self.models), max_tokens_limit,
+                                     default_max_tokens)
+        self._info = info = InfoEndpoints(router, self.models, self.metrics)
+        self._active: set[RequestState] = set()
         self._cancelling = False
         self._generation = frozenset({"/v1/completions", "/v1/chat/completions"})
         self._handled = AsyncValue(0)  # len(self._active), for the tasks in wait_idle
         self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
             "/v1/completions": (frozenset({"POST"}), self._completions),
             "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
-            "/v1/models": (frozenset({"GET", "HEAD"}), self._list_models),
-            "/health": (frozenset({"GET", "HEAD"}), self._health),
-            "/livez": (frozenset({"GET", "HEAD"}), self._livez),
-            "/metrics": (frozenset({"GET", "HEAD"}), self._metrics),
+            "/v1/models": (frozenset({"GET", "HEAD"}), info.list_models),
+            "/health": (frozenset({"GET", "HEAD"}), info.health),
+            "/livez": (frozenset({"GET", "HEAD"}), info.livez),
+            "/metrics": (frozenset({"GET", "HEAD"}), info.render_metrics),
         }
 
     @property
@@ -386,7 +168,7 @@ class OpenAIApp:
         error event and ``[DONE]``. A request the server cancels from outside (its graceful
         timeout over, a hard stop) still gets its ending, shielded and bounded.
         """
-        responder = _Responder(send, whole_sends=WHOLE_SENDS in scope.get("extensions", ()))
+        responder = Responder(send, whole_sends=WHOLE_SENDS in scope.get("extensions", ()))
         handled = False
         try:
             await self._http(scope, receive, responder)
@@ -399,9 +181,9 @@ class OpenAIApp:
         finally:
             if not handled and not responder.done:  # cancelled from outside
                 with trio.move_on_after(ENDING_WINDOW, shield=True):
-                    await _end_cancelled(responder)
+                    await end_cancelled(responder)
 
-    async def _http(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _http(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         edge = self.edge
         refusal = edge.authorize(scope)  # before routing: no key, nothing learnt
         if refusal is not None:
@@ -410,7 +192,7 @@ class OpenAIApp:
         path = scope["path"]
         route = self._routes.get(path)
         if route is None and path.startswith("/v1/models/"):
-            route = (frozenset({"GET"}), self._retrieve_model)
+            route = (frozenset({"GET"}), self._info.retrieve_model)
         if route is None:
             method = scope["method"]
             await responder.error(ApiError(
@@ -435,90 +217,36 @@ class OpenAIApp:
         else:
             await handler(scope, receive, responder)
 
-    async def _refuse(self, receive: Receive, responder: _Responder, refusal: Refusal) -> None:
+    async def _refuse(self, receive: Receive, responder: Responder, refusal: Refusal) -> None:
         """Answer a request the edge refused, its body read and thrown away first."""
         self.edge.refused.labels(refusal.reason).inc()
         await discard_body(receive, self.max_body_bytes)
         await responder.error(refusal.error, extra=refusal.headers)
 
-    async def _internal_error(self, responder: _Responder) -> None:
+    async def _internal_error(self, responder: Responder) -> None:
         """Report a bug to the client, shielded and bounded: a 500 if nothing was sent,
         else an error event and ``[DONE]``."""
-        with trio.move_on_after(_SEND_WINDOW, shield=True):
+        with trio.move_on_after(SEND_WINDOW, shield=True):
             try:
                 await responder.error(error_for_exception(RuntimeError()))
             except Exception as exc:
                 logger.debug("could not report an internal error: %r", exc)
 
-    # --- simple endpoints -------------------------------------------------------------
-
-    async def _list_models(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
-        data = [self._model_object(model) for model in self.models]
-        await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
-
-    async def _retrieve_model(self, scope: Scope, receive: Receive,
-                              responder: _Responder) -> None:
-        """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""
-        model = scope["path"].removeprefix("/v1/models/")
-        if model not in self.models:
-            await responder.error(ApiError(
-                404, f"The model {model!r} does not exist", param="model",
-                code="model_not_found"))
-            return
-        await responder.respond(200, orjson.dumps(self._model_object(model)))
-
-    def _model_object(self, model: str) -> dict[str, object]:
-        return {"id": model, "object": "model", "created": self._created,
-                "owned_by": "trio-disagg"}
-
-    async def _health(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
-        """Readiness: 200 while the router admits requests and each pool has a worker
-        selection may choose; else 503 naming the pools without one (docs/router.md
-        "Worker health")."""
-        router = self.router
-        pools = {"prefill": router.prefill, "decode": router.decode}
-        healthy = {role: len(pool.healthy()) for role, pool in pools.items()}
-        unhealthy = [role for role, count in healthy.items() if count == 0]
-        if router.closing:
-            status, state = 503, "closing"
-        elif unhealthy:
-            status, state = 503, "no healthy workers"
-        else:
-            status, state = 200, "ok"
-        workers = {role: {worker.name: worker.state.value for worker in pool.workers}
-                   for role, pool in pools.items()}
-        await responder.respond(status, orjson.dumps({
-            "status": state,
-            "in_flight": router.in_flight,
-            "prefill_workers_healthy": healthy["prefill"],
-            "decode_workers_healthy": healthy["decode"],
-            "pools_without_healthy_workers": unhealthy,
-            "workers": workers,
-        }))
-
-    async def _livez(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
-        """Liveness: 200 while the process serves, whatever its workers' health."""
-        await responder.respond(200, orjson.dumps({"status": "alive"}))
-
-    async def _metrics(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
-        data, content_type = self.metrics.render()
-        await responder.respond(200, data, content_type.encode())
-
     # --- generation -------------------------------------------------------------------
 
-    async def _completions(self, scope: Scope, receive: Receive, responder: _Responder) -> None:
+    async def _completions(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         await self._generate(scope, receive, responder, chat=False)
 
     async def _chat_completions(
-        self, scope: Scope, receive: Receive, responder: _Responder
+        self, scope: Scope, receive: Receive, responder: Responder
     ) -> None:
         await self._generate(scope, receive, responder, chat=True)
 
     async def _generate(
-        self, scope: Scope, receive: Receive, responder: _Responder, *, chat: bool
+        self, scope: Scope, receive: Receive, responder: Responder, *, chat: bool
     ) -> None:
         endpoint = "chat_completions" if chat else "completions"
-        state = _RequestState(responder)
+        state = RequestState(responder)
         self._active.add(state)
         self._handled.value = len(self._active)
         try:
@@ -528,7 +256,7 @@ class OpenAIApp:
                 await self._serve_generation(scope, receive, state, chat=chat)
             if state.shutdown and not responder.done and not state.disconnected:
                 state.outcome = "unavailable"
-                await _end_cancelled(responder)
+                await end_cancelled(responder)
         except* Exception as group:
             logger.error("unexpected error serving %s", endpoint, exc_info=group)
             state.outcome = "internal_error"
@@ -538,123 +266,44 @@ class OpenAIApp:
             self._active.discard(state)
             self._handled.value = len(self._active)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The request body, or None if the client went away first.
-
-        Raises:
-            ApiError: 413 if the body is over ``max_body_bytes``.
-        """
-        limit = self.max_body_bytes
-        declared = _header(scope, b"content-length")
-        too_large = declared is not None and declared.isdigit() and int(declared) > limit
-        if too_large and declared is not None and int(declared) > limit + _DRAIN_LIMIT:
-            raise request_too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            data = message.get("body", b"")
-            size += len(data)
-            if size > limit:
-                too_large = True
-                chunks.clear()
-            if not too_large:
-                chunks.append(data)
-            if not message.get("more_body", False):
-                break
-            if size > limit + _DRAIN_LIMIT:
-                break  # stop draining: the server closes the connection after the 413
-        if too_large:
-            raise request_too_large(limit)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _build_request(
-        self, scope: Scope, data: bytes, request_id: str, *, chat: bool
-    ) -> tuple[PreprocessedRequest, bool]:
-        """Validate a generation request at the edge.
-
-        Returns:
-            The router's request, and whether the client asked for a usage chunk.
-
-        Raises:
-            ApiError: 400 for malformed JSON, a prompt over ``max_prompt_bytes``
-                (``prompt_too_long``), wrong types, missing fields, out-of-range values,
-                ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an unknown
-                model.
-        """
-        raw = parse_json(data)
-        if not isinstance(raw, dict):
-            raise ApiError(400, f"the request body must be a JSON object, "
-                           f"got {type(raw).__name__}", code="invalid_type")
-        self.edge.check_prompt(data, raw, chat=chat)  # 400 before any worker is called
-        self.edge.strip_fault(raw)
-        budget_name = "max_tokens"
-        if chat:
-            chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
-            check_chat(chat_request)
-            parsed: CompletionRequest | ChatCompletionRequest = chat_request
-            budget = chat_request.max_tokens
-            if chat_request.max_completion_tokens is not None:
-                if budget is not None:  # both given: both must be valid; the newer wins
-                    check_max_tokens("max_tokens", budget, self.max_tokens_limit)
-                budget_name, budget = "max_completion_tokens", chat_request.max_completion_tokens
-        else:
-            completion_request: CompletionRequest = structure_body(raw, CompletionRequest)
-            check_completion(completion_request)
-            parsed = completion_request
-            budget = completion_request.max_tokens
-        if budget is None:
-            budget = self.default_max_tokens
-        else:
-            check_max_tokens(budget_name, budget, self.max_tokens_limit)
-        check_common(parsed, budget, param=budget_name)
-        check_prompt_fields(raw)  # B8: what only the prefill computed is not served
-        if parsed.model not in self._model_set:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist.",
-                           param="model", code="model_not_found")
-        session = _header(scope, b"x-session-id") or parsed.user
-        options = parsed.stream_options
-        include_usage = bool(options is not None and options.include_usage)
-        request = PreprocessedRequest(
-            request_id=request_id,
-            model=parsed.model,
-            body=raw,
-            max_tokens=budget,
-            stream=bool(parsed.stream),
-            routing=RoutingHints(session_id=session),
-        )
-        return request, include_usage
-
     async def _serve_generation(
-        self, scope: Scope, receive: Receive, state: _RequestState, *, chat: bool
+        self, scope: Scope, receive: Receive, state: RequestState, *, chat: bool
     ) -> None:
         """Read, validate, route and answer one generation request; record its outcome
         in ``state`` as soon as it is known."""
         responder = state.responder
-        # The request id goes out on every answer, errors included: the client's if it is
-        # usable, else a fresh uuid4.
-        request_id = _header(scope, b"x-request-id")
-        bad_id = request_id is not None and (
-            len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable()
-        )
-        if request_id is None or bad_id or not request_id.strip():
-            request_id = str(uuid.uuid4())
+        request_id, bad_id = request_id_of(scope)
         responder.request_id = request_id.encode()
         try:
-            data = await self._read_body(scope, receive)
+            data = await read_body(scope, receive, self.max_body_bytes)
             if data is None:
                 state.disconnected = True
                 return
             if bad_id:
-                raise ApiError(400, f"X-Request-Id must be 1 to {_MAX_REQUEST_ID} printable "
-                               "characters", param="X-Request-Id", code="invalid_value")
-            request, include_usage = self._build_request(scope, data, request_id, chat=chat)
+                raise bad_request_id()
+            request, include_usage = build_request(
+                scope, data, request_id, self._limits, chat=chat)
         except ApiError as error:
-            state.outcome = _outcome(error)
+            state.outcome = outcome_of(error)
             await responder.error(error)
             return
+        outcome = await self._route(receive, state, request, include_usage, chat=chat)
+        if outcome is None:
+            outcome = "disconnected" if state.disconnected else "internal_error"
+        state.outcome = outcome
+
+    async def _route(
+        self,
+        receive: Receive,
+        state: RequestState,
+        request: PreprocessedRequest,
+        include_usage: bool,
+        *,
+        chat: bool,
+    ) -> str | None:
+        """Route one valid request and answer it, in a nursery the client's disconnect
+        cancels; return its outcome, None if it is still unknown (the client went away)."""
+        responder = state.responder
         context = RequestContext(
             request.request_id, {"session_id": request.routing.session_id}
         )
@@ -664,7 +313,7 @@ class OpenAIApp:
                 listener = trio.CancelScope()
                 responder.listener = listener
                 nursery.start_soon(
-                    _watch_disconnect, receive, nursery.cancel_scope, listener, state
+                    watch_disconnect, receive, nursery.cancel_scope, listener, state
                 )
                 try:
                     stream = await self.router.stream(nursery, request, context)
@@ -674,23 +323,10 @@ class OpenAIApp:
                         logger.error("unexpected error routing %s", request.request_id,
                                      exc_info=exc)
                     await responder.error(refusal)
-                    outcome = _outcome(refusal)
+                    outcome = outcome_of(refusal)
                 else:
-                    created = int(time.time())
-                    response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
-                    if request.stream:
-                        encoder = ChunkEncoder(
-                            chat=chat, response_id=response_id, model=request.model,
-                            created=created, include_usage=include_usage,
-                        )
-                        outcome = await self._write_stream(
-                            responder, stream, encoder, include_usage
-                        )
-                    else:
-                        outcome = await self._write_json(
-                            responder, stream, chat=chat, response_id=response_id,
-                            model=request.model, created=created,
-                        )
+                    outcome = await self._answer(
+                        responder, request, stream, include_usage, chat=chat)
                     self._observe_phases(stream)
                 state.outcome = outcome
                 # The answer is complete: let the decode leg end on its own (it records
@@ -708,14 +344,30 @@ class OpenAIApp:
                                  exc_info=group)
                 else:
                     logger.warning("request %s failed: %s", request.request_id, crash.message)
-                outcome = _outcome(crash)
+                outcome = outcome_of(crash)
                 await responder.error(crash)
             else:
                 logger.warning("request %s: a task failed after the answer was complete",
                                request.request_id, exc_info=group)
-        if outcome is None:
-            outcome = "disconnected" if state.disconnected else "internal_error"
-        state.outcome = outcome
+        return outcome
+
+    async def _answer(self, responder: Responder, request: PreprocessedRequest,
+                      stream: RequestStream, include_usage: bool, *, chat: bool) -> str:
+        """Write the answer of a routed request: server-sent events or one JSON body."""
+        created = int(time.time())
+        response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+        sink: SseSink | JsonSink
+        observe_itl: Callable[[float], None] | None = None
+        if request.stream:
+            encoder = ChunkEncoder(chat=chat, response_id=response_id, model=request.model,
+                                   created=created, include_usage=include_usage)
+            sink = SseSink(responder, encoder, include_usage)
+            observe_itl = self.metrics.itl.observe
+        else:
+            sink = JsonSink(responder, chat=chat, response_id=response_id,
+                            model=request.model, created=created)
+        return await write_response(stream, sink, lambda: self._first_token(stream),
+                                    observe_itl)
 
     def _observe_phases(self, stream: RequestStream) -> None:
         tracker = stream.tracker
@@ -734,250 +386,13 @@ class OpenAIApp:
         if ttft is not None:
             self.metrics.ttft.observe(ttft)
 
-    async def _write_stream(
-        self,
-        responder: _Responder,
-        stream: RequestStream,
-        encoder: ChunkEncoder,
-        include_usage: bool,
-    ) -> str:
-        """Forward ``stream.outputs`` as server-sent events; exactly one ``[DONE]`` (B4).
-
-        An output that carries the worker's own choice is relayed as sent, in this
-        response's envelope (B8); one without (an in-process engine) is encoded from its
-        text. A worker's ``abort`` is an error, never a success.
-
-        Outputs already waiting in the channel are sent in one write. The response starts
-        with the first token, not before: a request that fails before producing anything
-        (a bootstrap prefill that failed, a decode that never started) gets a real HTTP
-        status and error body (docs/protocols.md section 1), not a 200 with an error event.
-        """
-        observe_itl = self.metrics.itl.observe
-        now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
-        outputs = stream.outputs
-        parts: list[bytes] = []
-        tokens = 0
-        usage: CompletionUsage | None = None
-        last: float | None = None
-        failure: ApiError
-        with outputs:
-            while True:
-                try:
-                    item = outputs.receive_nowait()
-                except trio.WouldBlock:
-                    if parts:
-                        if not responder.started:
-                            await responder.start_stream()
-                        await responder.body(b"".join(parts))
-                        parts = []
-                        continue
-                    try:
-                        item = await outputs.receive()
-                    except trio.EndOfChannel:
-                        failure = _failure(None)
-                        break
-                except trio.EndOfChannel:
-                    failure = _failure(None)
-                    break
-                if item.event == "error":
-                    failure = _failure(item)
-                    break
-                data = item.data
-                if data is None:
-                    continue
-                if last is None:
-                    last = now()
-                    self._first_token(stream)
-                else:
-                    current = now()
-                    observe_itl(current - last)
-                    last = current
-                tokens += len(data.token_ids)
-                if data.completion_usage is not None:
-                    usage = data.completion_usage
-                finish = data.finish_reason
-                choice = data.choice
-                if finish is None:
-                    if choice is None:  # an in-process engine: its text
-                        text = data.text
-                        if text:
-                            parts.append(encoder.token(text))
-                        continue
-                    if not data.token_ids:
-                        tokens += counted_tokens(choice)  # a chunk with no ids is one token
-                    parts.append(encoder.choice(choice))  # the worker's own choice, as sent (B8)
-                    continue
-                if choice is not None and not data.token_ids:
-                    tokens += counted_tokens(choice)
-                name = OPENAI_FINISH.get(finish.kind)
-                if name is None or worker_aborted(choice):  # the request did not complete
-                    if choice is not None:
-                        if has_content(choice):
-                            parts.append(encoder.choice({**choice, "finish_reason": None}))
-                    elif data.text:
-                        parts.append(encoder.token(data.text))
-                    failure = _failure(item)
-                    break
-                if choice is not None:
-                    parts.append(encoder.choice(choice, name))
-                else:
-                    parts.append(encoder.final(data.text, name))
-                if include_usage:
-                    parts.append(encoder.usage(usage_dict(usage, tokens, _cached(stream),
-                                                          stream.prompt_tokens)))
-                parts.append(DONE_EVENT)
-                if not responder.started:
-                    await responder.start_stream()
-                await responder.finish(b"".join(parts))
-                return "success"
-        # A decode leg cancelled with this request ends its channel first: the request's
-        # own cancellation then decides the ending (client gone, shutdown), not the leg.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if failure.status == 500:
-            logger.error("request stream failed: %s", failure.message)
-        if not responder.started and not parts:
-            await responder.error(failure)  # nothing sent yet: a real status
-            return _outcome(failure)
-        parts.append(failure.to_event())
-        parts.append(DONE_EVENT)
-        if not responder.started:
-            await responder.start_stream()
-        await responder.finish(b"".join(parts))
-        return _outcome(failure)
-
-    async def _write_json(
-        self,
-        responder: _Responder,
-        stream: RequestStream,
-        *,
-        chat: bool,
-        response_id: str,
-        model: str,
-        created: int,
-    ) -> str:
-        """Collect ``stream.outputs`` into one JSON answer, or an error response.
-
-        Outputs that carry the worker's own choice are collected by a
-        :class:`ChoiceCollector` (B8); the text of outputs without one (the in-process
-        engines) makes the answer as before.
-        """
-        texts: list[str] = []
-        collector: ChoiceCollector | None = None
-        tokens = 0
-        usage: CompletionUsage | None = None
-        failure: ApiError
-        first = True
-        with stream.outputs as outputs:
-            while True:
-                try:
-                    item = await outputs.receive()
-                except trio.EndOfChannel:
-                    failure = _failure(None)
-                    break
-                if item.event == "error":
-                    failure = _failure(item)
-                    break
-                data = item.data
-                if data is None:
-                    continue
-                if first:
-                    first = False
-                    self._first_token(stream)
-                tokens += len(data.token_ids)
-                choice = data.choice
-                if choice is None:  # an in-process engine: its text
-                    text = data.text
-                    if text:
-                        texts.append(text)
-                else:  # the worker's own choice, as sent (B8)
-                    if not data.token_ids:
-                        tokens += counted_tokens(choice)  # a chunk with no ids is one token
-                    if collector is None:
-                        collector = ChoiceCollector(chat=chat)
-                    if texts:  # text of outputs without a choice came first: in order
-                        collector.add_text("".join(texts))
-                        texts.clear()
-                    collector.add(choice)
-                if data.completion_usage is not None:
-                    usage = data.completion_usage
-                finish = data.finish_reason
-                if finish is None:
-                    continue
-                name = OPENAI_FINISH.get(finish.kind)
-                if name is None or worker_aborted(choice):
-                    failure = _failure(item)
-                    break
-                answer = None
-                if collector is not None:
-                    if texts:
-                        collector.add_text("".join(texts))
-                    sent = choice.get("finish_reason") if choice is not None else None
-                    answer = collector.choice(name if sent is None else sent)
-                body = completion_response(
-                    chat=chat, response_id=response_id, model=model, created=created,
-                    text="".join(texts), finish_reason=name,
-                    usage=usage_dict(usage, tokens, _cached(stream), stream.prompt_tokens),
-                    choice=answer,
-                )
-                await responder.respond(200, body)
-                return "success"
-        await trio.lowlevel.checkpoint_if_cancelled()  # as in _write_stream
-        await responder.error(failure)
-        return _outcome(failure)
-
-
-def _failure(item: Item | None) -> ApiError:
-    """Why a stream failed, from the item that ended it.
-
-    An item that carries its exception (the gatekeeper's own errors, an engine's typed
-    failure) is answered from the exception's type; one that carries none (a worker's
-    error envelope or error finish, as it sent it) from its message and finish reason.
-
-    Args:
-        item: the error item, or the item with a failed finish reason; None if the stream
-            ended with no terminal at all.
-
-    Returns:
-        The :class:`ApiError` to answer with.
-    """
-    if item is None:
-        return failure_error(None)
-    if item.exception is not None:
-        return error_for_exception(item.exception)
-    data = item.data
-    if data is not None and worker_aborted(data.choice):
-        return failure_error(FinishReason.CANCELLED)  # an abort is an error (B8)
-    finish = data.finish_reason if data is not None else None
-    return failure_error(finish, item.error_message())
-
-
-def _cached(stream: RequestStream) -> int | None:
-    details = stream.prompt_tokens_details
-    return details.cached_tokens if details is not None else None
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value).decode("latin-1")
-    return None
-
 
 def create_app(
-    router: DisaggRouter,
-    *,
-    models: Sequence[str],
-    max_body_bytes: int = 2 * 1024 * 1024,
-    max_prompt_bytes: int = 1024 * 1024,
-    max_tokens_limit: int = 32768,
-    default_max_tokens: int = 16,
-    linger: float = 5.0,
-    api_key: str | None = None,
-    protect_metrics: bool = False,
-    max_in_flight: int | None = None,
-    max_keeper_tasks: int | None = None,
-    fault_injection: bool = False,
-) -> OpenAIApp:
+    router: DisaggRouter, *, models: Sequence[str], max_body_bytes: int = 2 * 1024 * 1024,
+    max_prompt_bytes: int = 1024 * 1024, max_tokens_limit: int = 32768,
+    default_max_tokens: int = 16, linger: float = 5.0, api_key: str | None = None,
+    protect_metrics: bool = False, max_in_flight: int | None = None,
+    max_keeper_tasks: int | None = None, fault_injection: bool = False) -> OpenAIApp:
     """Build the OpenAI-compatible ASGI app for ``router``.
 
     Each generation request runs in a nursery of its own, in which the router starts the
@@ -1023,6 +438,20 @@ def create_app(
         ValueError: no models, a limit that is not positive, an empty ``api_key``, or
             ``protect_metrics`` without one.
     """
+    _check_arguments(models, max_body_bytes, max_tokens_limit, default_max_tokens, linger)
+    keeper = router.keeper
+    edge = Edge(
+        api_key=api_key, protect_metrics=protect_metrics, max_in_flight=max_in_flight,
+        max_keeper_tasks=max_keeper_tasks, max_prompt_bytes=max_prompt_bytes,
+        fault_injection=fault_injection, keeper_in_flight=lambda: keeper.in_flight)
+    return OpenAIApp(router, models=models, max_body_bytes=max_body_bytes,
+                     max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
+                     linger=linger, edge=edge)
+
+
+def _check_arguments(models: Sequence[str], max_body_bytes: int, max_tokens_limit: int,
+                     default_max_tokens: int, linger: float) -> None:
+    """Raise ValueError for an argument of :func:`create_app` out of its range."""
     if not models or any(not isinstance(model, str) or not model for model in models):
         raise ValueError(f"models must be a non-empty list of names, got {models!r}")
     if max_body_bytes < 1:
@@ -1035,17 +464,3 @@ def create_app(
         )
     if not linger >= 0 or math.isnan(linger):
         raise ValueError(f"linger must be >= 0 seconds, got {linger}")
-    keeper = router.keeper
-    edge = Edge(
-        api_key=api_key, protect_metrics=protect_metrics, max_in_flight=max_in_flight,
-        max_keeper_tasks=max_keeper_tasks, max_prompt_bytes=max_prompt_bytes,
-        fault_injection=fault_injection, keeper_in_flight=lambda: keeper.in_flight)
-    return OpenAIApp(
-        router,
-        models=models,
-        max_body_bytes=max_body_bytes,
-        max_tokens_limit=max_tokens_limit,
-        default_max_tokens=default_max_tokens,
-        linger=linger,
-        edge=edge,
-    )

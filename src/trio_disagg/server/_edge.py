@@ -2,7 +2,7 @@
 
 API keys, the body's content type, admission control (generation requests in flight, and
 keeper tasks in flight), the prompt-size limit, and the client's ``fault`` field. Every
-refusal is an OpenAI error built in :mod:`._openai`; docs/router.md ("Securing and
+refusal is an OpenAI error built in :mod:`._openai_errors`; docs/router.md ("Securing and
 limiting the router") describes them all.
 """
 
@@ -20,7 +20,7 @@ import orjson
 import trio
 from prometheus_client import Counter
 
-from ._openai import (
+from ._openai_errors import (
     ApiError,
     invalid_api_key,
     prompt_too_long,

@@ -22,9 +22,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from .._health import EJECTION_REASONS, RETRY_REASONS, HealthState
-from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN
-from .._router import DisaggRouter
+from .._keeper import CLEANUP, DECODE_LEG, PREFILL_DRAIN, TransferKeeper
+from .._router import DisaggRouter, RouterCounters
 from ._multiprocess import MultiprocessMirror
+from ._openai_errors import ApiError
 
 #: Every request outcome the ``trio_disagg_requests_total`` counter uses.
 OUTCOMES = (
@@ -153,120 +154,135 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         router = self.router
-        keeper = router.keeper
-        counters = router.counters
         if self.http_in_flight is not None:
             yield GaugeMetricFamily(
                 "trio_disagg_http_requests_in_flight",
                 "Generation requests the server is handling (until their nursery closed).",
                 value=self.http_in_flight(),
             )
-        yield GaugeMetricFamily(
-            "trio_disagg_requests_in_flight", "Requests admitted by the router and not finished.",
-            value=router.in_flight,
-        )
-        yield CounterMetricFamily(
-            "trio_disagg_router_admitted", "Requests the router admitted.",
-            value=counters.requests_total,
-        )
-        yield GaugeMetricFamily(
-            "trio_disagg_router_closing", "1 once the router stopped admitting requests.",
-            value=1 if router.closing else 0,
-        )
-        yield GaugeMetricFamily(
-            "trio_disagg_keeper_drains_in_flight",
-            "Keeper tasks running (prefill drains, kept decode legs, B1 cleanups).",
-            value=keeper.in_flight,
-        )
-        yield CounterMetricFamily(
-            "trio_disagg_keeper_drains_started",
-            "Keeper tasks started (prefill drains, kept decode legs, B1 cleanups).",
-            value=keeper.started_total,
-        )
-        yield CounterMetricFamily(
-            "trio_disagg_keeper_drains_failed",
-            "Keeper prefill drains and B1 cleanups that failed.",
-            value=keeper.failed_total,
-        )
-        yield CounterMetricFamily(
-            "trio_disagg_keeper_drains_cancelled",
-            "Keeper prefill drains and B1 cleanups cancelled before completing.",
-            value=keeper.cancelled_total,
-        )
-        by_kind = keeper.in_flight_by_kind()
-        tasks = GaugeMetricFamily(
-            "trio_disagg_keeper_tasks_in_flight",
-            "Keeper tasks running, by kind: prefill drains, decode legs kept for a KV "
-            "transfer, B1 cleanups.", labels=["kind"],
-        )
-        started = CounterMetricFamily(
-            "trio_disagg_keeper_tasks_started", "Keeper tasks started, by kind.",
-            labels=["kind"],
-        )
-        for kind in (PREFILL_DRAIN, DECODE_LEG, CLEANUP):
-            tasks.add_metric([kind], by_kind[kind])
-            started.add_metric([kind], keeper.started_by_kind[kind])
-        yield tasks
-        yield started
-        prefills = CounterMetricFamily(
-            "trio_disagg_prefills_abandoned",
-            "Prefills whose request ended before a decode took their handoff, by what the "
-            "router did: drained (run to their end, KV consumed), cancelled (inside the "
-            "engine's cancel window, B10), released (no decode would join its room, B6).",
-            labels=["outcome"],
-        )
-        prefills.add_metric(["drained"], counters.prefills_drained)
-        prefills.add_metric(["cancelled"], counters.prefills_cancelled)
-        prefills.add_metric(["released"], counters.prefills_released)
-        yield prefills
-        decisions = CounterMetricFamily(
-            "trio_disagg_disagg_decisions",
-            "Requests by routing decision: disaggregated (a prefill leg and a KV transfer) "
-            "or decode_only (a short prompt served by one decode worker alone).",
-            labels=["decision"],
-        )
-        for decision, count in counters.decisions.items():
-            decisions.add_metric([decision], count)
-        yield decisions
-        yield CounterMetricFamily(
-            "trio_disagg_staged_kv_cleanups",
-            "Minimal decodes dispatched to consume KV staged for a request that ended (B1).",
-            value=counters.staged_kv_cleanups,
-        )
-        yield CounterMetricFamily(
-            "trio_disagg_staged_kv_cleanup_failures", "Staged-KV cleanup decodes that failed.",
-            value=counters.staged_kv_cleanup_failures,
-        )
-        labels = ["role", "worker"]
-        outstanding = GaugeMetricFamily(
-            "trio_disagg_worker_outstanding", "Requests outstanding on a worker.", labels=labels
-        )
-        healthy = GaugeMetricFamily(
-            "trio_disagg_worker_healthy",
-            "1 if selection may choose the worker (healthy or half-open).", labels=labels,
-        )
-        served = CounterMetricFamily(
-            "trio_disagg_worker_served", "Requests a worker completed.", labels=labels
-        )
-        failures = CounterMetricFamily(
-            "trio_disagg_worker_failures", "Requests a worker failed.", labels=labels
-        )
+        yield from _router_families(router)
+        yield from _keeper_families(router.keeper)
+        yield from _counter_families(router.counters)
         try:
             now = trio.current_time()
         except RuntimeError:  # scraped outside a trio run
             now = float("inf")
-        for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
-            for worker in pool.workers:
-                values = [role, worker.name]
-                outstanding.add_metric(values, worker.outstanding)
-                healthy.add_metric(values, 1 if worker.health.selectable(now) else 0)
-                served.add_metric(values, worker.served_total)
-                failures.add_metric(values, worker.failures_total)
-        yield outstanding
-        yield healthy
-        yield served
-        yield failures
+        yield from _worker_families(router, now)
         yield from _health_families(router, now)
+
+
+def _router_families(router: DisaggRouter) -> Iterator[Metric]:
+    counters = router.counters
+    yield GaugeMetricFamily(
+        "trio_disagg_requests_in_flight", "Requests admitted by the router and not finished.",
+        value=router.in_flight,
+    )
+    yield CounterMetricFamily(
+        "trio_disagg_router_admitted", "Requests the router admitted.",
+        value=counters.requests_total,
+    )
+    yield GaugeMetricFamily(
+        "trio_disagg_router_closing", "1 once the router stopped admitting requests.",
+        value=1 if router.closing else 0,
+    )
+
+
+def _keeper_families(keeper: TransferKeeper) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "trio_disagg_keeper_drains_in_flight",
+        "Keeper tasks running (prefill drains, kept decode legs, B1 cleanups).",
+        value=keeper.in_flight,
+    )
+    yield CounterMetricFamily(
+        "trio_disagg_keeper_drains_started",
+        "Keeper tasks started (prefill drains, kept decode legs, B1 cleanups).",
+        value=keeper.started_total,
+    )
+    yield CounterMetricFamily(
+        "trio_disagg_keeper_drains_failed",
+        "Keeper prefill drains and B1 cleanups that failed.",
+        value=keeper.failed_total,
+    )
+    yield CounterMetricFamily(
+        "trio_disagg_keeper_drains_cancelled",
+        "Keeper prefill drains and B1 cleanups cancelled before completing.",
+        value=keeper.cancelled_total,
+    )
+    by_kind = keeper.in_flight_by_kind()
+    tasks = GaugeMetricFamily(
+        "trio_disagg_keeper_tasks_in_flight",
+        "Keeper tasks running, by kind: prefill drains, decode legs kept for a KV "
+        "transfer, B1 cleanups.", labels=["kind"],
+    )
+    started = CounterMetricFamily(
+        "trio_disagg_keeper_tasks_started", "Keeper tasks started, by kind.",
+        labels=["kind"],
+    )
+    for kind in (PREFILL_DRAIN, DECODE_LEG, CLEANUP):
+        tasks.add_metric([kind], by_kind[kind])
+        started.add_metric([kind], keeper.started_by_kind[kind])
+    yield tasks
+    yield started
+
+
+def _counter_families(counters: RouterCounters) -> Iterator[Metric]:
+    prefills = CounterMetricFamily(
+        "trio_disagg_prefills_abandoned",
+        "Prefills whose request ended before a decode took their handoff, by what the "
+        "router did: drained (run to their end, KV consumed), cancelled (inside the "
+        "engine's cancel window, B10), released (no decode would join its room, B6).",
+        labels=["outcome"],
+    )
+    prefills.add_metric(["drained"], counters.prefills_drained)
+    prefills.add_metric(["cancelled"], counters.prefills_cancelled)
+    prefills.add_metric(["released"], counters.prefills_released)
+    yield prefills
+    decisions = CounterMetricFamily(
+        "trio_disagg_disagg_decisions",
+        "Requests by routing decision: disaggregated (a prefill leg and a KV transfer) "
+        "or decode_only (a short prompt served by one decode worker alone).",
+        labels=["decision"],
+    )
+    for decision, count in counters.decisions.items():
+        decisions.add_metric([decision], count)
+    yield decisions
+    yield CounterMetricFamily(
+        "trio_disagg_staged_kv_cleanups",
+        "Minimal decodes dispatched to consume KV staged for a request that ended (B1).",
+        value=counters.staged_kv_cleanups,
+    )
+    yield CounterMetricFamily(
+        "trio_disagg_staged_kv_cleanup_failures", "Staged-KV cleanup decodes that failed.",
+        value=counters.staged_kv_cleanup_failures,
+    )
+
+
+def _worker_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
+    labels = ["role", "worker"]
+    outstanding = GaugeMetricFamily(
+        "trio_disagg_worker_outstanding", "Requests outstanding on a worker.", labels=labels
+    )
+    healthy = GaugeMetricFamily(
+        "trio_disagg_worker_healthy",
+        "1 if selection may choose the worker (healthy or half-open).", labels=labels,
+    )
+    served = CounterMetricFamily(
+        "trio_disagg_worker_served", "Requests a worker completed.", labels=labels
+    )
+    failures = CounterMetricFamily(
+        "trio_disagg_worker_failures", "Requests a worker failed.", labels=labels
+    )
+    for role, pool in (("prefill", router.prefill), ("decode", router.decode)):
+        for worker in pool.workers:
+            values = [role, worker.name]
+            outstanding.add_metric(values, worker.outstanding)
+            healthy.add_metric(values, 1 if worker.health.selectable(now) else 0)
+            served.add_metric(values, worker.served_total)
+            failures.add_metric(values, worker.failures_total)
+    yield outstanding
+    yield healthy
+    yield served
+    yield failures
 
 
 def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
@@ -321,3 +337,17 @@ def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
         for reason in RETRY_REASONS:
             retries.add_metric([leg, reason], router.counters.retries.get((leg, reason), 0))
     yield retries
+
+
+def outcome_of(error: ApiError) -> str:
+    """The ``requests_total`` outcome of a request answered with ``error``."""
+    status = error.status
+    if status == 503:
+        return "unavailable"
+    if status == 504:
+        return "timeout"
+    if status < 500:
+        return "invalid_request"
+    if status == 500:
+        return "internal_error"
+    return "upstream_error"

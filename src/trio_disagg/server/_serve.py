@@ -14,7 +14,8 @@ import trio
 
 from .._health import HealthMonitor
 from .._http11 import serve_http
-from ._app import ENDING_WINDOW, OpenAIApp
+from ._app import OpenAIApp
+from ._responder import ENDING_WINDOW
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -89,40 +90,31 @@ def _port_of(bind: str) -> int:
 
 
 async def serve(
-    app: OpenAIApp,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    app: OpenAIApp, *, host: str = "127.0.0.1", port: int = 8000,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
-    graceful_timeout: float = 30.0,
-    config: Config | None = None,
-    health: HealthMonitor | None = None,
-    reuse_port: bool = False,
+    graceful_timeout: float = 30.0, config: Config | None = None,
+    health: HealthMonitor | None = None, reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP/1.1 until shut down.
 
     The server is the project's own (``trio_disagg.server._http11``: trio sockets and the
     httptools parser, built for the relay's per-token cost, docs/performance.md); with a
-    hypercorn ``config`` it is hypercorn's trio worker instead (for TLS or HTTP/2).
-
-    Run it inside the :class:`~trio_disagg.TransferKeeper` the app's router uses::
+    hypercorn ``config`` it is hypercorn's trio worker instead (for TLS or HTTP/2). Run it
+    inside the :class:`~trio_disagg.TransferKeeper` the app's router uses::
 
         async with TransferKeeper() as keeper:
             router = DisaggRouter(prefill, decode, keeper)
             app = create_app(router, models=["my-model"])
             await serve(app, port=8000, shutdown_trigger=wait_for_sigterm)
 
-    Graceful shutdown (rule B3 in docs/semantics.md): when ``shutdown_trigger`` returns, the
-    router is closed (new requests get 503), the server stops listening and closes idle connections,
-    requests in flight get up to ``graceful_timeout`` seconds to finish, then the app
-    cancels whatever is left (:meth:`OpenAIApp.shutdown`), each request with a clean ending
-    (a 503 ``server_shutting_down``, or an error event and ``[DONE]``: B4), and logs how
-    many; their prefill legs run on in the keeper. Then :func:`serve` returns. Leaving the
-    keeper then gives in-flight transfers its own drain window. The server's own shutdown
-    timeout is set a little longer, as a backstop.
-
-    Cancelling :func:`serve` itself is a hard stop.
+    Graceful shutdown (rule B3 in docs/semantics.md; docs/router.md): when
+    ``shutdown_trigger`` returns, the router is closed (new requests get 503), the server
+    stops listening and closes idle connections, requests in flight get up to
+    ``graceful_timeout`` seconds to finish, then the app cancels whatever is left
+    (:meth:`OpenAIApp.shutdown`), each with a clean ending (B4), and logs how many; their
+    prefill legs run on in the keeper. Then :func:`serve` returns (the server's own, longer
+    shutdown timeout is a backstop). Cancelling :func:`serve` is a hard stop.
 
     Args:
         app: from :func:`create_app`.
@@ -131,62 +123,74 @@ async def serve(
         shutdown_trigger: an async callable returning when the server should shut down
             gracefully; None serves until cancelled.
         graceful_timeout: seconds in-flight requests get to finish on shutdown.
-        config: a hypercorn ``Config``: serve with hypercorn instead, for what the
-            project's server does not do (TLS, HTTP/2); its ``bind`` and
-            ``graceful_timeout`` are overwritten.
-        health: probes of the router's workers to run while serving: its first round
-            ends before the server listens (so ``GET /health`` is right from the first
-            request), and it stops when the server does.
+        config: a hypercorn ``Config``: serve with hypercorn instead (TLS, HTTP/2); its
+            ``bind`` and ``graceful_timeout`` are overwritten.
+        health: probes of the router's workers, run while the server runs; their first
+            round ends before it listens (``GET /health`` is right from the first request).
         reuse_port: listen with ``SO_REUSEPORT``, sharing the port with other processes
             that do the same (``serve --workers N``); not with a hypercorn ``config``.
-        task_status: with ``nursery.start(serve, ...)``, reports the bound TCP port once
-            the server listens.
+        task_status: with ``nursery.start(serve, ...)``: the bound TCP port, once listening.
 
     Raises:
-        OSError: the address could not be bound (or ``reuse_port`` on a platform without
-            ``SO_REUSEPORT``).
+        OSError: the address could not be bound (or ``reuse_port`` without SO_REUSEPORT).
         ValueError: a negative ``graceful_timeout``, or ``reuse_port`` with ``config``.
     """
+    _check_arguments(graceful_timeout, reuse_port, config)
+    async with trio.open_nursery() as nursery:
+        trigger = None if shutdown_trigger is None else partial(
+            _shut_down, app, shutdown_trigger, graceful_timeout, nursery)
+        probes = trio.CancelScope()
+        if health is not None:
+            await nursery.start(_run_in, probes, health.run)
+        bound = await _start_server(nursery, probes, app, host, port, trigger,
+                                    graceful_timeout + ENDING_WINDOW + _BACKSTOP,
+                                    reuse_port, config)
+        task_status.started(bound)
+    if shutdown_trigger is not None and app.router.in_flight:
+        logger.warning("server stopped with %d request(s) still in flight",
+                       app.router.in_flight)
+
+
+def _check_arguments(graceful_timeout: float, reuse_port: bool, config: Config | None) -> None:
     if reuse_port and config is not None:
         raise ValueError("reuse_port needs the project's server, not a hypercorn config")
     if not graceful_timeout >= 0 or math.isnan(graceful_timeout):
         raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
-    backstop = graceful_timeout + ENDING_WINDOW + _BACKSTOP
+
+
+async def _shut_down(app: OpenAIApp, user_trigger: Callable[[], Awaitable[object]],
+                     graceful_timeout: float, nursery: trio.Nursery) -> None:
+    """The server's shutdown trigger: once ``user_trigger`` returns, close the router and
+    start the app's shutdown beside the server's."""
+    await user_trigger()
     router = app.router
+    logger.info(
+        "shutting down: closing the router, %d request(s) in flight, "
+        "graceful timeout %g s", router.in_flight, graceful_timeout,
+    )
+    router.close()
+    # The app's shutdown runs beside the server's: it ends what is left when the
+    # window is over, before the server's longer backstop closes connections.
+    nursery.start_soon(app.shutdown, graceful_timeout)
 
-    trigger: Callable[[], Awaitable[None]] | None = None
-    if shutdown_trigger is not None:
-        user_trigger = shutdown_trigger
 
-        async def trigger() -> None:
-            await user_trigger()
-            logger.info(
-                "shutting down: closing the router, %d request(s) in flight, "
-                "graceful timeout %g s", router.in_flight, graceful_timeout,
-            )
-            router.close()
-            # The app's shutdown runs beside the server's: it ends what is left when the
-            # window is over, before the server's longer backstop closes connections.
-            nursery.start_soon(app.shutdown, graceful_timeout)
+async def _start_server(
+    nursery: trio.Nursery, probes: trio.CancelScope, app: OpenAIApp, host: str, port: int,
+    trigger: Callable[[], Awaitable[None]] | None, backstop: float, reuse_port: bool,
+    config: Config | None,
+) -> int:
+    """Start the server in ``nursery`` (``probes`` cancelled when it ends); its port."""
+    if config is None:
+        bound: int = await nursery.start(_then_cancel, probes, partial(
+            serve_http, app, host=host, port=port, shutdown_trigger=trigger,
+            shutdown_timeout=backstop, reuse_port=reuse_port))
+        return bound
+    from hypercorn.trio import serve as hypercorn_serve
 
-    async with trio.open_nursery() as nursery:
-        probes = trio.CancelScope()
-        if health is not None:
-            await nursery.start(_run_in, probes, health.run)
-        if config is None:
-            bound: int = await nursery.start(_then_cancel, probes, partial(
-                serve_http, app, host=host, port=port, shutdown_trigger=trigger,
-                shutdown_timeout=backstop, reuse_port=reuse_port))
-        else:
-            from hypercorn.trio import serve as hypercorn_serve
-
-            config.bind = [_bind(host, port)]
-            config.graceful_timeout = backstop
-            binds: list[str] = await nursery.start(
-                _then_cancel, probes,
-                partial(hypercorn_serve, app, config, shutdown_trigger=trigger),  # type: ignore[arg-type]
-            )
-            bound = _port_of(binds[0])
-        task_status.started(bound)
-    if shutdown_trigger is not None and router.in_flight:
-        logger.warning("server stopped with %d request(s) still in flight", router.in_flight)
+    config.bind = [_bind(host, port)]
+    config.graceful_timeout = backstop
+    binds: list[str] = await nursery.start(
+        _then_cancel, probes,
+        partial(hypercorn_serve, app, config, shutdown_trigger=trigger),  # type: ignore[arg-type]
+    )
+    return _port_of(binds[0])

@@ -1,0 +1,225 @@
+"""OpenAI's errors at the edge: :class:`ApiError`, which renders as OpenAI's
+``{"error": {"message", "type", "param", "code"}}``, and the table that maps the library's
+typed exceptions to it (:func:`error_for_exception`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import orjson
+
+from .._errors import (
+    DeadlineExceeded,
+    InvalidPrefillHandoff,
+    NoWorkerAvailable,
+    PrefillDeadlineExceeded,
+    PrefillError,
+    RouterClosed,
+    WorkerError,
+)
+
+
+class ApiError(Exception):
+    """An error to show the client as OpenAI's error object.
+
+    Attributes:
+        status: the HTTP status (4xx or 5xx).
+        message: a readable explanation.
+        type: OpenAI's ``error.type`` (``invalid_request_error``, ``upstream_error``, ...).
+        param: the offending request field, if one is to blame.
+        code: a short machine-readable code, or None.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.message!r}, code={self.code!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready ``{"error": {...}}`` object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def to_json(self) -> bytes:
+        """The error object as JSON bytes."""
+        return orjson.dumps(self.to_dict())
+
+    def to_event(self) -> bytes:
+        """The error as one server-sent event, ``data: {"error": ...}\\n\\n``."""
+        return b"data: " + self.to_json() + b"\n\n"
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _worker_rejection(exc: BaseException) -> WorkerError | None:
+    """The worker's 4xx behind ``exc``: ``exc`` itself if it is a WorkerError, else its
+    ``__cause__``; None if neither is a WorkerError with a 4xx status."""
+    worker = exc if isinstance(exc, WorkerError) else exc.__cause__
+    if isinstance(worker, WorkerError) and 400 <= worker.status < 500:
+        return worker
+    return None
+
+
+@attrs.frozen
+class ErrorMapping:
+    """One row of :data:`ERROR_TABLE`: how an exception type reaches the client.
+
+    Attributes:
+        exception: the exception type the row is for (its subclasses too).
+        status: the HTTP status; None for the worker's own 4xx status (the exception's,
+            or its ``__cause__``'s), and then the row applies only when there is one and
+            the message is the worker's.
+        type: OpenAI's ``error.type``.
+        code: OpenAI's ``error.code``.
+        param: the name of the exception's attribute that names the offending field,
+            which becomes ``error.param``; None for no ``param``.
+        fallback_message: the message when the exception has none.
+    """
+
+    exception: type[BaseException]
+    status: int | None
+    type: str
+    code: str
+    param: str | None = None
+    fallback_message: str | None = None
+
+    def error_for(self, exc: BaseException) -> ApiError | None:
+        """The client's error for ``exc`` if this row applies to it, else None."""
+        if not isinstance(exc, self.exception):
+            return None
+        status = self.status
+        message = str(exc)
+        if status is None:
+            worker = _worker_rejection(exc)
+            if worker is None:
+                return None
+            status, message = worker.status, str(worker)
+        param = getattr(exc, self.param, None) if self.param is not None else None
+        return ApiError(status, message or self.fallback_message or type(exc).__name__,
+                        type=self.type, param=param, code=self.code)
+
+
+#: How each exception of the router (or an engine) reaches the client, most specific
+#: first: :func:`error_for_exception` uses the first row that applies. An exception that
+#: no row takes is a bug: 500 ``internal_error``.
+ERROR_TABLE: tuple[ErrorMapping, ...] = (
+    ErrorMapping(RouterClosed, 503, "service_unavailable_error", "router_closed",
+                 fallback_message="the router is shutting down"),
+    ErrorMapping(NoWorkerAvailable, 503, "service_unavailable_error", "no_worker_available",
+                 fallback_message="no worker available"),
+    # Before DeadlineExceeded and PrefillError: it is both (B2).
+    ErrorMapping(PrefillDeadlineExceeded, 504, "timeout_error", "prefill_deadline_exceeded"),
+    # The message says which wait ran out ("handoff deadline of 30 s exceeded").
+    ErrorMapping(DeadlineExceeded, 504, "timeout_error", "deadline_exceeded"),
+    # B7: the client learns which field of the prefill's answer was wrong.
+    ErrorMapping(InvalidPrefillHandoff, 502, "upstream_error", "invalid_prefill_handoff",
+                 param="field"),
+    # A prefill worker's 4xx is the client's fault: passed through as sent.
+    ErrorMapping(PrefillError, None, "invalid_request_error", "prefill_rejected"),
+    ErrorMapping(PrefillError, 502, "upstream_error", "prefill_failed"),
+    ErrorMapping(WorkerError, None, "invalid_request_error", "worker_error"),
+    # A worker's 5xx or transport failure is a bad gateway, never a 500 of ours.
+    ErrorMapping(WorkerError, 502, "upstream_error", "worker_error"),
+)
+
+
+def error_for_exception(exc: BaseException) -> ApiError:
+    """Map an exception of the router (or an engine) to the error the client sees.
+
+    The first row of :data:`ERROR_TABLE` that applies decides:
+
+    - :class:`~trio_disagg.RouterClosed`: 503, code ``router_closed``.
+    - :class:`~trio_disagg.NoWorkerAvailable`: 503, code ``no_worker_available``.
+    - :class:`~trio_disagg.PrefillDeadlineExceeded`: 504, code
+      ``prefill_deadline_exceeded``.
+    - any other :class:`~trio_disagg.DeadlineExceeded`: 504, code ``deadline_exceeded``;
+      the message names the wait that ran out.
+    - :class:`~trio_disagg.InvalidPrefillHandoff`: 502, code ``invalid_prefill_handoff``,
+      ``param`` the offending field of the prefill's answer (B7).
+    - :class:`~trio_disagg.PrefillError` whose ``__cause__`` is a
+      :class:`~trio_disagg.WorkerError` with a 4xx status: that status and the worker's
+      message, code ``prefill_rejected``.
+    - any other :class:`~trio_disagg.PrefillError`: 502 with the worker's message, code
+      ``prefill_failed``.
+    - :class:`~trio_disagg.WorkerError`: its status if that is a 4xx, else 502; code
+      ``worker_error``.
+    - anything else: 500, code ``internal_error`` (a bug; the caller logs it).
+
+    Args:
+        exc: the exception. An exception group is mapped by its first leaf: the router
+            raises bare exceptions, so a group is a defensive path only.
+
+    Returns:
+        The :class:`ApiError` to answer with.
+    """
+    exc = _leaf(exc)
+    for row in ERROR_TABLE:
+        error = row.error_for(exc)
+        if error is not None:
+            return error
+    return ApiError(500, "internal server error", type="internal_error", code="internal_error")
+
+
+# --- the edge's own refusals: answered before any worker is called -----------------------
+# (docs/router.md, "Securing and limiting the router"; the table there lists them all.)
+
+
+def invalid_api_key(given: bool) -> ApiError:
+    """401 ``invalid_api_key``: a ``/v1/*`` request without the right bearer key.
+
+    Args:
+        given: whether the request carried a bearer key at all (it changes the message).
+    """
+    message = ("Incorrect API key provided." if given else
+               "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+    return ApiError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+def unsupported_media_type(content_type: str | None) -> ApiError:
+    """415 ``unsupported_media_type``: a POST body that is not ``application/json``."""
+    got = repr(content_type) if content_type is not None else "none"
+    return ApiError(415, f"the request body must be sent as Content-Type: application/json, "
+                    f"got {got}", param="Content-Type", code="unsupported_media_type")
+
+
+def server_overloaded(message: str) -> ApiError:
+    """503 ``server_overloaded``: admission control refused the request (sent with a
+    ``Retry-After`` header)."""
+    return ApiError(503, message, type="service_unavailable_error", code="server_overloaded")
+
+
+def prompt_too_long(param: str, size: int, limit: int) -> ApiError:
+    """400 ``prompt_too_long``: the prompt (``param``) is ``size`` bytes, over ``limit``."""
+    return ApiError(400, f"{param}: {size} bytes as JSON, over the limit of {limit} bytes",
+                    param=param, code="prompt_too_long")
+
+
+def request_too_large(limit: int) -> ApiError:
+    """413 ``request_too_large``: the body is over ``limit`` bytes."""
+    return ApiError(413, f"request body too large (the limit is {limit} bytes)",
+                    code="request_too_large")

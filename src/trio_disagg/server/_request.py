@@ -1,0 +1,223 @@
+"""A generation request at the edge: its state as the app sees it (and the disconnect
+listener that cancels it), its id, its body (bounded in size), and its validation into
+the router's :class:`~trio_disagg.PreprocessedRequest` (B8)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import attrs
+import trio
+
+from .._protocols import PreprocessedRequest, RoutingHints
+from ._edge import Edge
+from ._openai_errors import ApiError, request_too_large
+from ._openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_chat,
+    check_common,
+    check_completion,
+    check_max_tokens,
+    check_prompt_fields,
+    parse_json,
+    structure_body,
+)
+from ._responder import Receive, Responder, Scope
+
+#: Bytes of an oversized body read (and thrown away) before answering 413, so the client
+#: sees the answer rather than a connection reset.
+_DRAIN_LIMIT = 8 * 1024 * 1024
+MAX_REQUEST_ID = 256
+
+
+@attrs.frozen
+class RequestLimits:
+    """What a generation request is checked against.
+
+    Attributes:
+        edge: the checks before any worker is called (prompt size, the body's ``fault``).
+        models: the model names served.
+        max_tokens_limit: the largest ``max_tokens`` / ``max_completion_tokens`` accepted.
+        default_max_tokens: the budget, in tokens, of a request that names none.
+    """
+
+    edge: Edge
+    models: frozenset[str]
+    max_tokens_limit: int
+    default_max_tokens: int
+
+
+class RequestState:
+    """One generation request, as the app's shutdown sees it.
+
+    Attributes:
+        responder: its response.
+        scope: cancelled by :meth:`OpenAIApp.shutdown` (with ``shutdown`` set).
+        disconnected: the client went away.
+        shutdown: the server cancelled the request because it is shutting down.
+        outcome: the ``requests_total`` outcome, once known.
+    """
+
+    __slots__ = ("disconnected", "outcome", "responder", "scope", "shutdown")
+
+    def __init__(self, responder: Responder) -> None:
+        self.responder = responder
+        self.scope = trio.CancelScope()
+        self.disconnected = False
+        self.shutdown = False
+        self.outcome = "disconnected"  # unless the request gets further
+
+    def cancel_for_shutdown(self) -> None:
+        self.shutdown = True
+        self.scope.cancel()
+
+
+async def watch_disconnect(
+    receive: Receive,
+    request_scope: trio.CancelScope,
+    listener: trio.CancelScope,
+    state: RequestState,
+) -> None:
+    """Cancel the request's nursery, and only it, when the client goes away.
+
+    Hypercorn never cancels an app by itself: a client that disconnects is only an
+    ``http.disconnect`` message on ``receive``.
+    """
+    with listener:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                state.disconnected = True
+                request_scope.cancel()
+                return
+
+
+def request_id_of(scope: Scope) -> tuple[str, bool]:
+    """The request id that goes out on every answer, errors included: the client's
+    ``X-Request-Id`` if it is usable, else a fresh uuid4; and whether the client's was bad
+    (over ``MAX_REQUEST_ID`` characters or not printable: a 400 once the body is read)."""
+    request_id = header(scope, b"x-request-id")
+    bad_id = request_id is not None and (
+        len(request_id) > MAX_REQUEST_ID or not request_id.isprintable()
+    )
+    if request_id is None or bad_id or not request_id.strip():
+        request_id = str(uuid.uuid4())
+    return request_id, bad_id
+
+
+def bad_request_id() -> ApiError:
+    return ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID} printable characters",
+                    param="X-Request-Id", code="invalid_value")
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None if the client went away first.
+
+    Raises:
+        ApiError: 413 if the body is over ``max_body_bytes``.
+    """
+    declared = header(scope, b"content-length")
+    too_large = declared is not None and declared.isdigit() and int(declared) > limit
+    if too_large and declared is not None and int(declared) > limit + _DRAIN_LIMIT:
+        raise request_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        data = message.get("body", b"")
+        size += len(data)
+        if size > limit:
+            too_large = True
+            chunks.clear()
+        if not too_large:
+            chunks.append(data)
+        if not message.get("more_body", False):
+            break
+        if size > limit + _DRAIN_LIMIT:
+            break  # stop draining: the server closes the connection after the 413
+    if too_large:
+        raise request_too_large(limit)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def build_request(
+    scope: Scope, data: bytes, request_id: str, limits: RequestLimits, *, chat: bool
+) -> tuple[PreprocessedRequest, bool]:
+    """Validate a generation request at the edge.
+
+    Args:
+        scope: the request's ASGI scope (its ``X-Session-Id`` header).
+        data: the request body.
+        request_id: from :func:`request_id_of`.
+        limits: what the request is checked against.
+
+    Returns:
+        The router's request, and whether the client asked for a usage chunk.
+
+    Raises:
+        ApiError: 400 for malformed JSON, a prompt over ``max_prompt_bytes``
+            (``prompt_too_long``), wrong types, missing fields, out-of-range values,
+            ``n`` > 1, ``prompt_logprobs`` or ``echo: true`` (B8); 404 for an unknown
+            model.
+    """
+    raw = parse_json(data)
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"the request body must be a JSON object, "
+                       f"got {type(raw).__name__}", code="invalid_type")
+    limits.edge.check_prompt(data, raw, chat=chat)  # 400 before any worker is called
+    limits.edge.strip_fault(raw)
+    parsed, budget, budget_name = _typed(raw, limits, chat=chat)
+    check_common(parsed, budget, param=budget_name)
+    check_prompt_fields(raw)  # B8: what only the prefill computed is not served
+    if parsed.model not in limits.models:
+        raise ApiError(404, f"The model `{parsed.model}` does not exist.",
+                       param="model", code="model_not_found")
+    session = header(scope, b"x-session-id") or parsed.user
+    options = parsed.stream_options
+    include_usage = bool(options is not None and options.include_usage)
+    request = PreprocessedRequest(
+        request_id=request_id,
+        model=parsed.model,
+        body=raw,
+        max_tokens=budget,
+        stream=bool(parsed.stream),
+        routing=RoutingHints(session_id=session),
+    )
+    return request, include_usage
+
+
+def _typed(
+    raw: dict[str, Any], limits: RequestLimits, *, chat: bool
+) -> tuple[CompletionRequest | ChatCompletionRequest, int, str]:
+    """The typed request, its completion budget in tokens, and the budget's field name."""
+    budget_name = "max_tokens"
+    if chat:
+        chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
+        check_chat(chat_request)
+        parsed: CompletionRequest | ChatCompletionRequest = chat_request
+        budget = chat_request.max_tokens
+        if chat_request.max_completion_tokens is not None:
+            if budget is not None:  # both given: both must be valid; the newer wins
+                check_max_tokens("max_tokens", budget, limits.max_tokens_limit)
+            budget_name, budget = "max_completion_tokens", chat_request.max_completion_tokens
+    else:
+        completion_request: CompletionRequest = structure_body(raw, CompletionRequest)
+        check_completion(completion_request)
+        parsed = completion_request
+        budget = completion_request.max_tokens
+    if budget is None:
+        budget = limits.default_max_tokens
+    else:
+        check_max_tokens(budget_name, budget, limits.max_tokens_limit)
+    return parsed, budget, budget_name
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None

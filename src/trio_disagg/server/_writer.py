@@ -1,0 +1,285 @@
+"""The per-request writer: one event sequence over a request's outputs, two sinks.
+
+:func:`write_response` reads ``stream.outputs`` (the gatekeeper's channel), keeps the
+counting (tokens, usage, TTFT and ITL) and decides how the response ends: success with
+its finish reason, or failure (an error item, a failed finish, a worker's ``abort``, a
+channel that ended with no terminal). A sink turns that sequence into bytes:
+:class:`SseSink` as server-sent events (the relay's per-token hot path,
+docs/performance.md), :class:`JsonSink` as one JSON answer for a client that did not
+stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import trio
+
+from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput
+from .._router import RequestStream
+from ._metrics import outcome_of
+from ._openai_errors import ApiError, error_for_exception
+from ._openai_responses import (
+    DONE_EVENT,
+    OPENAI_FINISH,
+    ChoiceCollector,
+    ChunkEncoder,
+    completion_response,
+    counted_tokens,
+    failure_error,
+    has_content,
+    usage_dict,
+    worker_aborted,
+)
+from ._responder import Responder
+
+logger = logging.getLogger("trio_disagg.server")
+
+Item = Annotated[LLMEngineOutput]
+Choice = Mapping[str, Any]
+
+
+class SseSink:
+    """Server-sent events, exactly one ``[DONE]`` (B4).
+
+    Outputs already waiting in the channel go out in one write (``batched``). The response
+    starts with the first token, not before: a request that fails before producing anything
+    (a bootstrap prefill that failed, a decode that never started) gets a real HTTP status
+    and error body (docs/protocols.md section 1), not a 200 with an error event. A worker's
+    own choice is relayed as sent, in this response's envelope (B8); an output without one
+    (an in-process engine) is encoded from its text.
+    """
+
+    __slots__ = ("encoder", "include_usage", "parts", "responder")
+
+    #: Read what is already in the channel without a checkpoint, and write it at once.
+    batched = True
+
+    def __init__(self, responder: Responder, encoder: ChunkEncoder, include_usage: bool) -> None:
+        self.responder = responder
+        self.encoder = encoder
+        self.include_usage = include_usage
+        #: Events not written yet.
+        self.parts: list[bytes] = []
+
+    def text(self, text: str) -> None:
+        self.parts.append(self.encoder.token(text))
+
+    def choice(self, choice: Choice) -> None:
+        self.parts.append(self.encoder.choice(choice))
+
+    async def flush(self) -> None:
+        responder = self.responder
+        if not responder.started:
+            await responder.start_stream()
+        parts = self.parts
+        await responder.body(b"".join(parts))
+        parts.clear()
+
+    def cut(self, text: str | None, choice: Choice | None) -> None:
+        """What came with a finish that did not complete: sent before the error event."""
+        if choice is not None:
+            if has_content(choice):
+                self.parts.append(self.encoder.choice({**choice, "finish_reason": None}))
+        elif text:
+            self.parts.append(self.encoder.token(text))
+
+    async def succeed(
+        self, text: str | None, choice: Choice | None, name: str, usage: dict[str, Any]
+    ) -> None:
+        parts = self.parts
+        encoder = self.encoder
+        if choice is not None:
+            parts.append(encoder.choice(choice, name))
+        else:
+            parts.append(encoder.final(text, name))
+        if self.include_usage:
+            parts.append(encoder.usage(usage))
+        parts.append(DONE_EVENT)
+        await self._finish()
+
+    async def fail(self, failure: ApiError) -> None:
+        if not self.responder.started and not self.parts:
+            await self.responder.error(failure)  # nothing sent yet: a real status
+            return
+        self.parts.append(failure.to_event())
+        self.parts.append(DONE_EVENT)
+        await self._finish()
+
+    async def _finish(self) -> None:
+        responder = self.responder
+        if not responder.started:
+            await responder.start_stream()
+        await responder.finish(b"".join(self.parts))
+
+
+class JsonSink:
+    """One JSON answer, or an error response.
+
+    Outputs that carry the worker's own choice are collected by a :class:`ChoiceCollector`
+    (B8); the text of outputs without one (the in-process engines) makes the answer.
+    """
+
+    __slots__ = ("chat", "collector", "created", "model", "parts", "responder",
+                 "response_id", "texts")
+
+    #: Await each output: one answer at the end, nothing to batch.
+    batched = False
+
+    def __init__(
+        self, responder: Responder, *, chat: bool, response_id: str, model: str, created: int
+    ) -> None:
+        self.responder = responder
+        self.chat = chat
+        self.response_id = response_id
+        self.model = model
+        self.created = created
+        self.parts: list[bytes] = []  # always empty: nothing is written before the end
+        self.texts: list[str] = []
+        self.collector: ChoiceCollector | None = None
+
+    def text(self, text: str) -> None:
+        self.texts.append(text)
+
+    def choice(self, choice: Choice) -> None:
+        collector = self.collector
+        if collector is None:
+            collector = self.collector = ChoiceCollector(chat=self.chat)
+        if self.texts:  # text of outputs without a choice came first: in order
+            collector.add_text("".join(self.texts))
+            self.texts.clear()
+        collector.add(choice)
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()  # never called: ``parts`` stays empty
+
+    def cut(self, text: str | None, choice: Choice | None) -> None:
+        """Nothing: a request that did not complete is answered with its error."""
+
+    async def succeed(
+        self, text: str | None, choice: Choice | None, name: str, usage: dict[str, Any]
+    ) -> None:
+        if choice is not None:
+            self.choice(choice)
+        elif text:
+            self.texts.append(text)
+        answer = None
+        collector = self.collector
+        if collector is not None:
+            if self.texts:
+                collector.add_text("".join(self.texts))
+            sent = choice.get("finish_reason") if choice is not None else None
+            answer = collector.choice(name if sent is None else sent)
+        body = completion_response(
+            chat=self.chat, response_id=self.response_id, model=self.model,
+            created=self.created, text="".join(self.texts), finish_reason=name, usage=usage,
+            choice=answer,
+        )
+        await self.responder.respond(200, body)
+
+    async def fail(self, failure: ApiError) -> None:
+        await self.responder.error(failure)
+
+
+async def write_response(
+    stream: RequestStream,
+    sink: SseSink | JsonSink,
+    first_token: Callable[[], None],
+    observe_itl: Callable[[float], None] | None,
+) -> str:
+    """Answer one request from ``stream.outputs`` through ``sink`` (B4, B8); return its
+    ``requests_total`` outcome. ``first_token`` is called with the first output,
+    ``observe_itl`` (if given) with the seconds since the output before, for each later one.
+    A worker's ``abort`` is an error, never a success."""
+    now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
+    parts, batched, on_text, on_choice = sink.parts, sink.batched, sink.text, sink.choice
+    tokens = 0
+    usage: CompletionUsage | None = None
+    last: float | None = None
+    with stream.outputs as outputs:
+        while True:
+            try:
+                try:
+                    item = outputs.receive_nowait() if batched else await outputs.receive()
+                except trio.WouldBlock:
+                    if parts:  # what was already waiting goes out in one write
+                        await sink.flush()
+                        continue
+                    item = await outputs.receive()
+            except trio.EndOfChannel:  # no terminal at all
+                return await _fail(sink, failure_of(None))
+            if item.event == "error":
+                break
+            data = item.data
+            if data is None:
+                continue
+            if last is None:
+                last = now()
+                first_token()
+            elif observe_itl is not None:
+                current = now()
+                observe_itl(current - last)
+                last = current
+            tokens += len(data.token_ids)
+            if data.completion_usage is not None:
+                usage = data.completion_usage
+            choice = data.choice
+            if choice is not None and not data.token_ids:
+                tokens += counted_tokens(choice)  # a chunk with no ids is one token
+            finish = data.finish_reason
+            if finish is None:
+                if choice is not None:
+                    on_choice(choice)  # the worker's own choice, as sent (B8)
+                elif data.text:  # an in-process engine: its text
+                    on_text(data.text)
+                continue
+            name = OPENAI_FINISH.get(finish.kind)
+            if name is None or worker_aborted(choice):  # the request did not complete
+                sink.cut(data.text, choice)
+                break
+            await sink.succeed(data.text, choice, name, usage_dict(
+                usage, tokens, _cached(stream), stream.prompt_tokens))
+            return "success"
+    return await _fail(sink, failure_of(item))
+
+
+async def _fail(sink: SseSink | JsonSink, failure: ApiError) -> str:
+    # A decode leg cancelled with this request ends its channel first: the request's own
+    # cancellation then decides the ending (client gone, shutdown), not the leg.
+    await trio.lowlevel.checkpoint_if_cancelled()
+    if failure.status == 500:
+        logger.error("request stream failed: %s", failure.message)
+    await sink.fail(failure)
+    return outcome_of(failure)
+
+
+def failure_of(item: Item | None) -> ApiError:
+    """Why a stream failed, from the item that ended it.
+
+    An item that carries its exception (the gatekeeper's own errors, an engine's typed
+    failure) is answered from the exception's type; one that carries none (a worker's
+    error envelope or error finish, as it sent it) from its message and finish reason.
+
+    Args:
+        item: the error item, or the item with a failed finish reason; None if the stream
+            ended with no terminal at all.
+
+    Returns:
+        The :class:`ApiError` to answer with.
+    """
+    if item is None:
+        return failure_error(None)
+    if item.exception is not None:
+        return error_for_exception(item.exception)
+    data = item.data
+    if data is not None and worker_aborted(data.choice):
+        return failure_error(FinishReason.CANCELLED)  # an abort is an error (B8)
+    finish = data.finish_reason if data is not None else None
+    return failure_error(finish, item.error_message())
+
+
+def _cached(stream: RequestStream) -> int | None:
+    details = stream.prompt_tokens_details
+    return details.cached_tokens if details is not None else None
