@@ -201,15 +201,15 @@ async def write_response(
     with stream.outputs as outputs:
         while True:
             try:
-                try:
-                    item = outputs.receive_nowait() if batched else await outputs.receive()
-                except trio.WouldBlock:
+                next_item = _next_item(outputs) if batched else await outputs.receive()
+                if next_item is None:  # nothing waiting: awaited outside an except clause
                     if parts:  # what was already waiting goes out in one write
                         await sink.flush()
                         continue
-                    item = await outputs.receive()
+                    next_item = await outputs.receive()
             except trio.EndOfChannel:  # no terminal at all
                 return await _fail(sink, failure_of(None))
+            item = next_item
             if item.event == "error":
                 break
             data = item.data
@@ -283,3 +283,15 @@ def failure_of(item: Item | None) -> ApiError:
 def _cached(stream: RequestStream) -> int | None:
     details = stream.prompt_tokens_details
     return details.cached_tokens if details is not None else None
+
+
+def _next_item(outputs: trio.MemoryReceiveChannel[Item]) -> Item | None:
+    """The next item if one is waiting, else None (without a schedule point).
+
+    Raises:
+        trio.EndOfChannel: the channel ended.
+    """
+    try:
+        return outputs.receive_nowait()
+    except trio.WouldBlock:
+        return None
