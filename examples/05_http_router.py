@@ -250,7 +250,7 @@ async def steps(client: openai.OpenAI, http: httpx.AsyncClient, router: td.Disag
 
 # tests/test_examples.py runs this file and checks that its output contains each line
 # that starts with `# expect: `.
-# expect: usage: 37 prompt tokens (16 cached, as the prefill worker reported), 8 completion tokens
+# expect: usage: 37 prompt tokens (0 cached, as the prefill worker reported), 8 completion tokens
 # expect: finish_reason=length
 # expect: prefill worker: KV blocks held=0 staged=3 freed=3 stranded=0
 # expect: decode worker: aborted requests=1,

@@ -21,7 +21,7 @@ import attrs
 import openai
 import trio
 
-from trio_disagg.engines import LatencyModel, cached_prompt_tokens, count_prompt_tokens
+from trio_disagg.engines import LatencyModel, PrefixCache, count_prompt_tokens
 from trio_disagg.server import OpenAIApp, create_app, serve
 from trio_disagg.workers import MockWorker
 
@@ -40,9 +40,16 @@ FAST = LatencyModel(ttft_per_prompt_token=0.0001, inter_token_latency=0.0005,
 SLOW_TOKENS = attrs.evolve(FAST, inter_token_latency=0.02)
 
 
-def expected_cached(body: dict[str, Any]) -> int:
-    """The prefill worker's prefix-cache hit for ``body`` (seed 0, 16-token blocks)."""
-    return cached_prompt_tokens(0, body, count_prompt_tokens(body), 16)
+def expected_cached(body: dict[str, Any], *, warm: bool = False) -> int:
+    """The prefill worker's prefix-cache hit for ``body`` (16-token blocks): 0 the first
+    time the worker sees the prompt; once ``warm`` (the worker computed the same prompt
+    before), its whole blocks, leaving at least one token to compute."""
+    return (count_prompt_tokens(body) - 1) // 16 * 16 if warm else 0
+
+
+def warm(cache: PrefixCache, body: dict[str, Any]) -> None:
+    """Put ``body``'s prompt in a worker's prefix cache, as a prefill of it would."""
+    cache.insert(cache.hashes(body))
 
 
 async def wait_until(predicate: Callable[[], bool], *, seconds: float = 5.0) -> None:

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_completions_streamed_and_not(protocol: ProtocolName) -> None:
     async with served(protocol) as server:
         client = server.openai()
-        cached = expected_cached({"prompt": PROMPT})
+        cached = expected_cached({"prompt": PROMPT})  # a new worker: 0
         raw = await in_thread(lambda: client.completions.with_raw_response.create(
             model=MODEL, prompt=PROMPT, max_tokens=7, extra_headers={"X-Request-Id": "e2e-1"}))
         answer: Completion = raw.parse()
@@ -61,7 +61,10 @@ async def test_completions_streamed_and_not(protocol: ProtocolName) -> None:
         assert chunks[-1].choices[0].finish_reason == "length"
         assert usage_chunk.usage is not None and usage_chunk.usage.completion_tokens == 6
         assert usage_chunk.usage.prompt_tokens_details is not None
-        assert usage_chunk.usage.prompt_tokens_details.cached_tokens == cached
+        # the same prompt again: the prefill worker's prefix cache holds its 2 whole blocks
+        warm_hit = expected_cached({"prompt": PROMPT}, warm=True)
+        assert (cached, warm_hit) == (0, 32)
+        assert usage_chunk.usage.prompt_tokens_details.cached_tokens == warm_hit
         await cluster.settled()
 
 

@@ -43,7 +43,6 @@ from trio_disagg import (
 from trio_disagg.engines import (
     LatencyModel,
     MockCluster,
-    cached_prompt_tokens,
     count_prompt_tokens,
     mock_cluster,
 )
@@ -193,10 +192,11 @@ def events(body: bytes) -> list[Any]:
     return [orjson.loads(chunk) for chunk in chunks[:-1]] + ["[DONE]"]
 
 
-def expected_cached(body: dict[str, Any]) -> int:
-    prefill = mock_cluster().prefill[0]
-    return cached_prompt_tokens(prefill.seed, body, count_prompt_tokens(body),
-                                prefill.kv.block_size)
+def expected_cached(body: dict[str, Any], *, warm: bool = False) -> int:
+    """The prefill engine's prefix-cache hit for ``body``: 0 for a prompt it never computed;
+    once ``warm``, the prompt's whole KV blocks, leaving at least one token to compute."""
+    block_size = mock_cluster().prefill[0].kv.block_size
+    return (count_prompt_tokens(body) - 1) // block_size * block_size if warm else 0
 
 
 def relayed(sent: Mapping[str, Any], *, first: bool = False) -> dict[str, Any]:

@@ -45,7 +45,6 @@ from trio_disagg import (
 from trio_disagg.engines import (
     LatencyModel,
     MockCluster,
-    cached_prompt_tokens,
     count_prompt_tokens,
     mock_cluster,
 )
@@ -173,10 +172,11 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     return samples
 
 
-def expected_cached(body: dict[str, Any]) -> int:
-    prefill = mock_cluster().prefill[0]
-    return cached_prompt_tokens(prefill.seed, body, count_prompt_tokens(body),
-                                prefill.kv.block_size)
+def expected_cached(body: dict[str, Any], *, warm: bool = False) -> int:
+    """The prefill engine's prefix-cache hit for ``body``: 0 for a prompt it never computed;
+    once ``warm``, the prompt's whole KV blocks, leaving at least one token to compute."""
+    block_size = mock_cluster().prefill[0].kv.block_size
+    return (count_prompt_tokens(body) - 1) // block_size * block_size if warm else 0
 
 
 # --- the happy paths --------------------------------------------------------------------
@@ -185,6 +185,8 @@ def expected_cached(body: dict[str, Any]) -> int:
 async def test_completion_not_streamed_with_usage_from_the_prefill() -> None:
     async with running() as server:
         client = server.openai()
+        prefill = server.cluster.prefill[0].prefix  # its prompt was computed before
+        prefill.insert(prefill.hashes({"prompt": PROMPT}))
         raw = await in_thread(lambda: client.completions.with_raw_response.create(
             model=MODEL, prompt=PROMPT, max_tokens=7))
         completion: Completion = raw.parse()
@@ -200,8 +202,8 @@ async def test_completion_not_streamed_with_usage_from_the_prefill() -> None:
         assert usage.completion_tokens == 7
         assert usage.prompt_tokens == 45
         assert usage.total_tokens == 52
-        cached = expected_cached({"prompt": PROMPT})
-        assert cached != 45  # the decode worker reports 45: this must be the prefill's
+        cached = expected_cached({"prompt": PROMPT}, warm=True)
+        assert 0 < cached != 45  # the decode worker reports 45: this must be the prefill's
         assert usage.prompt_tokens_details is not None
         assert usage.prompt_tokens_details.cached_tokens == cached
         request_id = raw.headers["x-request-id"]

@@ -34,6 +34,7 @@ from e2e_support import (
     expected_cached,
     served,
     wait_until,
+    warm,
 )
 from protocol_support import (
     Cluster,
@@ -227,6 +228,7 @@ def test_B10_an_sglang_prefill_may_be_cancelled_before_a_decode_joined_its_room(
 
 async def test_S5_bootstrap_handoff_with_cached_tokens_from_the_prefill() -> None:
     async with sglang_cluster() as cluster:
+        warm(cluster.prefill.prefix, {"prompt": PROMPT})  # its prompt was computed before
         request = completion("req-bs", max_tokens=5)
         stream, items = await run(cluster, request)
         assert stream.style == "bootstrap"
@@ -240,7 +242,7 @@ async def test_S5_bootstrap_handoff_with_cached_tokens_from_the_prefill() -> Non
                 last.completion_usage.completion_tokens) == (PROMPT_TOKENS, 5)
         # S4/S10: the client's cached_tokens is the prefill's (drained by the keeper),
         # not the decode's (45)
-        cached = expected_cached({"prompt": PROMPT})
+        cached = expected_cached({"prompt": PROMPT}, warm=True)
         assert 0 < cached < PROMPT_TOKENS
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == cached

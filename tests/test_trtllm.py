@@ -34,6 +34,7 @@ from e2e_support import (
     in_thread,
     served,
     wait_until,
+    warm,
 )
 from openai.types import Completion
 from protocol_support import (
@@ -160,6 +161,7 @@ def test_B10_a_context_may_be_cancelled_before_its_handoff_only() -> None:
 
 async def test_context_first_handoff_with_cached_tokens_from_the_context() -> None:
     async with trtllm_cluster() as cluster:
+        warm(cluster.prefill.prefix, {"prompt": PROMPT})  # its prompt was computed before
         request = completion("req-ctx", max_tokens=5, stream_options={"include_usage": False},
                              return_token_ids=True)
         stream, items = await run(cluster, request)
@@ -172,7 +174,7 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         assert last.completion_usage is not None
         assert (last.completion_usage.prompt_tokens,
                 last.completion_usage.completion_tokens) == (PROMPT_TOKENS, 5)
-        cached = expected_cached({"prompt": PROMPT})
+        cached = expected_cached({"prompt": PROMPT}, warm=True)
         assert 0 < cached < PROMPT_TOKENS
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == cached

@@ -33,6 +33,7 @@ from e2e_support import (
     in_thread,
     served,
     wait_until,
+    warm,
 )
 from protocol_support import (
     Cluster,
@@ -153,6 +154,7 @@ def test_B10_a_vllm_prefill_may_be_cancelled_anytime() -> None:
 
 async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
     async with vllm_cluster() as cluster:
+        warm(cluster.prefill.prefix, {"prompt": PROMPT})  # its prompt was computed before
         request = completion("req-seq", max_tokens=5, min_tokens=2,
                              stream_options={"include_usage": False})
         stream, items = await run(cluster, request)
@@ -166,7 +168,7 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         assert (last.completion_usage.prompt_tokens,
                 last.completion_usage.completion_tokens) == (PROMPT_TOKENS, 5)
         # S4/S10: the client's cached_tokens is the prefill's, not the decode's (45)
-        cached = expected_cached({"prompt": PROMPT})
+        cached = expected_cached({"prompt": PROMPT}, warm=True)
         assert 0 < cached < PROMPT_TOKENS
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == cached

@@ -32,9 +32,9 @@ if _typing.TYPE_CHECKING:
     from ..mock import MockCluster as MockCluster
     from ..mock import MockDecodeEngine as MockDecodeEngine
     from ..mock import MockPrefillEngine as MockPrefillEngine
+    from ..mock import PrefixCache as PrefixCache
     from ..mock import StagedKV as StagedKV
     from ..mock import TokenStream as TokenStream
-    from ..mock import cached_prompt_tokens as cached_prompt_tokens
     from ..mock import count_prompt_tokens as count_prompt_tokens
     from ..mock import fault_for as fault_for
     from ..mock import mock_cluster as mock_cluster
@@ -132,7 +132,7 @@ _MOCK_ALIASES = frozenset({
     "MockPrefillEngine",
     "mock_cluster",
     "TokenStream",
-    "cached_prompt_tokens",
+    "PrefixCache",
     "count_prompt_tokens",
     "resolve_max_tokens",
 })

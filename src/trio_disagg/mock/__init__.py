@@ -34,9 +34,11 @@ from ._kv import KVState as KVState
 from ._kv import KVTransferError as KVTransferError
 from ._kv import StagedKV as StagedKV
 from ._latency import LatencyModel as LatencyModel
+from ._prefix import DEFAULT_PREFIX_CACHE_BLOCKS as DEFAULT_PREFIX_CACHE_BLOCKS
+from ._prefix import PrefixCache as PrefixCache
+from ._prefix import block_hashes as block_hashes
 from ._registry import KVRegistry as KVRegistry
 from ._text import TokenStream as TokenStream
-from ._text import cached_prompt_tokens as cached_prompt_tokens
 from ._text import count_prompt_tokens as count_prompt_tokens
 from ._text import resolve_max_tokens as resolve_max_tokens
 

@@ -55,6 +55,7 @@ class EngineOptions(TypedDict, total=False):
     block_size: int
     bootstrap_timeout: float
     fault_plan: FaultPlan | None
+    prefix_cache_blocks: int
 
 
 def mock_cluster(prefill: int = 1, decode: int = 1, *,
@@ -71,7 +72,7 @@ def mock_cluster(prefill: int = 1, decode: int = 1, *,
         default_max_tokens: as for :class:`MockDecodeEngine`.
         options: as for both engines: ``latency`` (one :class:`LatencyModel` shared by
             all, default ``LatencyModel()``), ``seed``, ``block_size``,
-            ``bootstrap_timeout`` and ``fault_plan``.
+            ``bootstrap_timeout``, ``fault_plan`` and ``prefix_cache_blocks``.
 
     Returns:
         The :class:`MockCluster`.

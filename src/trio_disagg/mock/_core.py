@@ -21,7 +21,8 @@ import trio
 from ._faults import Fault, FaultKind
 from ._kv import BootstrapRoom, KVBlockPool, KVState, StagedKV
 from ._latency import LatencyModel
-from ._text import TokenStream, cached_prompt_tokens
+from ._prefix import PrefixCache
+from ._text import TokenStream
 
 #: Seconds a decode spends, at most, letting go of KV it will never pull.
 RELEASE_TIMEOUT = 2.0
@@ -154,9 +155,8 @@ class Decode:
     Attributes:
         worker: the worker's name, for messages.
         request_id: the request's id (fixes its tokens with ``seed``).
-        seed: fixes tokens and prefix-cache hits.
+        seed: fixes the tokens.
         latency: the latency model.
-        block_size: tokens per KV block (for a prefix-cache hit without a handoff).
         body: the request body (its prompt, for the prefix-cache hit).
         prompt_tokens: the prompt's length in tokens.
         max_tokens: the completion budget in tokens.
@@ -166,15 +166,16 @@ class Decode:
         eos_rate: per token after the first, the probability of ending on EOS.
         release_unpulled: an aborted decode lets go of KV it never pulled.
         queue_seconds: seconds queued, accepted, before the pull (``decode_queue``).
+        prefix: the worker's prefix cache, for a prefill computed here (no handoff);
+            None: nothing is ever cached.
         cached: set once known: the prompt tokens found in cache (all of them after a
-            pull).
+            pull; else the leading blocks ``prefix`` held).
     """
 
     worker: str
     request_id: str
     seed: int
     latency: LatencyModel
-    block_size: int
     body: Mapping[str, Any]
     prompt_tokens: int
     max_tokens: int
@@ -184,6 +185,7 @@ class Decode:
     eos_rate: float = 0.0
     release_unpulled: bool = True
     queue_seconds: float | None = None
+    prefix: PrefixCache | None = None
     cached: int | None = None
 
     async def run(self, source: KVSource | str | None, sink: DecodeSink) -> None:
@@ -216,10 +218,7 @@ class Decode:
                 self.cached = self.prompt_tokens  # the decode sees the whole prompt cached
                 eos_first = self.eos_with_handoff and kind is FaultKind.EOS_FIRST_TOKEN
             else:
-                if (delay := self.latency.time_to_first_token(self.prompt_tokens)) > 0:
-                    await trio.sleep(delay)
-                self.cached = cached_prompt_tokens(self.seed, self.body, self.prompt_tokens,
-                                                   self.block_size)
+                await self._compute()
                 eos_first = kind is FaultKind.EOS_FIRST_TOKEN
             await generate_tokens(self._plan(eos_first), sink)
         finally:
@@ -227,6 +226,17 @@ class Decode:
                 assert source is not None and not isinstance(source, str)
                 with trio.move_on_after(RELEASE_TIMEOUT, shield=True):
                     await source.release()
+
+    async def _compute(self) -> None:
+        """The prefill computed here: only the tokens the prefix cache misses take time."""
+        prefix = self.prefix
+        hashes = prefix.hashes(self.body) if prefix is not None else []
+        self.cached = cached = (prefix.lookup(hashes, self.prompt_tokens)
+                                if prefix is not None else 0)
+        if (delay := self.latency.time_to_first_token(self.prompt_tokens - cached)) > 0:
+            await trio.sleep(delay)
+        if prefix is not None:
+            prefix.insert(hashes)
 
     def _plan(self, eos_first: bool) -> TokenPlan:
         # EOS comes first of all, or right after the min_tokens it may not cut short
@@ -294,6 +304,10 @@ class Prefill:
             bootstrap room, which has its own timeout.
         eos_ends_prefill: ``eos_first_token`` makes the prefill's first output final;
             False where the EOS goes to the decode with the KV (SGLang).
+        prefix: the worker's prefix cache (None: nothing is ever cached). The prompt is
+            looked up when the run is made, its blocks held once computed.
+        cached: the prompt's prefix-cache hit, in tokens: its leading whole blocks that
+            ``prefix`` held when the run was made (at least one token is computed).
         computed: the prefill computation ran to its end.
         entry: the KV staged, once staged.
         aborted: the abort was counted (:meth:`abort`).
@@ -310,10 +324,18 @@ class Prefill:
     min_tokens: int = 0
     lease: bool = True
     eos_ends_prefill: bool = True
+    prefix: PrefixCache | None = None
+    cached: int = attrs.field(default=0, init=False)
     answered: bool = False
     computed: bool = False
     entry: StagedKV | None = None
     aborted: bool = False
+    _hashes: list[bytes] = attrs.field(factory=list, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefix is not None:
+            self._hashes = self.prefix.hashes(self.body)
+            self.cached = self.prefix.lookup(self._hashes, self.prompt_tokens)
 
     @property
     def kind(self) -> FaultKind | None:
@@ -324,11 +346,14 @@ class Prefill:
         """The first token (equal to the decode's first)."""
         return TokenStream(self.seed, self.request_id).next_id()
 
-    @property
-    def cached(self) -> int:
-        """The prompt's prefix-cache hit, in tokens."""
-        return cached_prompt_tokens(self.seed, self.body, self.prompt_tokens,
-                                    self.pool.block_size)
+    async def compute(self) -> None:
+        """The prefill computation: ``latency.time_to_first_token`` of the tokens the
+        prefix cache missed; then the prompt's blocks are held in the cache."""
+        if (delay := self.latency.time_to_first_token(self.prompt_tokens - self.cached)) > 0:
+            await trio.sleep(delay)
+        self.computed = True
+        if self.prefix is not None:
+            self.prefix.insert(self._hashes)
 
     def message(self, note: str = "") -> str:
         """The injected fault's error message."""
@@ -350,9 +375,7 @@ class Prefill:
             await trio.lowlevel.checkpoint_if_cancelled()
             if kind is FaultKind.PREFILL_STALL:
                 await trio.sleep_forever()
-            if (delay := self.latency.time_to_first_token(self.prompt_tokens)) > 0:
-                await trio.sleep(delay)
-            self.computed = True
+            await self.compute()
             sink.computed(self)
             if kind is FaultKind.PREFILL_RESET:
                 await sink.reset(self)

@@ -29,6 +29,7 @@ from ._kv import (
     StagedKV,
 )
 from ._latency import LatencyModel
+from ._prefix import DEFAULT_PREFIX_CACHE_BLOCKS, PrefixCache
 from ._registry import KVRegistry
 from ._text import WORDS, count_prompt_tokens, resolve_max_tokens
 
@@ -44,7 +45,8 @@ class MockDecodeEngine:
       come first);
     * else with ``request.prefill_result``: pull the KV its ``disaggregated_params``
       name (``remote_engine_id``, ``remote_request_id``, ``remote_block_ids``);
-    * else (no handoff): compute the prefill itself, ``latency.time_to_first_token``.
+    * else (no handoff): compute the prefill itself, ``latency.time_to_first_token`` of
+      the prompt tokens its own prefix cache (:attr:`prefix`) missed.
 
     A pull takes ``latency.kv_transfer_time(prompt tokens)`` seconds and then frees the
     prefill's blocks. KV that is gone (expired, already pulled, released, unknown) or a
@@ -57,8 +59,8 @@ class MockDecodeEngine:
     eos, with probability ``eos_rate`` per token after the first) and the usage:
     ``prompt_tokens``, ``completion_tokens``, ``total_tokens``, and ``cached_tokens`` =
     the whole prompt after a pull, as a real decode worker reports it (the client's
-    ``cached_tokens`` must come from the prefill). ``request.stream`` does not change
-    the items.
+    ``cached_tokens`` must come from the prefill); without a handoff, its own prefix-cache
+    hit. ``request.stream`` does not change the items.
 
     Cancellation: ``context.stop_generating()`` ends the stream with one ``cancelled``
     item (with the usage so far); ``context.kill()`` ends it at once; a closed receiver
@@ -76,10 +78,11 @@ class MockDecodeEngine:
         eos_rate: probability, per token after the first, of ending on eos; 0 to always
             generate the whole budget.
         bootstrap_timeout: seconds to wait for the prefill's KV in a bootstrap room.
-        block_size: tokens per block, for the prefix-cache hit of a request without a
+        block_size: tokens per block, for the prefix cache of requests without a
             handoff.
         fault_plan: faults for requests whose body names none.
         style: reported as :attr:`handoff_style`; the engine serves both styles.
+        prefix_cache_blocks: the bound of :attr:`prefix`, in blocks (0: none).
 
     Raises:
         ValueError: a bad setting.
@@ -98,6 +101,7 @@ class MockDecodeEngine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         fault_plan: FaultPlan | None = None,
         style: HandoffStyle = HandoffStyle.SEQUENTIAL,
+        prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
     ) -> None:
         if not 0.0 <= eos_rate <= 1.0:
             raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate!r}")
@@ -117,6 +121,8 @@ class MockDecodeEngine:
         self.bootstrap_timeout = channel.check_seconds("bootstrap_timeout", bootstrap_timeout)
         self.block_size = block_size
         self.fault_plan = fault_plan
+        #: The prefix cache of the prefills this engine computes itself (no handoff).
+        self.prefix = PrefixCache(block_size, prefix_cache_blocks)
 
     def __repr__(self) -> str:
         return f"<MockDecodeEngine {self.name!r}>"
@@ -146,11 +152,11 @@ class MockDecodeEngine:
                    fault: Fault | None, stopper: channel.Stopper) -> None:
         body = request.body
         run = Decode(worker=self.name, request_id=request.request_id, seed=self.seed,
-                     latency=self.latency, block_size=self.block_size, body=body,
+                     latency=self.latency, body=body,
                      prompt_tokens=count_prompt_tokens(body),
                      max_tokens=resolve_max_tokens(request.max_tokens, body,
                                                    self.default_max_tokens),
-                     fault=fault, eos_rate=self.eos_rate)
+                     fault=fault, eos_rate=self.eos_rate, prefix=self.prefix)
         # Where the KV comes from: a room, a staged key, or nowhere (no handoff).
         source = _Pull.resolve(self.registry, request, self.latency, run.prompt_tokens,
                                self.bootstrap_timeout)

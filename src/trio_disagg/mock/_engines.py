@@ -46,8 +46,9 @@ from ._kv import (
     StagedKV,
 )
 from ._latency import LatencyModel
+from ._prefix import DEFAULT_PREFIX_CACHE_BLOCKS, PrefixCache
 from ._registry import KVRegistry
-from ._text import WORDS, TokenStream, cached_prompt_tokens, count_prompt_tokens
+from ._text import WORDS, TokenStream, count_prompt_tokens
 
 #: ``remote_host`` of an in-process handoff.
 INPROC_HOST = "inproc"
@@ -62,14 +63,16 @@ class MockPrefillEngine:
     """An in-process prefill worker with KV block accounting.
 
     Each request: ``started()`` at once (the worker accepted it), then prefill compute
-    for ``latency.time_to_first_token(prompt tokens)`` seconds, then the handoff:
+    for ``latency.time_to_first_token(prompt tokens)`` seconds (of the prompt tokens its
+    prefix cache missed), then the handoff:
 
     * ``HandoffStyle.SEQUENTIAL`` (vLLM; ``CONTEXT_FIRST``, TensorRT-LLM's, is served
       the same way): the KV is staged in :attr:`kv` under the request
       id and ONE output is sent: one token, ``finish_reason`` length, usage with
-      ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (a deterministic
-      prefix-cache hit), and ``disaggregated_params`` = ``{"remote_engine_id": name,
-      "remote_request_id", "remote_block_ids", "remote_host": "inproc", "remote_port": 0,
+      ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (the prompt's
+      leading whole blocks found in :attr:`prefix`, this engine's prefix cache), and
+      ``disaggregated_params`` = ``{"remote_engine_id": name, "remote_request_id",
+      "remote_block_ids", "remote_host": "inproc", "remote_port": 0,
       "do_remote_prefill": True, "do_remote_decode": False, "tp_size": 1}``. The stream
       then ends; the blocks stay held until a :class:`MockDecodeEngine` pulls them or
       their lease of ``kv_ttl`` seconds expires (they are then counted as stranded).
@@ -100,8 +103,8 @@ class MockPrefillEngine:
         name: unique in ``registry``; the ``remote_engine_id`` of its handoffs.
         style: the handoff style (:attr:`handoff_style`).
         latency: the :class:`LatencyModel`; default ``LatencyModel()``.
-        seed: fixes the tokens (with the request id) and prefix-cache hits.
-        block_size: tokens per KV block.
+        seed: fixes the tokens (with the request id).
+        block_size: tokens per KV block (and per prefix-cache block).
         kv_ttl: seconds staged KV waits for its decode (sequential style).
         bootstrap_timeout: seconds to wait for the decode to join a bootstrap room.
         bootstrap_host: for the bootstrap style, the host the router puts in
@@ -109,6 +112,7 @@ class MockPrefillEngine:
         bootstrap_port: for the bootstrap style; default: the next port of ``registry``
             from 8998.
         fault_plan: faults for requests whose body names none.
+        prefix_cache_blocks: the bound of :attr:`prefix`, in blocks (0: no prefix cache).
 
     Raises:
         ValueError: a duplicate name or bootstrap address, or a bad setting.
@@ -128,9 +132,12 @@ class MockPrefillEngine:
         bootstrap_host: str = INPROC_HOST,
         bootstrap_port: int | None = None,
         fault_plan: FaultPlan | None = None,
+        prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
     ) -> None:
         self.name = name
         self.handoff_style = style
+        #: The engine's prefix cache: the prompt prefixes it computed, by block.
+        self.prefix = PrefixCache(block_size, prefix_cache_blocks)
         self.registry = registry
         self.latency = latency if latency is not None else LatencyModel()
         self.seed = seed
@@ -174,7 +181,8 @@ class MockPrefillEngine:
             task_status.started()
             run = Prefill(worker=self.name, request_id=request.request_id, seed=self.seed,
                           latency=self.latency, pool=self.kv, body=request.body,
-                          prompt_tokens=count_prompt_tokens(request.body), fault=fault)
+                          prompt_tokens=count_prompt_tokens(request.body), fault=fault,
+                          prefix=self.prefix)
             sink = _PrefillSink(self, request, send_channel)
             try:
                 with stopper.scope:
@@ -234,17 +242,14 @@ class MockPrefillEngine:
         kind = run.kind
         if kind is FaultKind.PREFILL_STALL:
             await trio.sleep_forever()
-        delay = self.latency.time_to_first_token(run.prompt_tokens)
         if kind in _TERMINAL_FIRST:
             assert kind is not None
-            if delay > 0:
-                await trio.sleep(delay)
+            await run.compute()
             await sink.first_output(run, kind)
             run.answered = True
             return
-        await sink.send(self._bootstrap_output(sink.request, info, run.prompt_tokens))
-        if delay > 0:
-            await trio.sleep(delay)
+        await sink.send(self._bootstrap_output(sink.request, info, run))
+        await run.compute()
         run.entry = entry = self.kv.stage(run.request_id, run.prompt_tokens, lease=False)
         outcome = await hand_over(self.kv, room, entry, self.bootstrap_timeout)
         run.answered = True
@@ -264,19 +269,17 @@ class MockPrefillEngine:
 
     # --- outputs -----------------------------------------------------------------------
 
-    def _spent(self, request: PreprocessedRequest, prompt_tokens: int,
-               completion_tokens: int) -> Usage:
-        """The usage of a prefill output (``prompt_tokens_details.cached_tokens``: a
-        deterministic prefix-cache hit)."""
-        return usage(prompt_tokens, completion_tokens,
-                     cached_prompt_tokens(self.seed, request.body, prompt_tokens,
-                                          self.kv.block_size))
+    @staticmethod
+    def _spent(run: Prefill, completion_tokens: int) -> Usage:
+        """The usage of a prefill output (``prompt_tokens_details.cached_tokens``: the
+        run's prefix-cache hit)."""
+        return usage(run.prompt_tokens, completion_tokens, run.cached)
 
     def _trace(self, request: PreprocessedRequest) -> TraceLink:
         return TraceLink(worker_id=self.name, request_id=request.request_id)
 
     def _handoff_output(self, request: PreprocessedRequest, entry: StagedKV,
-                        prompt_tokens: int) -> Item:
+                        run: Prefill) -> Item:
         token = TokenStream(self.seed, request.request_id).next_id()
         params = {
             "remote_engine_id": self.name,
@@ -291,21 +294,20 @@ class MockPrefillEngine:
         return Annotated(data=LLMEngineOutput(
             token_ids=[token], text=WORDS[token], finish_reason=FinishReason.LENGTH,
             disaggregated_params=params,
-            completion_usage=self._spent(request, prompt_tokens, 1),
+            completion_usage=self._spent(run, 1),
             worker_trace_link=self._trace(request)))
 
     def _bootstrap_output(self, request: PreprocessedRequest, info: BootstrapInfo,
-                          prompt_tokens: int) -> Item:
+                          run: Prefill) -> Item:
         return Annotated(data=LLMEngineOutput(
             disaggregated_params=info.as_params(),
-            completion_usage=self._spent(request, prompt_tokens, 0),
+            completion_usage=self._spent(run, 0),
             worker_trace_link=self._trace(request)))
 
     def _terminal_output(self, run: Prefill, request: PreprocessedRequest,
                          kind: FaultKind) -> Item:
         """The first output of a prefill that ends the request (S7)."""
-        spent = self._spent(request, run.prompt_tokens, 1 if kind is FaultKind.EOS_FIRST_TOKEN
-                            else 0)
+        spent = self._spent(run, 1 if kind is FaultKind.EOS_FIRST_TOKEN else 0)
         if kind is FaultKind.EOS_FIRST_TOKEN:
             output = LLMEngineOutput(token_ids=[run.token], text=WORDS[run.token],
                                      finish_reason=FinishReason.EOS, completion_usage=spent)
@@ -359,7 +361,7 @@ class _PrefillSink:
         return run.request_id
 
     async def handoff(self, run: Prefill, entry: StagedKV) -> None:
-        await self.send(self.engine._handoff_output(self.request, entry, run.prompt_tokens))
+        await self.send(self.engine._handoff_output(self.request, entry, run))
         run.answered = True  # delivered: the KV now waits for a decode or its lease
         if run.kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
             run.release(entry)  # the request failed: the worker frees its KV

@@ -30,6 +30,7 @@ class WorkerOptions(TypedDict, total=False):
     http_client: httpx.AsyncClient | None
     max_body_bytes: int
     history: int
+    prefix_cache_blocks: int
 
 
 @attrs.define(kw_only=True)

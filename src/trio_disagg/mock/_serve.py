@@ -199,8 +199,9 @@ async def serve_mock_worker(role: Role, protocol: str = "vllm", host: str = "127
         task_status: reports the bound TCP port (the HTTP one).
         options: the worker's settings, as for :class:`~trio_disagg.mock.MockWorker`
             (``name``, ``model``, ``latency``, ``seed``, ``block_size``, ``kv_ttl``,
-            ``kv_bytes_per_token``, ``default_max_tokens``, ``fault_plan``, and
-            ``fault_injection``: honour a request body's ``"fault"``, off by default).
+            ``kv_bytes_per_token``, ``default_max_tokens``, ``fault_plan``,
+            ``prefix_cache_blocks``, and ``fault_injection``: honour a request body's
+            ``"fault"``, off by default).
             ``bootstrap_port``, SGLang prefill workers only: the port decode workers join
             bootstrap rooms on; default 8998 (SGLang's) if ``port`` is fixed, any free
             port if ``port`` is 0 (the bound one is reported by ``GET /get_server_info``).

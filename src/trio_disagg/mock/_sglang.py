@@ -122,7 +122,7 @@ class MockSglangWorker(MockWorker):
     room has its own timeout), waits up to ``bootstrap_timeout`` seconds for a decode to
     join (else the KV is stranded and it fails), waits for the transfer, then answers:
     no token, ``finish_reason: "length"`` (SGLang's ``FINISH_LENGTH(length=0)``), usage
-    with ``prompt_tokens_details.cached_tokens`` (a deterministic prefix-cache hit;
+    with ``prompt_tokens_details.cached_tokens`` (its prefix-cache hit;
     ``meta_info.cached_tokens`` on ``/generate``). A decode that leaves the room before
     the transfer completed (even before the prefill arrived) makes it fail at once, its
     KV freed.

@@ -1,4 +1,4 @@
-"""Prompt length, prefix-cache hits and deterministic pseudo-text for the mock workers."""
+"""Prompt length and tokens, and deterministic pseudo-text for the mock workers."""
 
 from __future__ import annotations
 
@@ -102,24 +102,38 @@ def count_prompt_tokens(body: Mapping[str, Any]) -> int:
     return 1
 
 
+def _tokens_in(value: Any, out: list[str | int]) -> None:
+    # the tokens _words_in counts, in order
+    if isinstance(value, str):
+        out.extend(value.split())
+    elif isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            out.extend(value)
+        else:
+            for v in value:
+                _tokens_in(v, out)
+    elif isinstance(value, Mapping):
+        if "content" in value:
+            _tokens_in(value["content"], out)
+        elif "text" in value:
+            _tokens_in(value["text"], out)
+
+
+def prompt_tokens_of(body: Mapping[str, Any]) -> list[str | int]:
+    """The tokens of a request's prompt, in order: the ones :func:`count_prompt_tokens`
+    counts (words, or token ids)."""
+    out: list[str | int] = []
+    for key in _PROMPT_KEYS:
+        if key in body:
+            _tokens_in(body[key], out)
+            break
+    return out
+
+
 def prompt_fingerprint(body: Mapping[str, Any]) -> bytes:
     """Bytes that identify a request's prompt (same prompt, same fingerprint)."""
     return orjson.dumps([body.get(key) for key in _PROMPT_KEYS],
                         option=orjson.OPT_SORT_KEYS, default=str)
-
-
-def cached_prompt_tokens(seed: int, body: Mapping[str, Any], prompt_tokens: int,
-                         block_size: int) -> int:
-    """A deterministic prefix-cache hit for a prompt, in tokens.
-
-    A whole number of blocks, chosen from the prompt and ``seed``, leaving at least one
-    prompt token to compute: the same prompt always gets the same hit.
-    """
-    full_blocks = (prompt_tokens - 1) // block_size
-    if full_blocks <= 0:
-        return 0
-    unit = seeded_unit(seed, "prefix-cache", prompt_fingerprint(body).hex())
-    return int(unit * (full_blocks + 1)) * block_size
 
 
 def resolve_max_tokens(max_tokens: int | None, body: Mapping[str, Any], default: int) -> int:

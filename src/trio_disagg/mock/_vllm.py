@@ -63,7 +63,7 @@ class MockVllmWorker(MockWorker):
     - ``do_remote_decode: true`` (a prefill request, docs/protocols.md section 2): compute
       the prefill (``latency.time_to_first_token(prompt tokens)``), stage the prompt's KV
       blocks in :attr:`kv`, and answer one token, ``finish_reason: "length"``, ``usage``
-      with ``prompt_tokens_details.cached_tokens`` (a deterministic prefix-cache hit), and
+      with ``prompt_tokens_details.cached_tokens`` (its prefix-cache hit), and
       ``kv_transfer_params: {"do_remote_prefill": true, "do_remote_decode": false,
       "remote_block_ids", "remote_engine_id": name, "remote_request_id",
       "remote_host", "remote_port", "tp_size": 1}``. The blocks are held until a decode
@@ -133,8 +133,8 @@ class MockVllmWorker(MockWorker):
             any, and ``/v1/models`` lists ``"mock-model"``.
         latency: the :class:`~trio_disagg.mock.LatencyModel`; default
             ``LatencyModel()``; :meth:`LatencyModel.zero` for benchmarks.
-        seed: fixes the tokens (with the request id) and the prefix-cache hits.
-        block_size: tokens per KV block.
+        seed: fixes the tokens (with the request id).
+        block_size: tokens per KV block (and per prefix-cache block).
         kv_ttl: seconds staged KV waits for its decode before it is stranded.
         kv_bytes_per_token: bytes of KV per prompt token moved by a pull.
         default_max_tokens: tokens to generate when the body names no budget.
@@ -146,6 +146,8 @@ class MockVllmWorker(MockWorker):
         max_body_bytes: the largest request body accepted (413 above).
         history: how many recent generation requests :attr:`seen` keeps, and how many
             recent aborts :attr:`aborts` keeps.
+        prefix_cache_blocks: the bound of the worker's prefix cache (:attr:`prefix`), in
+            blocks; 0: none.
 
     Raises:
         ValueError: a bad role or setting.

@@ -41,6 +41,7 @@ from ._kvwire import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, KVSource, serve_k
 from ._latency import LatencyModel
 from ._metrics import WorkerCollector
 from ._options import SeenRequest, WorkerStats
+from ._prefix import DEFAULT_PREFIX_CACHE_BLOCKS, PrefixCache
 from ._sinks import Bound, DecodeSink
 from ._text import count_prompt_tokens, resolve_max_tokens
 from ._wire_faults import MockFault, MockFaultKind, split_mock_faults
@@ -132,6 +133,7 @@ class MockWorker:
         http_client: httpx.AsyncClient | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
         history: int = 256,
+        prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -146,6 +148,8 @@ class MockWorker:
         self.latency = latency if latency is not None else LatencyModel()
         #: The worker's KV blocks (a prefill worker's staged KV).
         self.kv = KVBlockPool(self.name, block_size=block_size, ttl=kv_ttl)
+        #: The worker's prefix cache: the prompt prefixes it computed, by block.
+        self.prefix = PrefixCache(block_size, prefix_cache_blocks)
         self.kv_bytes_per_token, self.default_max_tokens = kv_bytes_per_token, default_max_tokens
         self.fault_plan = fault_plan
         #: Whether a request body's ``"fault"`` is honoured (else ignored).
@@ -436,9 +440,10 @@ class MockWorker:
             return
         run = Decode(
             worker=self.name, request_id=request_id, seed=self.seed, latency=self.latency,
-            block_size=self.kv.block_size, body=body, prompt_tokens=count_prompt_tokens(body),
+            body=body, prompt_tokens=count_prompt_tokens(body),
             max_tokens=self._max_tokens(body), fault=fault, min_tokens=self._min_tokens(body),
             eos_with_handoff=eos_with_handoff, release_unpulled=self.releases_unpulled_kv,
+            prefix=self.prefix,
             queue_seconds=(mock.seconds if mock is not None
                            and mock_kind is MockFaultKind.DECODE_QUEUE else None))
         sink = DecodeSink(self, exchange, fmt, run, stream=body.get("stream") is True,
@@ -461,7 +466,7 @@ class MockWorker:
         return Prefill(worker=self.name, request_id=exchange.request_id or "", seed=self.seed,
                        latency=self.latency, pool=self.kv, body=body,
                        prompt_tokens=count_prompt_tokens(body), fault=fault,
-                       min_tokens=self._min_tokens(body))
+                       min_tokens=self._min_tokens(body), prefix=self.prefix)
 
     async def _reset(self, exchange: Exchange, stream: bool) -> None:
         """End the response half-way: the connection closes without a complete answer."""
