@@ -221,7 +221,7 @@ class _Exchange:
     """The ASGI ``receive`` and ``send`` of one request."""
 
     __slots__ = ("body_ended", "body_timed_out", "chunked", "conn", "done", "head",
-                 "head_only", "keep_alive", "request", "started", "status")
+                 "head_only", "keep_alive", "request", "started")
 
     def __init__(self, conn: _Connection, request: _Request) -> None:
         self.conn = conn
@@ -234,7 +234,6 @@ class _Exchange:
         self.chunked = True
         self.head_only = request.method == "HEAD"
         self.keep_alive = request.keep_alive
-        self.status = 0
 
     async def receive(self) -> Message:
         request, conn = self.request, self.conn
@@ -276,7 +275,7 @@ class _Exchange:
             if self.started:
                 raise RuntimeError("http.response.start sent twice")
             self.started = True
-            self.status = status = int(message["status"])
+            status = int(message["status"])
             self.head = self._head(status, message.get("headers", ()))
             if not self.conn.server.head_with_body:
                 head, self.head = self.head, None

@@ -117,15 +117,13 @@ class WorkerResponse:
     """
 
     __slots__ = ("_body", "_client", "_complete", "_connection", "_headers_done",
-                 "_keep_alive", "_parser", "_pool", "_raw_headers", "_reused",
+                 "_keep_alive", "_parser", "_pool", "_raw_headers",
                  "headers", "status_code")
 
-    def __init__(self, client: WorkerClient, pool: _Pool, connection: _Connection,
-                 reused: bool) -> None:
+    def __init__(self, client: WorkerClient, pool: _Pool, connection: _Connection) -> None:
         self._client = client
         self._pool = pool
         self._connection: _Connection | None = connection
-        self._reused = reused
         self._parser = httptools.HttpResponseParser(self)
         self._body: list[bytes] = []
         self._raw_headers: list[tuple[bytes, bytes]] = []
@@ -181,12 +179,11 @@ class WorkerResponse:
         return True
 
     async def _read_head(self) -> None:
-        received = 0
         while not self._headers_done:
             if not await self._feed():
                 raise RemoteProtocolError("the worker closed the connection without answering")
-            received += sum(len(v) + len(n) for n, v in self._raw_headers)
-            if not self._headers_done and received > MAX_HEADER_BYTES:
+            if not self._headers_done and sum(
+                    len(v) + len(n) for n, v in self._raw_headers) > MAX_HEADER_BYTES:
                 raise RemoteProtocolError("the answer's headers are too large")
 
     async def read(self) -> bytes:
@@ -285,7 +282,7 @@ class _Exchange:
         request = b"".join(head)
         for attempt in range(2):  # a kept connection the worker closed: once more, anew
             connection, reused = await client._acquire(pool, fresh=attempt > 0)
-            response = WorkerResponse(client, pool, connection, reused)
+            response = WorkerResponse(client, pool, connection)
             self._response = response
             try:
                 with trio.move_on_after(client.write_timeout) as writing:
