@@ -83,7 +83,7 @@ def test_a_chunk_choice_is_kept_as_sent(choice: dict[str, Any]) -> None:
     sent = orjson.loads(orjson.dumps(choice))
     output = openai_output(chunk(sent), final=False)
     assert output is not None  # carries more than text: never skipped
-    assert output.choice is not None and output.choice == choice  # untouched
+    assert output.choices == [choice]  # untouched
     assert output.text is None  # the internal text is the content alone, as before
 
 
@@ -92,12 +92,12 @@ def test_finish_chunks_keep_their_choice_and_the_internal_finish() -> None:
     stop = openai_output(chunk(FINAL_STOP_REASON), final=False)
     tools = openai_output(chunk(FINAL_TOOL_CALLS), final=False)
     assert stop is not None and stop.finish_reason == FinishReason.STOP
-    assert stop.choice is not None and stop.choice["stop_reason"] == 128009
+    assert stop.choices is not None and stop.choices[-1]["stop_reason"] == 128009
     assert tools is not None and tools.finish_reason == FinishReason.STOP
-    assert tools.choice is not None and tools.choice["finish_reason"] == "tool_calls"
+    assert tools.choices is not None and tools.choices[-1]["finish_reason"] == "tool_calls"
     abort = openai_output(chunk({**FINAL_TOOL_CALLS, "finish_reason": "abort"}), final=False)
     assert abort is not None and abort.finish_reason == FinishReason.CANCELLED  # an error
-    assert abort.choice is not None
+    assert abort.choices is not None
     # a role-only delta and a usage chunk still carry nothing
     assert openai_output(chunk(ROLE_ONLY), final=False) is None
     usage = {**chunk(ROLE_ONLY), "choices": [], "usage": {"prompt_tokens": 1}}
@@ -112,7 +112,7 @@ def test_a_whole_answer_keeps_its_choice() -> None:
     answer = {"id": "x", "object": "chat.completion", "choices": [choice],
               "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
     output = openai_output(answer, final=True)
-    assert output is not None and output.choice == choice
+    assert output is not None and output.choices == [choice]
     assert output.finish_reason == FinishReason.STOP and output.text is None
     completion = {"id": "y", "object": "text_completion", "choices": [
         {"index": 0, "text": " a", "logprobs": {"tokens": [" a"], "token_logprobs": [-1.0],
@@ -121,7 +121,7 @@ def test_a_whole_answer_keeps_its_choice() -> None:
          "finish_reason": "length"}]}
     output = openai_output(completion, final=True)
     assert output is not None and output.text == " a"
-    assert output.choice == completion["choices"][0]
+    assert output.choices == [completion["choices"][0]]
 
 
 def sse(*chunks: dict[str, Any]) -> bytes:
@@ -158,8 +158,8 @@ async def test_adapters_relay_each_choice_as_sent(engine_cls: Any) -> None:
     if engine_cls is SglangEngine:
         extra["bootstrap_info"] = BootstrapInfo(host="h", port=8998, room=5)
     outputs = await relay(engine_cls, {"model": MODEL, "messages": CHAT}, content, **extra)
-    assert [o.choice for o in outputs] == [TOOL_DELTA, ARGS_DELTA, REASONING_DELTA,
-                                           LOGPROBS_ONLY, FINAL_STOP_REASON]
+    assert [c for o in outputs for c in o.choices or []] == [
+        TOOL_DELTA, ARGS_DELTA, REASONING_DELTA, LOGPROBS_ONLY, FINAL_STOP_REASON]
     assert outputs[-1].finish_reason is not None
     assert outputs[-1].completion_usage is not None
     assert outputs[-1].completion_usage.completion_tokens == 4
@@ -447,8 +447,8 @@ async def test_through_the_router_min_tokens_and_choices(protocol: ProtocolName)
         _, items = await run(cluster, chat)
         await cluster.settled()
     outputs = [item.data for item in items if item.data is not None]
-    sent = [o.choice for o in outputs if o.choice is not None]
-    assert len(sent) == len(outputs)
+    assert all(o.choices for o in outputs)
+    sent = [c for o in outputs for c in o.choices or []]
     assert sent[0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert sent[-1]["finish_reason"] == "tool_calls"
     assert outputs[-1].finish_reason == FinishReason.STOP

@@ -5,7 +5,7 @@ response ``id``, ``model`` as the client named it, ``usage`` (prompt and cached 
 the prefill; completion tokens the worker's, or counted) and the terminal the gatekeeper
 holds. The decode engines here are the in-process mock decode (it pulls the KV, so nothing
 stays staged) followed by a script of outputs that carry the worker's own OpenAI choice,
-as an HTTP adapter reads it (``LLMEngineOutput.choice``). Real hypercorn on 127.0.0.1, the
+as an HTTP adapter reads it (``LLMEngineOutput.choices``). Real hypercorn on 127.0.0.1, the
 official ``openai`` client and raw httpx.
 """
 
@@ -65,7 +65,7 @@ def out(choice: Choice, finish: FinishReason | None = None,
     part = choice.get("delta") or choice.get("message") or {}
     text = choice.get("text", part.get("content"))
     return Annotated(data=LLMEngineOutput(
-        text=text or None, finish_reason=finish, completion_usage=usage, choice=choice))
+        text=text or None, finish_reason=finish, completion_usage=usage, choices=[choice]))
 
 
 class Scripted:
@@ -134,7 +134,8 @@ class AnswersWith:
                         if data is not None and data.finish_reason is not None and (
                             data.finish_reason.kind is not FinishKind.LENGTH
                         ):
-                            item = attrs.evolve(item, data=attrs.evolve(data, choice=self.choice))
+                            data = attrs.evolve(data, choices=[self.choice])
+                            item = attrs.evolve(item, data=data)
                         await send_channel.send(item)
 
 

@@ -64,6 +64,7 @@ from trio_disagg.engines import (
     Client,
     LatencyModel,
     VllmEngine,
+    WorkerClient,
     decode_body,
     prefill_body,
     vllm_client,
@@ -450,6 +451,21 @@ async def test_twenty_concurrent_requests() -> None:
         counters = cluster.prefill.kv.counters()
         assert (counters.served, counters.staged_blocks, counters.freed_blocks) == (20, 60, 60)
         assert cluster.prefill.stats.aborted == cluster.decode.stats.aborted == 0
+
+
+async def test_streamed_requests_give_their_worker_connections_back() -> None:
+    """P4: a streamed decode read to its end (the body's end after ``[DONE]``) and a
+    prefill answer both return their connection to the pool, so a run of requests one
+    after another keeps one connection per worker instead of opening one per request."""
+    async with vllm_cluster() as cluster:
+        client = cluster.client
+        assert isinstance(client, WorkerClient)
+        for i in range(3):
+            _, items = await run(cluster, completion(f"keep-{i}", max_tokens=4))
+            assert len(texts(items)) == 4
+            await cluster.settled()
+            await wait_until(lambda: client.connections_idle == 2)
+            assert client.connections_open == 2  # one to the prefill, one to the decode
 
 
 # --- the mock workers on their own --------------------------------------------------------

@@ -166,11 +166,12 @@ class LLMEngineOutput:
     completion_usage: CompletionUsage | None = None
     worker_trace_link: TraceLink | None = None
     index: int | None = None
-    #: The worker's own OpenAI choice object for this item, as it sent it (a streamed
-    #: chunk's ``choices[0]`` with its ``delta``, or a whole answer's with its ``message``
-    #: or ``text``), when an HTTP adapter read one: the server relays it as sent (B8).
-    #: In process only: never on the wire.
-    choice: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
+    #: The worker's own OpenAI choice objects behind this item, as it sent them, in order,
+    #: when an HTTP adapter read them: one per streamed chunk (its ``choices[0]`` with its
+    #: ``delta``), several when one socket read brought several chunks (one item per
+    #: burst, docs/performance.md), or a whole answer's one (with its ``message`` or
+    #: ``text``). The server relays each as sent (B8). In process only: never on the wire.
+    choices: list[Mapping[str, Any]] | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def length(cls) -> LLMEngineOutput:
@@ -441,12 +442,12 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_factory(
         lambda cls: cls is LLMEngineOutput,
         lambda cls, c: cattrs.gen.make_dict_unstructure_fn(
-            cls, c, _cattrs_omit_if_default=True, choice=cattrs.gen.override(omit=True)),
+            cls, c, _cattrs_omit_if_default=True, choices=cattrs.gen.override(omit=True)),
     )
     conv.register_structure_hook_factory(
         lambda cls: cls is LLMEngineOutput,
         lambda cls, c: _strict_object(cattrs.gen.make_dict_structure_fn(
-            cls, c, choice=cattrs.gen.override(omit=True))),
+            cls, c, choices=cattrs.gen.override(omit=True))),
     )
     return conv
 
@@ -457,7 +458,7 @@ converter = _make_converter()
 
 def to_wire(value: Any) -> Any:
     """Turn a protocol object into JSON-ready Python values (omitting defaults; the
-    in-process-only fields, ``Annotated.exception`` and ``LLMEngineOutput.choice``, are
+    in-process-only fields, ``Annotated.exception`` and ``LLMEngineOutput.choices``, are
     never written)."""
     return converter.unstructure(value)
 

@@ -325,17 +325,88 @@ class Stopper:
 
 
 class ChunkParser:
-    """Turns an OpenAI answer or stream chunk into an output. One per response; a
-    protocol with stateful chunks (SGLang's native cumulative text) subclasses it."""
+    """Turns an OpenAI answer or stream chunk into outputs. One per response; a protocol
+    with stateful chunks (SGLang's native cumulative text) subclasses it.
+
+    Args:
+        finish_table: the worker's finish reason names and what each means
+            (:data:`FINISH`, or TensorRT-LLM's).
+    """
+
+    __slots__ = ("finish_table",)
+
+    def __init__(self, finish_table: Mapping[str, FinishReason] = FINISH) -> None:
+        self.finish_table = finish_table
 
     def output(self, answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
         """The output of a whole answer (``final``) or of a chunk; None for a chunk with
         nothing in it (a role-only delta, a usage chunk)."""
-        return openai_output(answer, final=final)
+        return openai_output(answer, final=final, finish_table=self.finish_table)
+
+    def add(self, chunk: Mapping[str, Any], burst: Burst) -> LLMEngineOutput | None:
+        """A streamed chunk: its output if it carries the finish, else None, its output
+        (if it has one) gone into ``burst``."""
+        return openai_chunk(chunk, burst, self.finish_table)
 
     def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
         """The usage of a chunk that follows the finish (OpenAI's usage chunk)."""
         return parse_usage(chunk)
+
+
+class Burst:
+    """The non-terminal outputs of one socket read, gathered into one item (the relay's hot
+    path, docs/performance.md): one channel send, one trip through the gatekeeper and one
+    write to the client per burst, not per token.
+
+    Their token ids and text are joined; each worker choice is kept, in order, to be
+    relayed as its own chunk (B8); the last usage reported wins. All are of one choice
+    index (the router asks a worker for ``n`` = 1).
+    """
+
+    __slots__ = ("choices", "index", "texts", "token_ids", "usage")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.choices: list[Mapping[str, Any]] = []
+        self.usage: CompletionUsage | None = None
+        self.index: int | None = None
+
+    def add_parts(self, choice: Mapping[str, Any], text: str | None, token_ids: list[int],
+                  usage: CompletionUsage | None) -> None:
+        """Add one chunk, as :func:`openai_chunk` read it."""
+        self.choices.append(choice)
+        if text:
+            self.texts.append(text)
+        if token_ids:
+            self.token_ids += token_ids
+        if usage is not None:
+            self.usage = usage
+
+    def add(self, output: LLMEngineOutput) -> None:
+        """Add one output without a finish reason."""
+        if output.choices:
+            self.choices += output.choices
+        if output.text:
+            self.texts.append(output.text)
+        if output.token_ids:
+            self.token_ids += output.token_ids
+        if output.completion_usage is not None:
+            self.usage = output.completion_usage
+        if output.index is not None:
+            self.index = output.index
+
+    def take(self) -> LLMEngineOutput | None:
+        """The one output of what was added since the last call, or None if nothing was."""
+        texts, choices = self.texts, self.choices
+        if not texts and not choices and not self.token_ids:
+            return None
+        output = LLMEngineOutput(
+            token_ids=self.token_ids, text="".join(texts) if texts else None,
+            completion_usage=self.usage, index=self.index, choices=choices or None)
+        self.token_ids, self.texts, self.choices = [], [], []
+        self.usage = None
+        return output
 
 
 class HttpEngine:
@@ -683,14 +754,15 @@ class HttpEngine:
         """Server-sent events -> outputs; the finish is held until the usage chunk.
 
         The hot path of the relay (docs/performance.md): what one socket read brought is
-        split into its events at once, and their outputs go to the channel without a
-        schedule point while it has room, so a burst of tokens moves on as a burst.
+        split into its events at once, and the outputs of those events go to the channel
+        as one item (a :class:`Burst`), so a burst of tokens costs one channel send, one
+        trip through the gatekeeper and one write to the client.
         """
         final: LLMEngineOutput | None = None  # the finish, waiting for its usage chunk
         done = False
         pending = b""  # the start of an event the next read completes
-        send_nowait = send.send_nowait
-        output_of = parser.output
+        burst = Burst()  # this read's outputs, sent as one item
+        add = parser.add
         try:
             while part := await response.read():
                 if pending:
@@ -701,6 +773,7 @@ class HttpEngine:
                     pending_cr = b""
                 events = part.split(b"\n\n")
                 pending = events.pop() + pending_cr
+                error: Item | None = None
                 for event in events:
                     if event[:6] == b"data: " and b"\n" not in event:
                         data: bytes | None = event[6:]  # the common case: one data line
@@ -714,39 +787,33 @@ class HttpEngine:
                     try:
                         chunk = orjson.loads(data)
                     except orjson.JSONDecodeError:
-                        await send.send(self._error(f"sent a malformed chunk: {data[:200]!r}"))
-                        return
+                        error = self._error(f"sent a malformed chunk: {data[:200]!r}")
+                        break
                     if type(chunk) is not dict:
-                        await send.send(self._error(
-                            f"sent a chunk that is not an object: {data[:200]!r}"))
-                        return
+                        error = self._error(f"sent a chunk that is not an object: {data[:200]!r}")
+                        break
                     if is_error_object(chunk):
-                        await send.send(self._error(f"reported an error: {error_text(chunk)}"))
-                        return
+                        error = self._error(f"reported an error: {error_text(chunk)}")
+                        break
                     if final is not None:
                         usage = parser.usage(chunk)
                         if usage is not None:
                             final.completion_usage = usage
                         continue
-                    output = output_of(chunk, final=False)
-                    if output is None:
-                        continue
-                    if output.finish_reason is not None:
-                        final = output
-                        continue
+                    final = add(chunk, burst)
+                if (output := burst.take()) is not None:
                     item = Annotated(data=output)
                     try:
-                        send_nowait(item)
-                        continue
+                        send.send_nowait(item)
+                        sent = True
                     except trio.WouldBlock:
-                        pass
-                    await send.send(item)  # outside the except: no exception kept alive
+                        sent = False
+                    if not sent:  # awaited outside the except: no exception kept alive
+                        await send.send(item)
+                if error is not None:
+                    await send.send(error)
+                    return
                 if done:
-                    # The body's end follows [DONE] at once: read it, so that the
-                    # connection goes back to the pool instead of being closed.
-                    with trio.move_on_after(BODY_END_GRACE):
-                        while await response.read():
-                            pass
                     break
         except TransportError as exc:
             if final is None:
@@ -758,7 +825,18 @@ class HttpEngine:
             await send.send(self._error(
                 f"{how} without a finish_reason (the worker died mid-stream?)"))
             return
+        # Sent before anything else is awaited: the writer ends the response in the same
+        # socket write as the burst before it.
         await send.send(Annotated(data=final))
+        if done:
+            # The body's end follows [DONE] at once: read it, so that the connection goes
+            # back to the pool instead of being closed. The answer is complete already.
+            with trio.move_on_after(BODY_END_GRACE):
+                try:
+                    while await response.read():
+                        pass
+                except TransportError:
+                    pass
 
 
 # --- wire helpers ----------------------------------------------------------------------------
@@ -864,7 +942,7 @@ def make_usage(prompt: int, completion: int, total: int, cached: Any) -> Complet
 def parse_usage(answer: Mapping[str, Any]) -> CompletionUsage | None:
     """The ``usage`` object of an OpenAI answer or chunk, if it has one."""
     usage = answer.get("usage")
-    if not isinstance(usage, Mapping):
+    if usage is None or not isinstance(usage, Mapping):  # None first: no ABC check per chunk
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
@@ -891,9 +969,10 @@ def parse_finish(value: Any, table: Mapping[str, FinishReason] = FINISH) -> Fini
 
 def first_choice(answer: Mapping[str, Any]) -> Mapping[str, Any] | None:
     choices = answer.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+    if type(choices) is not list or not choices:
         return None
-    return choices[0]
+    choice = choices[0]
+    return choice if type(choice) is dict or isinstance(choice, Mapping) else None
 
 
 #: Choice keys that carry no content of their own (a role-only delta carries nothing).
@@ -923,7 +1002,7 @@ def openai_output(
     whose usage is taken too); None for a chunk with nothing in it (a role-only delta, a
     usage chunk).
 
-    The output's :attr:`~trio_disagg.LLMEngineOutput.choice` is the worker's own
+    The output's :attr:`~trio_disagg.LLMEngineOutput.choices` holds the worker's own
     ``choices[0]``, untouched, for the server to relay as sent (B8); a chunk whose choice
     carries anything besides text (tool calls, reasoning, logprobs, a ``stop_reason``) is
     an output even without text. ``text`` is the choice's text or ``content``, and the
@@ -932,16 +1011,7 @@ def openai_output(
     choice = first_choice(answer)
     if choice is None:
         return None
-    text: Any
-    if "text" in choice:
-        text = choice["text"]
-    else:
-        part = choice.get("delta") if "delta" in choice else choice.get("message")
-        text = part.get("content") if isinstance(part, Mapping) else None
-    if not isinstance(text, str):
-        text = None
-    ids = choice.get("token_ids")
-    token_ids = ids if isinstance(ids, list) and all(type(i) is int for i in ids) else []
+    text, token_ids = _text_and_ids(choice)
     finish = parse_finish(choice.get("finish_reason"), finish_table)
     usage = parse_usage(answer)
     if (not text and not token_ids and finish is None and not final
@@ -951,5 +1021,42 @@ def openai_output(
     return LLMEngineOutput(
         token_ids=token_ids, text=text or None, finish_reason=finish,
         completion_usage=usage, index=index if type(index) is int and index else None,
-        choice=choice,
+        choices=[choice],
     )
+
+
+def openai_chunk(
+    chunk: Mapping[str, Any], burst: Burst, finish_table: Mapping[str, FinishReason] = FINISH
+) -> LLMEngineOutput | None:
+    """A streamed OpenAI chunk read into ``burst`` (the relay's per-token path): the same
+    reading as :func:`openai_output`, without an output object per token.
+
+    Returns:
+        The chunk's output if it carries a finish reason (the burst is left alone), else
+        None: a chunk with something in it went into ``burst``, one with nothing (a
+        role-only delta, a usage chunk) was skipped.
+    """
+    choice = first_choice(chunk)
+    if choice is None:
+        return None
+    if choice.get("finish_reason") is not None:
+        return openai_output(chunk, final=False, finish_table=finish_table)
+    text, token_ids = _text_and_ids(choice)
+    if text or token_ids or _carries_more(choice):
+        burst.add_parts(choice, text, token_ids, parse_usage(chunk))
+    return None
+
+
+def _text_and_ids(choice: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+    """A choice's ``text`` (or its ``delta`` / ``message`` ``content``), and its
+    ``token_ids`` if it sent a list of ints."""
+    text: Any
+    if "text" in choice:
+        text = choice["text"]
+    else:
+        part = choice.get("delta") if "delta" in choice else choice.get("message")
+        text = part.get("content") if type(part) is dict or isinstance(part, Mapping) else None
+    ids = choice.get("token_ids")
+    if ids is None or type(ids) is not list or not all(type(i) is int for i in ids):
+        ids = []
+    return (text if type(text) is str else None), ids

@@ -38,6 +38,7 @@ from .._protocols import (
     TraceLink,
 )
 from ._http import (
+    Burst,
     ChunkParser,
     Client,
     HttpEngine,
@@ -231,6 +232,7 @@ class _NativeParser(ChunkParser):
     __slots__ = ("_ids", "_text")
 
     def __init__(self) -> None:
+        super().__init__()
         self._text = ""
         self._ids: list[int] = []
 
@@ -240,6 +242,13 @@ class _NativeParser(ChunkParser):
                 and not final):
             return None
         return output
+
+    def add(self, chunk: Mapping[str, Any], burst: Burst) -> LLMEngineOutput | None:
+        output = self.output(chunk, final=False)
+        if output is None or output.finish_reason is not None:
+            return output
+        burst.add(output)
+        return None
 
     def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
         return None

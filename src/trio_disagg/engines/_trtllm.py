@@ -43,7 +43,6 @@ from ._http import (
     endpoint_for,
     first_choice,
     handoff_problem,
-    openai_output,
     streaming_body,
     worker_client,
 )
@@ -167,11 +166,6 @@ def generation_body(request: PreprocessedRequest) -> dict[str, Any]:
     return wire
 
 
-class _Parser(ChunkParser):
-    def output(self, answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
-        return openai_output(answer, final=final, finish_table=TRTLLM_FINISH)
-
-
 class TrtllmEngine(HttpEngine):
     """A TensorRT-LLM server, context or generation, as an :class:`~trio_disagg.Engine`
     (docs/protocols.md sections 1 and 4).
@@ -237,7 +231,7 @@ class TrtllmEngine(HttpEngine):
         return endpoint_for(body), body
 
     def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
-        return _Parser()
+        return ChunkParser(TRTLLM_FINISH)
 
     def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
         return context_problem(answer)

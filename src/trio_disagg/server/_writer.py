@@ -225,14 +225,18 @@ async def write_response(
             tokens += len(data.token_ids)
             if data.completion_usage is not None:
                 usage = data.completion_usage
-            choice = data.choice
-            if choice is not None and not data.token_ids:
-                tokens += counted_tokens(choice)  # a chunk with no ids is one token
+            choices = data.choices
+            choice = None
+            if choices:
+                if not data.token_ids:  # a chunk with content and no ids is one token
+                    tokens += sum(map(counted_tokens, choices))
+                if data.finish_reason is not None:
+                    *choices, choice = choices  # the last one ends the response
+                for earlier in choices:
+                    on_choice(earlier)  # the worker's own choices, as sent (B8)
             finish = data.finish_reason
             if finish is None:
-                if choice is not None:
-                    on_choice(choice)  # the worker's own choice, as sent (B8)
-                elif data.text:  # an in-process engine: its text
+                if not choices and data.text:  # an in-process engine: its text
                     on_text(data.text)
                 continue
             name = OPENAI_FINISH.get(finish.kind)
@@ -274,7 +278,7 @@ def failure_of(item: Item | None) -> ApiError:
     if item.exception is not None:
         return error_for_exception(item.exception)
     data = item.data
-    if data is not None and worker_aborted(data.choice):
+    if data is not None and data.choices and worker_aborted(data.choices[-1]):
         return failure_error(FinishReason.CANCELLED)  # an abort is an error (B8)
     finish = data.finish_reason if data is not None else None
     return failure_error(finish, item.error_message())
