@@ -1036,6 +1036,23 @@ def openai_chunk(
         None: a chunk with something in it went into ``burst``, one with nothing (a
         role-only delta, a usage chunk) was skipped.
     """
+    choices = chunk.get("choices")
+    if type(choices) is list and choices and type(choice := choices[0]) is dict:
+        # The common chunk, read inline (this runs once per token): a dict choice with a
+        # ``text`` or a ``delta`` dict and no finish.
+        if choice.get("finish_reason") is not None:
+            return openai_output(chunk, final=False, finish_table=finish_table)
+        if "text" in choice:
+            text = choice["text"]
+        elif type(delta := choice.get("delta")) is dict:
+            text = delta.get("content")
+        else:
+            text = None
+        if type(text) is str and text and "token_ids" not in choice:
+            usage = chunk.get("usage")
+            burst.add_parts(choice, text, [],
+                            None if usage is None else parse_usage(chunk))
+            return None
     choice = first_choice(chunk)
     if choice is None:
         return None

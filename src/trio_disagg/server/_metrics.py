@@ -54,7 +54,9 @@ class ServerMetrics:
         requests: ``trio_disagg_requests_total{endpoint, outcome}``; see :data:`OUTCOMES`.
         ttft: ``trio_disagg_time_to_first_token_seconds``: request admitted to first token
             forwarded to the client.
-        itl: ``trio_disagg_inter_token_latency_seconds``: between two forwarded outputs.
+        itl: ``trio_disagg_inter_token_latency_seconds``: between two forwarded outputs
+            (tokens a worker sent together, in one socket read, are one output: one
+            observation, as vLLM observes one per engine step).
         prefill_time: ``trio_disagg_prefill_time_seconds``: request admitted to the
             prefill's first valid output.
         kv_transfer: ``trio_disagg_kv_transfer_latency_seconds``: prefill complete to the

@@ -191,7 +191,8 @@ async def write_response(
 ) -> str:
     """Answer one request from ``stream.outputs`` through ``sink`` (B4, B8); return its
     ``requests_total`` outcome. ``first_token`` is called with the first output,
-    ``observe_itl`` (if given) with the seconds since the output before, for each later one.
+    ``observe_itl`` (if given) with the seconds since the output before, for each later one
+    (an output may carry a burst of tokens: one observation).
     A worker's ``abort`` is an error, never a success."""
     now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
     parts, batched, on_text, on_choice = sink.parts, sink.batched, sink.text, sink.choice
