@@ -35,7 +35,7 @@ from trio_disagg import (
 )
 from trio_disagg._cli import API_KEY_ENV, StartupError, api_key_of, build_parser
 from trio_disagg.engines import LatencyModel, mock_cluster
-from trio_disagg.engines._http import check_worker_url
+from trio_disagg.engines._requests import check_worker_url
 from trio_disagg.server import OpenAIApp, _edge, create_app, serve
 
 COMPLETIONS = "/v1/completions"

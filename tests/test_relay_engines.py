@@ -42,7 +42,7 @@ from trio_disagg.engines import (
     sglang_body,
     streaming_body,
 )
-from trio_disagg.engines._http import openai_output
+from trio_disagg.engines._chunks import openai_output
 from trio_disagg.workers import Role, create_mock_worker, serve_worker
 
 MODEL = "mock-model"

@@ -43,8 +43,9 @@ if _typing.TYPE_CHECKING:
     from ..mock import resolve_max_tokens as resolve_max_tokens
     from ._http import Client as Client
     from ._http import HttpEngine as HttpEngine
-    from ._http import streaming_body as streaming_body
-    from ._http import worker_client as worker_client
+    from ._requests import endpoint_for as endpoint_for
+    from ._requests import streaming_body as streaming_body
+    from ._requests import worker_client as worker_client
     from ._sglang import GENERATE_PATH as GENERATE_PATH
     from ._sglang import SglangEngine as SglangEngine
     from ._sglang import parse_prefill_spec as parse_prefill_spec
@@ -58,7 +59,6 @@ if _typing.TYPE_CHECKING:
     from ._vllm import PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS
     from ._vllm import VllmEngine as VllmEngine
     from ._vllm import decode_body as decode_body
-    from ._vllm import endpoint_for as endpoint_for
     from ._vllm import prefill_body as prefill_body
     from ._vllm import vllm_client as vllm_client
     from ._vllm import vllm_engines as vllm_engines
@@ -77,8 +77,8 @@ if _typing.TYPE_CHECKING:
 _LAZY = {
     "Client": "_http",
     "HttpEngine": "_http",
-    "streaming_body": "_http",
-    "worker_client": "_http",
+    "streaming_body": "_requests",
+    "worker_client": "_requests",
     "GENERATE_PATH": "_sglang",
     "SglangEngine": "_sglang",
     "parse_prefill_spec": "_sglang",
@@ -92,7 +92,7 @@ _LAZY = {
     "PREFILL_KV_TRANSFER_PARAMS": "_vllm",
     "VllmEngine": "_vllm",
     "decode_body": "_vllm",
-    "endpoint_for": "_vllm",
+    "endpoint_for": "_requests",
     "prefill_body": "_vllm",
     "vllm_client": "_vllm",
     "vllm_engines": "_vllm",

@@ -37,25 +37,33 @@ from .._protocols import (
     PreprocessedRequest,
     TraceLink,
 )
-from ._http import (
+from ._chunks import (
     Burst,
     ChunkParser,
+    count,
+    make_usage,
+    parse_finish,
+)
+from ._handoffs import (
+    handoff_problem,
+)
+from ._http import (
     Client,
     HttpEngine,
     Response,
     Role,
-    SendChannel,
-    Stopper,
+)
+from ._requests import (
     check_unique,
     check_worker_url,
-    count,
     endpoint_for,
-    handoff_problem,
-    make_usage,
-    parse_finish,
-    send_quietly,
     streaming_body,
     worker_client,
+)
+from ._stopper import (
+    SendChannel,
+    Stopper,
+    send_quietly,
 )
 
 __all__ = [

@@ -29,20 +29,26 @@ import attrs
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
-from ._http import (
+from ._chunks import (
     FINISH,
-    NON_EMPTY,
     ChunkParser,
-    Client,
-    HttpEngine,
+    first_choice,
+)
+from ._handoffs import (
+    NON_EMPTY,
     Must,
     NonNegativeInt,
+    choices_problem,
+    handoff_problem,
+)
+from ._http import (
+    Client,
+    HttpEngine,
+)
+from ._requests import (
     check_unique,
     check_worker_url,
-    choices_problem,
     endpoint_for,
-    first_choice,
-    handoff_problem,
     streaming_body,
     worker_client,
 )

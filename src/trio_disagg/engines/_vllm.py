@@ -21,18 +21,24 @@ import attrs
 
 from .._engine import CancelWindow
 from .._protocols import LLMEngineOutput, PreprocessedRequest, TraceLink
-from ._http import (
-    NON_EMPTY,
+from ._chunks import (
     ChunkParser,
-    Client,
-    HttpEngine,
+)
+from ._handoffs import (
+    NON_EMPTY,
     Must,
     NonNegativeInt,
+    choices_problem,
+    handoff_problem,
+)
+from ._http import (
+    Client,
+    HttpEngine,
+)
+from ._requests import (
     check_unique,
     check_worker_url,
-    choices_problem,
     endpoint_for,
-    handoff_problem,
     streaming_body,
     worker_client,
 )

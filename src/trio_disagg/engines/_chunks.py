@@ -1,0 +1,398 @@
+"""Reading a worker's OpenAI answers and server-sent events (docs/protocols.md section 1):
+chunks into outputs, a read's chunks into one :class:`Burst`, finish reasons and usage, and
+the worker's error objects. The per-token part of the relay (docs/performance.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from .._protocols import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PromptTokensDetails,
+)
+
+MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
+
+#: Worker finish reasons (OpenAI and engine spellings) and what they mean to the router.
+FINISH: Mapping[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+    "cancelled": FinishReason.CANCELLED,
+    "eos": FinishReason.EOS,
+    "content_filter": FinishReason.CONTENT_FILTER,
+    # tool-call parsers end a turn this way: a complete answer.
+    "tool_calls": FinishReason.STOP,
+    "function_call": FinishReason.STOP,
+}
+
+
+class ChunkParser:
+    """Turns an OpenAI answer or stream chunk into outputs. One per response; a protocol
+    with stateful chunks (SGLang's native cumulative text) subclasses it.
+
+    Args:
+        finish_table: the worker's finish reason names and what each means
+            (:data:`FINISH`, or TensorRT-LLM's).
+    """
+
+    __slots__ = ("finish_table",)
+
+    def __init__(self, finish_table: Mapping[str, FinishReason] = FINISH) -> None:
+        self.finish_table = finish_table
+
+    def output(self, answer: Mapping[str, Any], *, final: bool) -> LLMEngineOutput | None:
+        """The output of a whole answer (``final``) or of a chunk; None for a chunk with
+        nothing in it (a role-only delta, a usage chunk)."""
+        return openai_output(answer, final=final, finish_table=self.finish_table)
+
+    def add(self, chunk: Mapping[str, Any], burst: Burst) -> LLMEngineOutput | None:
+        """A streamed chunk: its output if it carries the finish, else None, its output
+        (if it has one) gone into ``burst``."""
+        return openai_chunk(chunk, burst, self.finish_table)
+
+    def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
+        """The usage of a chunk that follows the finish (OpenAI's usage chunk)."""
+        return parse_usage(chunk)
+
+
+class Burst:
+    """The non-terminal outputs of one socket read, gathered into one item (the relay's hot
+    path, docs/performance.md): one channel send, one trip through the gatekeeper and one
+    write to the client per burst, not per token.
+
+    Their token ids and text are joined; each worker choice is kept, in order, to be
+    relayed as its own chunk (B8); the last usage reported wins. All are of one choice
+    index (the router asks a worker for ``n`` = 1).
+    """
+
+    __slots__ = ("choices", "index", "texts", "token_ids", "usage")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.choices: list[Mapping[str, Any]] = []
+        self.usage: CompletionUsage | None = None
+        self.index: int | None = None
+
+    def add_parts(self, choice: Mapping[str, Any], text: str | None, token_ids: list[int],
+                  usage: CompletionUsage | None) -> None:
+        """Add one chunk, as :func:`openai_chunk` read it."""
+        self.choices.append(choice)
+        if text:
+            self.texts.append(text)
+        if token_ids:
+            self.token_ids += token_ids
+        if usage is not None:
+            self.usage = usage
+
+    def add(self, output: LLMEngineOutput) -> None:
+        """Add one output without a finish reason."""
+        if output.choices:
+            self.choices += output.choices
+        if output.text:
+            self.texts.append(output.text)
+        if output.token_ids:
+            self.token_ids += output.token_ids
+        if output.completion_usage is not None:
+            self.usage = output.completion_usage
+        if output.index is not None:
+            self.index = output.index
+
+    def take(self) -> LLMEngineOutput | None:
+        """The one output of what was added since the last call, or None if nothing was."""
+        texts, choices = self.texts, self.choices
+        if not texts and not choices and not self.token_ids:
+            return None
+        output = LLMEngineOutput(
+            token_ids=self.token_ids, text="".join(texts) if texts else None,
+            completion_usage=self.usage, index=self.index, choices=choices or None)
+        self.token_ids, self.texts, self.choices = [], [], []
+        self.usage = None
+        return output
+
+
+class SseReader:
+    """Reads a worker's server-sent events one socket read at a time (the relay's hot path,
+    docs/performance.md): :meth:`feed` splits what a read brought into its events at once,
+    parses each chunk (orjson) and reads it through the response's :class:`ChunkParser`.
+
+    Attributes:
+        burst: the outputs of the reads fed so far that are not sent yet (the caller
+            takes them, one item per read).
+        final: the output that carries the finish, once a chunk brought it; a usage chunk
+            after it (OpenAI's ``include_usage``) completes its usage.
+        done: ``[DONE]`` came.
+    """
+
+    __slots__ = ("_parser", "_pending", "burst", "done", "final")
+
+    def __init__(self, parser: ChunkParser) -> None:
+        self._parser = parser
+        self._pending = b""  # the start of an event the next read completes
+        self.burst = Burst()
+        self.final: LLMEngineOutput | None = None
+        self.done = False
+
+    def feed(self, part: bytes) -> str | None:
+        """Read the events ``part`` completes (with what earlier reads left).
+
+        Returns:
+            What is wrong with the stream, in words for an error naming the worker (a
+            malformed chunk, a chunk that is not an object, an error event), else None.
+            Reading stops at the first such chunk, and at ``[DONE]``.
+        """
+        if self._pending:
+            part = self._pending + part
+        if b"\r" in part:
+            part, held = normalise_line_ends(part)
+        else:
+            held = b""
+        events = part.split(b"\n\n")
+        self._pending = events.pop() + held
+        parser, burst = self._parser, self.burst
+        add = parser.add
+        for event in events:
+            if event[:6] == b"data: " and b"\n" not in event:
+                data: bytes | None = event[6:]  # the common case: one data line
+            else:
+                data = sse_data(event)
+            if data is None:
+                continue
+            if data == b"[DONE]":
+                self.done = True
+                return None
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                return f"sent a malformed chunk: {data[:200]!r}"
+            if type(chunk) is not dict:
+                return f"sent a chunk that is not an object: {data[:200]!r}"
+            if is_error_object(chunk):
+                return f"reported an error: {error_text(chunk)}"
+            if self.final is None:
+                self.final = add(chunk, burst)
+            elif (usage := parser.usage(chunk)) is not None:
+                self.final.completion_usage = usage
+        return None
+
+
+def normalise_line_ends(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` with CRLF and CR line ends made LF (server-sent events allow all three),
+    and a trailing CR held back (its LF may come with the next read)."""
+    held = b""
+    if data.endswith(b"\r"):
+        data, held = data[:-1], b"\r"
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n"), held
+
+
+def sse_data(event: bytes) -> bytes | None:
+    """The data of one server-sent event (its ``data:`` lines joined by LF), or None for
+    an event without data (a comment, a bare ``event:`` or ``id:``)."""
+    lines: list[bytes] = []
+    for line in event.split(b"\n"):
+        field, colon, value = line.partition(b":")
+        if field == b"data":
+            lines.append(value[1:] if value[:1] == b" " else value)
+        elif not field and not colon:
+            continue  # a blank line
+    return b"\n".join(lines) if lines else None
+
+
+def excerpt(data: bytes) -> str:
+    return repr(data[:200].decode("utf-8", "replace"))
+
+
+def is_error_object(answer: Mapping[str, Any]) -> bool:
+    """An OpenAI (``{"error": ...}``) or vLLM / SGLang / TRT-LLM (``{"object": "error"}``)
+    error object."""
+    return "error" in answer or answer.get("object") == "error"
+
+
+def error_text(answer: Mapping[str, Any]) -> str:
+    """The message of an OpenAI (``{"error": {...}}``), vLLM / SGLang / TRT-LLM
+    (``{"object": "error", "message"}``) or FastAPI (``{"detail"}``) error object."""
+    error = answer.get("error")
+    if isinstance(error, Mapping):
+        message = error.get("message")
+        if isinstance(message, str) and message:
+            return message[:MESSAGE_LIMIT]
+    elif isinstance(error, str) and error:
+        return error[:MESSAGE_LIMIT]
+    for key in ("message", "detail"):
+        value = answer.get(key)
+        if isinstance(value, str) and value:
+            return value[:MESSAGE_LIMIT]
+    return orjson.dumps(answer).decode()[:MESSAGE_LIMIT]
+
+
+def error_message(data: bytes, status: int) -> str:
+    """The message of an error answer's body (JSON or text)."""
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        text = data.decode("utf-8", "replace").strip()
+        return text[:MESSAGE_LIMIT] if text else f"HTTP {status}"
+    if isinstance(answer, Mapping):
+        return error_text(answer)
+    return f"HTTP {status}"
+
+
+def count(value: Any) -> int:
+    """``value`` if it is an int, else 0."""
+    return value if type(value) is int else 0
+
+
+def make_usage(prompt: int, completion: int, total: int, cached: Any) -> CompletionUsage:
+    """A usage with ``cached_tokens`` if it is an int."""
+    return CompletionUsage(
+        prompt_tokens=prompt, completion_tokens=completion,
+        total_tokens=total or prompt + completion,
+        prompt_tokens_details=(PromptTokensDetails(cached_tokens=cached)
+                               if type(cached) is int else None),
+    )
+
+
+def parse_usage(answer: Mapping[str, Any]) -> CompletionUsage | None:
+    """The ``usage`` object of an OpenAI answer or chunk, if it has one."""
+    usage = answer.get("usage")
+    if usage is None or not isinstance(usage, Mapping):  # None first: no ABC check per chunk
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    result = make_usage(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")),
+                        count(usage.get("total_tokens")), cached)
+    if isinstance(details, Mapping) and result.prompt_tokens_details is None:
+        result.prompt_tokens_details = PromptTokensDetails()
+    return result
+
+
+def parse_finish(value: Any, table: Mapping[str, FinishReason] = FINISH) -> FinishReason | None:
+    """A worker's ``finish_reason``: ``error`` -> an error finish, a name of ``table`` ->
+    its reason, any other string -> ``STOP``, ``{"error": msg}`` -> an error finish."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value == "error":
+            return FinishReason.error("the worker ended the request with finish_reason error")
+        return table.get(value, FinishReason.STOP)
+    if isinstance(value, Mapping) and isinstance(value.get("error"), str):
+        return FinishReason.error(value["error"])
+    return FinishReason.error(f"malformed finish_reason {value!r:.60}")
+
+
+def first_choice(answer: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    choices = answer.get("choices")
+    if type(choices) is not list or not choices:
+        return None
+    choice = choices[0]
+    return choice if type(choice) is dict or isinstance(choice, Mapping) else None
+
+
+#: Choice keys that carry no content of their own (a role-only delta carries nothing).
+_BARE_DELTA_KEYS = frozenset({"role", "content"})
+
+
+def _carries_more(choice: Mapping[str, Any]) -> bool:
+    """Whether a chunk's choice carries something besides text (B8): a delta field other
+    than ``role`` / ``content`` (``tool_calls``, ``reasoning_content``, ...), ``logprobs``
+    or a ``stop_reason``."""
+    if choice.get("logprobs") or choice.get("stop_reason") is not None:
+        return True
+    delta = choice.get("delta")
+    if isinstance(delta, Mapping):
+        return any(key not in _BARE_DELTA_KEYS and value not in (None, "", [], {})
+                   for key, value in delta.items())
+    return False
+
+
+def openai_output(
+    answer: Mapping[str, Any],
+    *,
+    final: bool,
+    finish_table: Mapping[str, FinishReason] = FINISH,
+) -> LLMEngineOutput | None:
+    """The output of an OpenAI completion answer or chunk (``final``: a whole answer,
+    whose usage is taken too); None for a chunk with nothing in it (a role-only delta, a
+    usage chunk).
+
+    The output's :attr:`~trio_disagg.LLMEngineOutput.choices` holds the worker's own
+    ``choices[0]``, untouched, for the server to relay as sent (B8); a chunk whose choice
+    carries anything besides text (tool calls, reasoning, logprobs, a ``stop_reason``) is
+    an output even without text. ``text`` is the choice's text or ``content``, and the
+    finish is mapped through ``finish_table`` (``tool_calls`` is a ``STOP``, ``abort``
+    a ``CANCELLED``), for the router's own use."""
+    choice = first_choice(answer)
+    if choice is None:
+        return None
+    text, token_ids = _text_and_ids(choice)
+    finish = parse_finish(choice.get("finish_reason"), finish_table)
+    usage = parse_usage(answer)
+    if (not text and not token_ids and finish is None and not final
+            and not _carries_more(choice)):
+        return None
+    index = choice.get("index")
+    return LLMEngineOutput(
+        token_ids=token_ids, text=text or None, finish_reason=finish,
+        completion_usage=usage, index=index if type(index) is int and index else None,
+        choices=[choice],
+    )
+
+
+def openai_chunk(
+    chunk: Mapping[str, Any], burst: Burst, finish_table: Mapping[str, FinishReason] = FINISH
+) -> LLMEngineOutput | None:
+    """A streamed OpenAI chunk read into ``burst`` (the relay's per-token path): the same
+    reading as :func:`openai_output`, without an output object per token.
+
+    Returns:
+        The chunk's output if it carries a finish reason (the burst is left alone), else
+        None: a chunk with something in it went into ``burst``, one with nothing (a
+        role-only delta, a usage chunk) was skipped.
+    """
+    choices = chunk.get("choices")
+    if type(choices) is list and choices and type(choice := choices[0]) is dict:
+        # The common chunk, read inline (this runs once per token): a dict choice with a
+        # ``text`` or a ``delta`` dict and no finish.
+        if choice.get("finish_reason") is not None:
+            return openai_output(chunk, final=False, finish_table=finish_table)
+        if "text" in choice:
+            text = choice["text"]
+        elif type(delta := choice.get("delta")) is dict:
+            text = delta.get("content")
+        else:
+            text = None
+        if type(text) is str and text and "token_ids" not in choice:
+            usage = chunk.get("usage")
+            burst.add_parts(choice, text, [],
+                            None if usage is None else parse_usage(chunk))
+            return None
+    choice = first_choice(chunk)
+    if choice is None:
+        return None
+    if choice.get("finish_reason") is not None:
+        return openai_output(chunk, final=False, finish_table=finish_table)
+    text, token_ids = _text_and_ids(choice)
+    if text or token_ids or _carries_more(choice):
+        burst.add_parts(choice, text, token_ids, parse_usage(chunk))
+    return None
+
+
+def _text_and_ids(choice: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+    """A choice's ``text`` (or its ``delta`` / ``message`` ``content``), and its
+    ``token_ids`` if it sent a list of ints."""
+    text: Any
+    if "text" in choice:
+        text = choice["text"]
+    else:
+        part = choice.get("delta") if "delta" in choice else choice.get("message")
+        text = part.get("content") if type(part) is dict or isinstance(part, Mapping) else None
+    ids = choice.get("token_ids")
+    if ids is None or type(ids) is not list or not all(type(i) is int for i in ids):
+        ids = []
+    return (text if type(text) is str else None), ids
