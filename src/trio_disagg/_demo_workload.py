@@ -139,51 +139,18 @@ def run_request(
     """Send one request with the official client (blocking; run in a worker thread)."""
     rng = random.Random(seed * 1_000_003 + index)
     prompt = " ".join(f"w{rng.randrange(1000)}" for _ in range(scenario.prompt_words))
-    extra: dict[str, Any] = {"fault": scenario.fault} if scenario.fault else {}
-    headers = {"X-Request-Id": f"demo-{seed}-{index}"}
+    leave_after = rng.randint(1, 8)  # tokens read before a mid-stream disconnect
     start = time.perf_counter()
     result = Result(scenario, Outcome.OK)
-    stream_k = rng.randint(1, 8)
     try:
-        if scenario.disconnect is Disconnect.PREFILL:
-            # Give up long before the prefill of a long prompt can finish.
-            client = client.with_options(timeout=0.02)
-        kwargs: dict[str, Any] = dict(
-            model=model, max_tokens=scenario.max_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra, extra_headers=headers,
-        )
-        if scenario.chat:
-            stream: Any = client.chat.completions.create(
-                messages=[{"role": "user", "content": prompt}], **kwargs)
-        else:
-            stream = client.completions.create(prompt=prompt, **kwargs)
+        stream = _open_stream(client, model, scenario, prompt, f"demo-{seed}-{index}")
         with stream:
             if scenario.disconnect is Disconnect.HANDOFF:
-                result.outcome = Outcome.DISCONNECTED
-                return result
-            last = None
-            for chunk in stream:
-                now = time.perf_counter()
-                if not chunk.choices:
-                    continue  # the usage chunk
-                choice = chunk.choices[0]
-                text = choice.delta.content if scenario.chat else choice.text
-                if text:
-                    result.tokens += 1
-                    if result.ttft is None:
-                        result.ttft = now - start
-                    elif last is not None:
-                        result.itls.append(now - last)
-                    last = now
-                if choice.finish_reason:
-                    result.finish_reason = choice.finish_reason
-                if scenario.disconnect is Disconnect.STREAM and result.tokens >= stream_k:
-                    result.outcome = Outcome.DISCONNECTED
-                    return result
-        if result.finish_reason == "abort":
-            result.outcome = Outcome.ABORTED
-        elif result.finish_reason is None:
-            result.outcome, result.detail = Outcome.ERROR, "stream ended without a finish"
+                result.outcome = Outcome.DISCONNECTED  # gone before reading a token
+            else:
+                _read_stream(stream, result, start, leave_after)
+        if result.outcome is Outcome.OK:
+            _judge_finish(result)
     except openai.APITimeoutError:
         result.outcome = (Outcome.DISCONNECTED if scenario.disconnect is Disconnect.PREFILL
                           else Outcome.ERROR)
@@ -196,6 +163,61 @@ def run_request(
     finally:
         result.elapsed = time.perf_counter() - start
     return result
+
+
+def _open_stream(
+    client: openai.OpenAI, model: str, scenario: Scenario, prompt: str, request_id: str
+) -> Any:
+    """Send ``scenario``'s request, streamed with usage, and return the client's stream
+    (a chat completion's or a completion's)."""
+    if scenario.disconnect is Disconnect.PREFILL:
+        # Give up long before the prefill of a long prompt can finish.
+        client = client.with_options(timeout=0.02)
+    extra: dict[str, Any] = {"fault": scenario.fault} if scenario.fault else {}
+    kwargs: dict[str, Any] = dict(
+        model=model, max_tokens=scenario.max_tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra,
+        extra_headers={"X-Request-Id": request_id},
+    )
+    if scenario.chat:
+        return client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], **kwargs)
+    return client.completions.create(prompt=prompt, **kwargs)
+
+
+def _read_stream(stream: Any, result: Result, start: float, leave_after: int) -> None:
+    """Read ``stream`` into ``result``: tokens, TTFT and ITLs (seconds, from ``start``, a
+    :func:`time.perf_counter` value) and the finish reason. A scenario that disconnects
+    mid-stream stops after ``leave_after`` tokens, its outcome ``DISCONNECTED``."""
+    scenario = result.scenario
+    last = None
+    for chunk in stream:
+        now = time.perf_counter()
+        if not chunk.choices:
+            continue  # the usage chunk
+        choice = chunk.choices[0]
+        text = choice.delta.content if scenario.chat else choice.text
+        if text:
+            result.tokens += 1
+            if result.ttft is None:
+                result.ttft = now - start
+            elif last is not None:
+                result.itls.append(now - last)
+            last = now
+        if choice.finish_reason:
+            result.finish_reason = choice.finish_reason
+        if scenario.disconnect is Disconnect.STREAM and result.tokens >= leave_after:
+            result.outcome = Outcome.DISCONNECTED
+            return
+
+
+def _judge_finish(result: Result) -> None:
+    """The outcome of a stream read to its end: ``ABORTED`` on finish reason ``abort``,
+    ``ERROR`` if it ended with no finish reason, else it stays ``OK``."""
+    if result.finish_reason == "abort":
+        result.outcome = Outcome.ABORTED
+    elif result.finish_reason is None:
+        result.outcome, result.detail = Outcome.ERROR, "stream ended without a finish"
 
 
 def _message(exc: openai.APIError) -> str:

@@ -15,11 +15,16 @@ from typing import Any, ClassVar, Generic, TypeVar, get_origin
 
 import attrs
 import cattrs
-import cattrs.cols
 import cattrs.gen
 import orjson
 
 from ._errors import WireFormatError
+
+# The strict converter lives in _strict_json; its names stay importable from here.
+from ._strict_json import describe_value as describe_value
+from ._strict_json import make_strict_converter as make_strict_converter
+from ._strict_json import strict_object
+from ._strict_json import wire_problems as wire_problems
 
 T = TypeVar("T")
 
@@ -346,76 +351,6 @@ def _structure_finish(value: Any, _: type) -> FinishReason:
     raise ValueError(f"finish_reason must be a string or {{'error': str}}, got {value!r}")
 
 
-def describe_value(value: Any) -> str:
-    """A short description of a JSON value for an error message: ``str '3'``, ``null``."""
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {value!r:.40}"
-
-
-def _strict(kind: type, name: str) -> Any:
-    # cattrs' defaults coerce ("3" -> 3, 3.7 -> 3); the wire must be typed exactly.
-    def structure(value: Any, _: type) -> Any:
-        if type(value) is kind or (kind is float and type(value) is int):
-            return value
-        raise TypeError(f"expected {name}, got {describe_value(value)}")
-
-    return structure
-
-
-def _strict_list_factory(cls: Any, conv: cattrs.Converter) -> Any:
-    # A JSON string is iterable; without this check "abc" would structure as a list.
-    base = cattrs.cols.list_structure_factory(cls, conv)
-
-    def structure(value: Any, type_: Any) -> Any:
-        if not isinstance(value, list):
-            raise TypeError(f"expected a list, got {describe_value(value)}")
-        return base(value, type_)
-
-    return structure
-
-
-def _is_attrs(cls: Any) -> bool:
-    return attrs.has(get_origin(cls) or cls)
-
-
-def _strict_object_factory(cls: Any, conv: cattrs.Converter) -> Any:
-    return _strict_object(cattrs.gen.make_dict_structure_fn(cls, conv))
-
-
-def _strict_object(base: Any) -> Any:
-    def structure(value: Any, type_: Any) -> Any:
-        if not isinstance(value, Mapping):
-            raise TypeError(f"expected an object, got {describe_value(value)}")
-        return base(value, type_)
-
-    return structure
-
-
-def make_strict_converter() -> cattrs.Converter:
-    """A cattrs converter that takes JSON exactly as typed.
-
-    Numbers, strings and booleans are not coerced (``"3"`` is not an ``int``), a list must
-    be a JSON array and an attrs class a JSON object; unknown keys are ignored and ``Any``
-    passes through. Add hooks of your own on top. Wire formats of every layer (the engine
-    protocol here, request bodies at the HTTP edge) build on it.
-    """
-    conv = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
-    conv.register_structure_hook(int, _strict(int, "an integer"))
-    conv.register_structure_hook(float, _strict(float, "a number"))
-    conv.register_structure_hook(str, _strict(str, "a string"))
-    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
-    conv.register_structure_hook_factory(cattrs.cols.is_sequence, _strict_list_factory)
-    conv.register_structure_hook_factory(_is_attrs, _strict_object_factory)
-    conv.register_structure_hook(Any, lambda v, _: v)  # opaque JSON stays as it is
-    return conv
-
-
-def wire_problems(exc: cattrs.BaseValidationError) -> list[str]:
-    """Each problem of a cattrs validation error as ``"<what> @ $.path"``."""
-    return cattrs.transform_error(exc, path="$", format_exception=_explain)
-
-
 def _is_annotated(cls: Any) -> bool:
     return cls is Annotated or get_origin(cls) is Annotated
 
@@ -436,7 +371,7 @@ def _make_converter() -> cattrs.Converter:
     )
     conv.register_structure_hook_factory(
         _is_annotated,
-        lambda cls, c: _strict_object(cattrs.gen.make_dict_structure_fn(
+        lambda cls, c: strict_object(cattrs.gen.make_dict_structure_fn(
             cls, c, exception=cattrs.gen.override(omit=True))),
     )
     conv.register_unstructure_hook_factory(
@@ -446,7 +381,7 @@ def _make_converter() -> cattrs.Converter:
     )
     conv.register_structure_hook_factory(
         lambda cls: cls is LLMEngineOutput,
-        lambda cls, c: _strict_object(cattrs.gen.make_dict_structure_fn(
+        lambda cls, c: strict_object(cattrs.gen.make_dict_structure_fn(
             cls, c, choices=cattrs.gen.override(omit=True))),
     )
     return conv
@@ -487,12 +422,6 @@ def from_wire(value: Any, cls: type[T]) -> T:
             details = str(exc)
         name = getattr(cls, "__name__", str(cls))
         raise WireFormatError(f"invalid {name}: {details}") from None
-
-
-def _explain(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, KeyError):
-        return "required field missing"
-    return str(exc) or type(exc).__name__
 
 
 def dumps(value: Any) -> bytes:

@@ -1,0 +1,49 @@
+"""The ``trio-disagg`` command: serve, demo, mock-worker.
+
+One module per part: the argument types (``_arg_types``), the parser, one function per
+command (``_parser``), what ``serve``'s options mean (``_serve_options``), the commands
+(``_serve``, ``_mock_worker``; the demo is :mod:`trio_disagg._demo`), the signals
+(``_signals``) and how a command fails to start (``_startup``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from functools import partial
+
+import trio
+
+from .._adapters import DEMO_BACKENDS
+from ._mock_worker import mock_worker_command
+from ._parser import build_parser as build_parser
+from ._serve import serve_command
+from ._serve_options import API_KEY_ENV as API_KEY_ENV
+from ._serve_options import api_key_of as api_key_of
+from ._serve_options import cancel_windows as cancel_windows
+from ._startup import EXIT_STARTUP as EXIT_STARTUP
+from ._startup import StartupError as StartupError
+from ._startup import run_command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``trio-disagg`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --workers runs it again
+    level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # hypercorn prints its own lines with its own handler: not a second time through ours.
+    logging.getLogger("hypercorn").propagate = False
+    if args.command == "serve":
+        return run_command("serve", serve_command, args)
+    if args.command == "mock-worker":
+        return run_command("mock-worker", mock_worker_command, args)
+    if args.command == "demo":
+        from .._demo import demo_backends, run_demo  # the demo extra: the openai client
+
+        names = DEMO_BACKENDS if args.backend == "all" else (args.backend,)
+        backends = demo_backends(names, args.seed)
+        return trio.run(partial(run_demo, backends, requests=args.requests,
+                                concurrency=args.concurrency, seed=args.seed))
+    raise AssertionError(args.command)

@@ -1,0 +1,76 @@
+"""The command line's argument types (bad values are refused before anything starts) and
+its help formatter."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0 picks a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be 0 to 65535, got {value}")
+    return value
+
+
+def _finite_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite, non-negative number of seconds."""
+    value = _finite_seconds(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds, > 0 (a deadline, a lease)."""
+    value = _finite_seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1 (a request count, a concurrency)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def limit(text: str) -> int | None:
+    """A whole number >= 0, where 0 is no limit (None)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
+    return value or None
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()

@@ -1,0 +1,198 @@
+"""The command line: ``trio-disagg [--log-level L] COMMAND``, one function per command's
+options (and per group of ``serve``'s)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+from typing import TypeAlias
+
+from .._adapters import DEMO_BACKENDS
+from .._supervisor import SUPERVISED_FLAG
+from ..mock import PROTOCOLS
+from ._arg_types import (
+    DefaultsFormatter,
+    limit,
+    port_number,
+    positive_int,
+    positive_seconds,
+    seconds,
+)
+from ._serve_options import API_KEY_ENV, POLICIES, deadline_defaults
+
+#: What ``add_subparsers`` returns: where each command adds its parser.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``trio-disagg`` and its commands: ``serve``, ``mock-worker``, ``demo``."""
+    parser = argparse.ArgumentParser(
+        prog="trio-disagg",
+        description="Disaggregated (prefill/decode) LLM serving on trio.",
+    )
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="default WARNING; ERROR for the demo, whose injected faults "
+                             "would otherwise log a warning each")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {importlib.metadata.version('trio-disagg')}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_command(commands)
+    add_mock_worker_command(commands)
+    add_demo_command(commands)
+    return parser
+
+
+def add_serve_command(commands: Commands) -> None:
+    """``serve``: the router's options, in the order ``--help`` lists them."""
+    serve_cmd = commands.add_parser(
+        "serve", help="run the OpenAI-compatible router", formatter_class=DefaultsFormatter,
+        description="Run the router. With no --prefill/--decode it runs the embedded "
+                    "default: in-process mock prefill and decode engines. "
+                    "docs/router.md, 'Securing and limiting the router', explains the "
+                    "limits, the API key and fault injection.")
+    _add_serve_routing_options(serve_cmd)
+    _add_serve_process_options(serve_cmd)
+    _add_serve_failure_options(serve_cmd)
+    _add_serve_limits(serve_cmd)
+
+
+def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
+    """Where the router listens, the workers it routes to and how it picks them."""
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve_cmd.add_argument("--port", type=port_number, default=8000,
+                           help="the TCP port; 0 picks a free one")
+    serve_cmd.add_argument("--backend", default="mock",
+                           choices=["mock", "vllm", "sglang", "trtllm"],
+                           help="the workers' protocol; mock: in-process mock engines")
+    serve_cmd.add_argument("--prefill", action="append", default=[], metavar="URL",
+                           help="a prefill worker, http(s)://host[:port] (repeat for "
+                                "several); for sglang URL or URL,BOOTSTRAP_PORT (default: "
+                                "none; required with --backend vllm, sglang or trtllm)")
+    serve_cmd.add_argument("--decode", action="append", default=[], metavar="URL",
+                           help="a decode worker (repeat for several) (default: none; "
+                                "required with --backend vllm, sglang or trtllm)")
+    serve_cmd.add_argument("--model", default="trio-disagg-mock",
+                           help="the model name clients must ask for")
+    serve_cmd.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES),
+                           help="worker selection for both pools")
+    serve_cmd.add_argument("--mock-style", default="sequential",
+                           choices=["sequential", "bootstrap"],
+                           help="handoff style of the embedded mock prefill engines")
+    serve_cmd.add_argument(
+        "--cancel-window", action="append", default=[], metavar="[WORKER=]WINDOW",
+        help="when a prefill may be cancelled after its client left: never, "
+             "before_handoff or anytime (B10); WORKER is a --prefill URL, else every "
+             "prefill worker (default: what each engine declares: vLLM anytime, SGLang "
+             "and TensorRT-LLM before_handoff, the embedded mocks never)")
+    serve_cmd.add_argument("--disagg-min-prompt-tokens", type=limit, default="0", metavar="N",
+                           help="a prompt estimated shorter than N tokens (UTF-8 bytes / 4; "
+                                "token ids exactly) goes to one decode worker alone, with no "
+                                "prefill and no KV transfer (0: every request is "
+                                "disaggregated; not with --backend sglang)")
+
+
+def _add_serve_process_options(serve_cmd: argparse.ArgumentParser) -> None:
+    """How many router processes, and how long their shutdown drains."""
+    serve_cmd.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                           help="router processes sharing the port (SO_REUSEPORT; Linux "
+                                "spreads connections over them); /metrics shows all of them "
+                                "(docs/deploy.md)")
+    serve_cmd.add_argument(SUPERVISED_FLAG, action="store_true", help=argparse.SUPPRESS)
+    serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
+                           help="seconds in-flight streams and transfers get on shutdown")
+
+
+def _add_serve_failure_options(serve_cmd: argparse.ArgumentParser) -> None:
+    """How the router notices failing workers: health probes, retries and deadlines."""
+    serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
+                           help="seconds between two probes of each worker's GET /health "
+                                "(default 5; the embedded mocks are not probed)")
+    serve_cmd.add_argument("--health-timeout", type=positive_seconds, default=2.0,
+                           help="seconds a health probe may take (default 2)")
+    serve_cmd.add_argument("--max-attempts", type=positive_int, default=2,
+                           help="attempts per leg, on another worker each, for a leg that "
+                                "failed before the first byte (default 2; 1: no retry; "
+                                "rule B9 in docs/semantics.md)")
+    for name, default in deadline_defaults().items():
+        serve_cmd.add_argument(f"--{name.replace('_', '-')}-deadline", type=positive_seconds,
+                               default=default, dest=f"deadline_{name}", metavar="SECONDS",
+                               help=f"seconds (default: {default:g}; rule B2 in "
+                                    "docs/semantics.md)")
+
+
+def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
+    """The limits and the API key, checked before any worker is called."""
+    limits = serve_cmd.add_argument_group(
+        "limits and security", "Checked before any worker is called (docs/router.md, "
+        "'Securing and limiting the router').")
+    limits.add_argument("--api-key", metavar="KEY",
+                        help=f"every /v1/* request must send 'Authorization: Bearer KEY', "
+                             f"else 401 (default: ${API_KEY_ENV} if set, else no key; "
+                             f"prefer the variable: it stays out of process listings)")
+    limits.add_argument("--protect-metrics", action="store_true",
+                        help="with an API key, /health and /metrics need it too")
+    limits.add_argument("--max-body-bytes", type=positive_int, default=2 * 1024 * 1024,
+                        metavar="BYTES", help="the largest request body; larger: 413")
+    limits.add_argument("--max-prompt-bytes", type=positive_int, default=1024 * 1024,
+                        metavar="BYTES",
+                        help="the largest prompt (a chat's messages, a completion's prompt, "
+                             "as JSON); larger: 400 prompt_too_long")
+    limits.add_argument("--max-in-flight", type=limit, default=1024, metavar="N",
+                        help="generation requests handled at once; past it: 503 with "
+                             "Retry-After at once (0: no limit)")
+    limits.add_argument("--max-keeper-tasks", type=limit, default=4096, metavar="N",
+                        help="KV transfers and cleanups in flight (prefill drains, decode "
+                             "legs kept for a transfer, cleanup decodes) at which new "
+                             "requests get 503; a transfer already started always runs "
+                             "(0: no limit)")
+    limits.add_argument("--fault-injection", action="store_true",
+                        help="pass a client's \"fault\" body field on to the workers "
+                             "(testing only; else it is removed from every request)")
+
+
+def add_mock_worker_command(commands: Commands) -> None:
+    """``mock-worker``: one mock worker's role, protocol, address and latency model."""
+    worker_cmd = commands.add_parser(
+        "mock-worker", help="run one mock prefill or decode worker over HTTP",
+        description="A mock worker speaking a real worker's wire protocol (docs/protocols.md "
+                    "section 5): KV block accounting with a lease, a real KV pull over "
+                    "loopback, abort on connection close, faults from the request body's "
+                    "\"fault\" field (with --fault-injection), and GET /metrics.")
+    worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
+    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
+    worker_cmd.add_argument("--host", default="127.0.0.1")
+    worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
+    worker_cmd.add_argument("--model", help="the only model accepted (default: any)")
+    worker_cmd.add_argument("--seed", type=int, default=0)
+    worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
+                            help="seconds of prefill compute per prompt token")
+    worker_cmd.add_argument("--itl", type=seconds, default=0.02,
+                            help="seconds between decoded tokens")
+    worker_cmd.add_argument("--kv-transfer-per-token", type=seconds, default=0.00002,
+                            help="seconds per prompt token to move the KV")
+    worker_cmd.add_argument("--kv-ttl", type=positive_seconds, default=30.0,
+                            help="seconds staged KV waits for its decode")
+    worker_cmd.add_argument("--bootstrap-port", type=port_number,
+                            help="sglang prefill only: the bootstrap port (default 8998; "
+                                 "0 picks a free one)")
+    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, default=300.0,
+                            help="sglang only: seconds either side of a bootstrap room "
+                                 "waits for the other")
+    worker_cmd.add_argument("--fault-injection", action="store_true",
+                            help="honour a request body's \"fault\" field (a test tool; "
+                                 "default: the field is ignored)")
+
+
+def add_demo_command(commands: Commands) -> None:
+    """``demo``: the size, concurrency, seed and backends of the demo's workload."""
+    demo_cmd = commands.add_parser(
+        "demo", help="run the whole router on mock workers with a mixed workload",
+        description="Start the router on mock workers, drive real OpenAI requests through "
+                    "it (client disconnects and injected faults included), print a table "
+                    "per scenario, and exit non-zero if an invariant was broken.")
+    demo_cmd.add_argument("--requests", type=positive_int, default=200,
+                          help="requests per backend (at least one per scenario)")
+    demo_cmd.add_argument("--concurrency", type=positive_int, default=32,
+                          help="clients sending at once")
+    demo_cmd.add_argument("--seed", type=int, default=0)
+    demo_cmd.add_argument("--backend", default="all",
+                          choices=["all", *DEMO_BACKENDS])

@@ -1,0 +1,135 @@
+"""What ``serve``'s options mean: the selection policies, the deadlines, the API key, the
+cancel windows and the engines; a bad combination is a :class:`StartupError`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from .._adapters import ADAPTERS
+from .._engine import CancelWindow, Engine, HandoffStyle
+from .._pool import (
+    LeastOutstanding,
+    PrefixAffinity,
+    RoundRobin,
+    SelectionPolicy,
+    SessionAffinity,
+)
+from .._router import Deadlines
+from ..engines import Client
+from ..mock import LatencyModel, MockCluster, mock_cluster
+from ._startup import StartupError
+
+POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
+    "round-robin": RoundRobin,
+    "least-outstanding": LeastOutstanding,
+    "session-affinity": SessionAffinity,
+    "prefix-affinity": PrefixAffinity,
+}
+
+#: The environment variable ``serve`` reads its API key from when ``--api-key`` is not
+#: given: a key there stays out of process listings.
+API_KEY_ENV = "TRIO_DISAGG_API_KEY"
+
+
+def deadline_defaults() -> dict[str, float]:
+    """Each :class:`Deadlines` field's default, in seconds: one ``--NAME-deadline`` option
+    each."""
+    defaults = Deadlines()
+    return {field.name: getattr(defaults, field.name) for field in attrs.fields(Deadlines)}
+
+
+def deadlines_of(args: argparse.Namespace) -> Deadlines:
+    """The ``--NAME-deadline`` options as :class:`Deadlines`."""
+    return Deadlines(**{name: getattr(args, f"deadline_{name}")
+                        for name in deadline_defaults()})
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else :data:`API_KEY_ENV`, else None (no key).
+
+    Raises:
+        StartupError: the key given is empty or blank (an unset variable expanded to
+            nothing must not silently turn authentication off).
+    """
+    key: str | None = args.api_key
+    where = "--api-key"
+    if key is None:
+        key = os.environ.get(API_KEY_ENV)
+        where = API_KEY_ENV
+    if key is not None and not key.strip():
+        raise StartupError(f"{where} is empty; give a key, or unset it to serve without one")
+    if args.protect_metrics and key is None:
+        raise StartupError(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
+    return key
+
+
+def cancel_windows(specs: Sequence[str], workers: Sequence[str]) -> dict[str, CancelWindow]:
+    """``--cancel-window`` values as a window per prefill worker name: a worker's own
+    value wins over the one for every worker.
+
+    Raises:
+        StartupError: an unknown window, a worker that is not a prefill worker, an empty
+            worker name, or two different windows for the same worker (or for all).
+    """
+    windows: dict[str, CancelWindow] = {}
+    every: CancelWindow | None = None
+    for spec in specs:
+        worker, equals, name = spec.rpartition("=")
+        try:
+            window = CancelWindow(name)
+        except ValueError:
+            raise StartupError(f"--cancel-window {spec!r}: the window must be one of "
+                               f"{', '.join(w.value for w in CancelWindow)}") from None
+        if equals and not worker:
+            raise StartupError(f"--cancel-window {spec!r}: name the worker before '=', "
+                               "or give the window alone for every prefill worker")
+        if not worker:
+            if every is not None and every is not window:
+                raise StartupError(f"--cancel-window given twice for every prefill worker: "
+                                   f"{every.value} and {window.value}")
+            every = window
+            continue
+        target = worker.split(",")[0].rstrip("/")  # an SGLang spec's bootstrap port too
+        if target not in workers:
+            raise StartupError(f"--cancel-window {spec!r}: {target!r} is not a "
+                               f"prefill worker ({', '.join(workers)})")
+        if windows.get(target, window) is not window:
+            raise StartupError(f"--cancel-window given twice for {target}: "
+                               f"{windows[target].value} and {window.value}")
+        windows[target] = window
+    if every is not None:
+        windows = {worker: windows.get(worker, every) for worker in workers}
+    return windows
+
+
+def engines_for(
+    args: argparse.Namespace, client: Client
+) -> tuple[list[Engine], list[Engine], MockCluster | None]:
+    """The engines ``serve`` routes to: in-process mocks (and their cluster, whose KV
+    counters ``/metrics`` then shows), or adapters over HTTP.
+
+    Raises:
+        StartupError: workers given for the mocks, a pool missing for a real backend, or
+            a worker URL the adapter refuses.
+    """
+    if args.backend == "mock":
+        if args.prefill or args.decode:
+            raise StartupError("--prefill/--decode need --backend vllm, sglang or trtllm")
+        style = HandoffStyle(args.mock_style)
+        cluster = mock_cluster(1, 1, style=style, latency=LatencyModel())
+        return list(cluster.prefill), list(cluster.decode), cluster
+    if not args.prefill or not args.decode:
+        raise StartupError(f"--backend {args.backend} needs at least one --prefill and "
+                           "--decode")
+    adapter = ADAPTERS.get(args.backend)
+    if adapter is None:
+        raise StartupError(f"--backend {args.backend} is not available yet")
+    try:
+        prefill, decode = adapter(args.prefill, args.decode, client=client)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return list(prefill), list(decode), None
