@@ -43,6 +43,7 @@ if _typing.TYPE_CHECKING:
     from ..mock import resolve_max_tokens as resolve_max_tokens
     from ._http import Client as Client
     from ._http import HttpEngine as HttpEngine
+    from ._httpx import HttpxWorkerClient as HttpxWorkerClient
     from ._requests import endpoint_for as endpoint_for
     from ._requests import streaming_body as streaming_body
     from ._requests import worker_client as worker_client
@@ -51,6 +52,12 @@ if _typing.TYPE_CHECKING:
     from ._sglang import parse_prefill_spec as parse_prefill_spec
     from ._sglang import sglang_body as sglang_body
     from ._sglang import sglang_engines as sglang_engines
+    from ._transport import ConnectError as ConnectError
+    from ._transport import PoolTimeout as PoolTimeout
+    from ._transport import ReadTimeout as ReadTimeout
+    from ._transport import RemoteProtocolError as RemoteProtocolError
+    from ._transport import TransportError as TransportError
+    from ._transport import WriteTimeout as WriteTimeout
     from ._trtllm import PROMPT_TOKEN_IDS_KEY as PROMPT_TOKEN_IDS_KEY
     from ._trtllm import TrtllmEngine as TrtllmEngine
     from ._trtllm import context_body as context_body
@@ -62,15 +69,8 @@ if _typing.TYPE_CHECKING:
     from ._vllm import prefill_body as prefill_body
     from ._vllm import vllm_client as vllm_client
     from ._vllm import vllm_engines as vllm_engines
-    from ._wire import ConnectError as ConnectError
-    from ._wire import HttpxWorkerClient as HttpxWorkerClient
-    from ._wire import PoolTimeout as PoolTimeout
-    from ._wire import ReadTimeout as ReadTimeout
-    from ._wire import RemoteProtocolError as RemoteProtocolError
-    from ._wire import TransportError as TransportError
     from ._wire import WorkerClient as WorkerClient
     from ._wire import WorkerResponse as WorkerResponse
-    from ._wire import WriteTimeout as WriteTimeout
 
 # The HTTP adapters need the 'server' extra (httptools, httpx): imported on first use, so that
 # the core install alone imports this package.
@@ -96,15 +96,15 @@ _LAZY = {
     "prefill_body": "_vllm",
     "vllm_client": "_vllm",
     "vllm_engines": "_vllm",
-    "ConnectError": "_wire",
-    "HttpxWorkerClient": "_wire",
-    "PoolTimeout": "_wire",
-    "ReadTimeout": "_wire",
-    "RemoteProtocolError": "_wire",
-    "TransportError": "_wire",
+    "ConnectError": "_transport",
+    "HttpxWorkerClient": "_httpx",
+    "PoolTimeout": "_transport",
+    "ReadTimeout": "_transport",
+    "RemoteProtocolError": "_transport",
+    "TransportError": "_transport",
     "WorkerClient": "_wire",
     "WorkerResponse": "_wire",
-    "WriteTimeout": "_wire",
+    "WriteTimeout": "_transport",
 }
 
 #: The simulator names importable from here as aliases of :mod:`trio_disagg.mock`.

@@ -37,9 +37,11 @@ from ._chunks import (
     is_error_object,
 )
 from ._handoffs import needs_handoff
+from ._httpx import HttpxWorkerClient
 from ._requests import check_worker_url, request_headers
 from ._stopper import SendChannel, Stopper, send_quietly
-from ._wire import HttpxWorkerClient, TransportError, WorkerClient
+from ._transport import TransportError
+from ._wire import WorkerClient
 
 Item = Annotated[LLMEngineOutput]
 Role = Literal["prefill", "decode"]

@@ -13,67 +13,28 @@ from __future__ import annotations
 
 import ssl
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
 from urllib.parse import urlsplit
 
 import httptools
-import httpx  # noqa: ASYNC127 (an adapter for callers' own httpx clients)
 import trio
+
+from ._transport import (
+    ConnectError,
+    PoolTimeout,
+    ReadTimeout,
+    RemoteProtocolError,
+    TransportError,
+    WriteTimeout,
+    read_up_to,
+)
 
 #: Bytes asked of the socket per read.
 READ_SIZE = 65536
 #: Bytes of response headers accepted before the answer is refused as malformed.
 MAX_HEADER_BYTES = 64 * 1024
-
-
-class TransportError(Exception):
-    """A worker could not be reached, or broke the HTTP exchange (no status to report).
-
-    The base of the worker client's failures, raised by :meth:`WorkerClient.stream` (on
-    entering) and :meth:`WorkerResponse.read`; also raised as is when a request is made
-    on a closed client. The HTTP engines turn it into a
-    :class:`~trio_disagg.WorkerError` with status 502 before the worker accepted the
-    request, or into one error item after.
-    """
-
-
-class ConnectError(TransportError):
-    """The connection to the worker could not be opened: refused, unreachable, or not
-    open within the client's ``connect_timeout`` (seconds)."""
-
-
-class ReadTimeout(TransportError):
-    """The worker sent nothing for the client's ``read_timeout`` (seconds); never raised
-    by a client without one (the default)."""
-
-
-class WriteTimeout(TransportError):
-    """The request could not be written within the client's ``write_timeout`` (seconds)."""
-
-
-class PoolTimeout(TransportError):
-    """No connection became free within the client's ``pool_timeout`` (seconds), with
-    ``max_connections`` open."""
-
-
-class RemoteProtocolError(TransportError):
-    """The worker closed the connection early (before or in the middle of its answer),
-    the connection broke, or the worker sent something that is not HTTP/1.1 (or headers
-    larger than 64 KiB)."""
-
-
-async def read_up_to(read: Callable[[], Awaitable[bytes]], limit: int | None) -> bytes:
-    """The parts ``read`` returns until ``b""`` (or until about ``limit`` bytes), joined."""
-    parts: list[bytes] = []
-    size = 0
-    while part := await read():
-        parts.append(part)
-        size += len(part)
-        if limit is not None and size >= limit:
-            break
-    return b"".join(parts)
 
 
 class _Connection:
@@ -507,89 +468,4 @@ class WorkerClient:
         await trio.lowlevel.checkpoint()
 
 
-
-
-class _HttpxResponse:
-    """A :class:`WorkerResponse` face on an httpx response (:class:`HttpxWorkerClient`)."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-        self._parts = response.aiter_bytes()
-        self.status_code = response.status_code
-        self.headers: Mapping[str, str] = response.headers
-
-    async def read(self) -> bytes:
-        try:
-            return await anext(self._parts)
-        except StopAsyncIteration:
-            return b""
-        except httpx.TimeoutException as exc:
-            raise ReadTimeout(str(exc)) from exc
-        except httpx.HTTPError as exc:
-            raise RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
-
-    async def aread(self, limit: int | None = None) -> bytes:
-        return await read_up_to(self.read, limit)
-
-    async def aclose(self) -> None:
-        await self._response.aclose()
-
-
-class _HttpxExchange:
-    def __init__(self, client: httpx.AsyncClient, method: str, url: str, content: bytes,
-                 headers: Mapping[bytes, bytes]) -> None:
-        self._request = client.build_request(method, url, content=content or None,
-                                             headers=dict(headers))
-        self._client = client
-        self._response: _HttpxResponse | None = None
-
-    async def __aenter__(self) -> _HttpxResponse:
-        try:
-            response = await self._client.send(self._request, stream=True)
-        except httpx.ConnectError as exc:
-            raise ConnectError(str(exc)) from exc
-        except httpx.TimeoutException as exc:
-            raise ReadTimeout(str(exc)) from exc
-        except httpx.HTTPError as exc:
-            raise RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
-        self._response = _HttpxResponse(response)
-        return self._response
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._response is not None:
-            await self._response.aclose()
-
-
-class HttpxWorkerClient:
-    """The worker client's interface over an :class:`httpx.AsyncClient`: for a client with
-    its own transport (a test's ``httpx.MockTransport``, a proxy, TLS settings httpx
-    knows). Slower than :class:`WorkerClient` on the relay's hot path; its failures are
-    the same :class:`TransportError`\\ s.
-
-    Args:
-        client: the httpx client to send with; the caller owns it (this wrapper never
-            closes it).
-    """
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-
-    def stream(self, method: str, url: str, *, content: bytes,
-               headers: Mapping[bytes, bytes]) -> _HttpxExchange:
-        if method not in ("POST", "GET"):
-            raise ValueError(f"the worker client only POSTs and GETs, not {method}")
-        return _HttpxExchange(self.client, method, url, content, headers)
-
-
-__all__ = [
-    "ConnectError",
-    "HttpxWorkerClient",
-    "PoolTimeout",
-    "ReadTimeout",
-    "RemoteProtocolError",
-    "TransportError",
-    "WorkerClient",
-    "WorkerResponse",
-    "WriteTimeout",
-]
+__all__ = ["WorkerClient", "WorkerResponse"]
