@@ -29,7 +29,7 @@ from trio_disagg import (
     PreprocessedRequest,
     RequestContext,
 )
-from trio_disagg._router import _one_token_body
+from trio_disagg._cleanup import _one_token_body
 from trio_disagg.engines import (
     LatencyModel,
     SglangEngine,

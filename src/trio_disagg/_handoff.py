@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 import attrs
 import trio
 
+from ._cleanup import start_cleanup
 from ._context import RequestContext
 from ._engine import CancelWindow, DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import WorkerError
@@ -267,7 +268,7 @@ class HandoffOwner:
         result, self.staged = self.staged, None
         assert result is not None
         self.state = HandoffState.CONSUMED
-        self.router._start_cleanup(attrs.evolve(self.request, prefill_result=result))
+        start_cleanup(self.router, attrs.evolve(self.request, prefill_result=result))
 
     def _cancel_prefill(self, *, why: str) -> None:
         """End the prefill leg (and a paired decode leg) now: its KV will never be taken,

@@ -159,16 +159,7 @@ def classify_first_output(
     params = data.disaggregated_params
     if params is None:
         raise NoDisaggregatedParams("Prefill output is missing disaggregated_params")
-    if isinstance(params, Mapping):
-        # S9: TRT-LLM sends ctx_request_id: null on a terminal context; a non-terminal one
-        # without an id cannot be decoded, so refuse it before dispatching generation.
-        context_only = params.get("request_type") == "context_only"
-        if ("ctx_request_id" in params and params["ctx_request_id"] is None) or (
-            context_only and "ctx_request_id" not in params
-        ):
-            raise NoDisaggregatedParams(
-                "Prefill output has no usable ctx_request_id for a non-terminal handoff"
-            )
+    _check_context_id(params)
     usage = data.completion_usage
     return Handoff(
         result=PrefillResult(
@@ -179,6 +170,25 @@ def classify_first_output(
         worker_link=data.worker_trace_link,
         bootstrap=is_bootstrap_params(params),
     )
+
+
+def _check_context_id(params: Any) -> None:
+    """S9: TRT-LLM sends ``ctx_request_id: null`` on a terminal context; a non-terminal one
+    without an id cannot be decoded, so it is refused before generation is dispatched.
+
+    Raises:
+        NoDisaggregatedParams: ``params`` is a TRT-LLM context with no usable
+            ``ctx_request_id``.
+    """
+    if not isinstance(params, Mapping):
+        return
+    context_only = params.get("request_type") == "context_only"
+    if ("ctx_request_id" in params and params["ctx_request_id"] is None) or (
+        context_only and "ctx_request_id" not in params
+    ):
+        raise NoDisaggregatedParams(
+            "Prefill output has no usable ctx_request_id for a non-terminal handoff"
+        )
 
 
 async def drain_prefill_outputs(
@@ -267,37 +277,72 @@ async def consume_prefill_stream(
     not affected (T1).
     """
     if first is None:
-        try:
-            first = await outputs.receive()
-        except trio.EndOfChannel:
-            outputs.close()
-            raise PrefillError("Prefill returned no output (stream ended)") from None
-        except BaseException:
-            outputs.close()
-            raise
-    try:
-        completion = classify_first_output(first, tracker)
-    except BaseException:
-        outputs.close()
-        raise
+        first = await _receive_first(outputs)
+    completion = _classify_or_close(outputs, first, tracker)
     if isinstance(completion, Handoff) and completion.bootstrap and keeper is not None:
-        handoff = completion
-
-        async def drain_rest() -> Handoff:
-            return _with_usage(handoff, await _drain(outputs))
-
-        try:
-            task = keeper.start(drain_rest, name=name or _task_name(first, handoff),
-                                guard=guard)
-        except BaseException:
-            outputs.close()
-            raise
-        return attrs.evolve(completion, drain=task)
+        return _drain_in_keeper(outputs, completion, keeper,
+                                name or _task_name(first, completion), guard)
     with guard if guard is not None else contextlib.nullcontext():
         later = await _drain(outputs)
     if isinstance(completion, Handoff):
         completion = _with_usage(completion, later)
     return completion
+
+
+async def _receive_first(
+    outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
+) -> Annotated[LLMEngineOutput]:
+    """The stream's first output; the channel is closed if there is none.
+
+    Raises:
+        PrefillError: the stream ended with no output (S1).
+    """
+    try:
+        return await outputs.receive()
+    except trio.EndOfChannel:
+        outputs.close()
+        raise PrefillError("Prefill returned no output (stream ended)") from None
+    except BaseException:
+        outputs.close()
+        raise
+
+
+def _classify_or_close(
+    outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
+    first: Annotated[LLMEngineOutput],
+    tracker: RequestTracker | None,
+) -> PrefillCompletion:
+    """:func:`classify_first_output`; ``outputs`` is closed if it raises."""
+    try:
+        return classify_first_output(first, tracker)
+    except BaseException:
+        outputs.close()
+        raise
+
+
+def _drain_in_keeper(
+    outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
+    handoff: Handoff,
+    keeper: TransferKeeper,
+    name: str,
+    guard: AbstractContextManager[Any] | None,
+) -> Handoff:
+    """Start draining the rest of a bootstrap stream in ``keeper`` (T1), ``guard`` held
+    until the drain ends, and return ``handoff`` with the drain's task.
+
+    Raises:
+        RuntimeError: the keeper is not open; the channel is closed.
+    """
+
+    async def drain_rest() -> Handoff:
+        return _with_usage(handoff, await _drain(outputs))
+
+    try:
+        task = keeper.start(drain_rest, name=name, guard=guard)
+    except BaseException:
+        outputs.close()
+        raise
+    return attrs.evolve(handoff, drain=task)
 
 
 def _with_usage(handoff: Handoff, later: CompletionUsage | None) -> Handoff:

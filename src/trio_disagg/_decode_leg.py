@@ -1,0 +1,166 @@
+"""The decode leg: its dispatch until a decode worker accepted the request, with retries on
+another worker (B9), and the leg itself, in the request's nursery or, when it is part of
+the KV transfer, in the keeper (G9)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from ._context import RequestContext
+from ._engine import DecodeEngine
+from ._errors import WorkerError
+from ._gate import Gatekeeper
+from ._handoff import HandoffOwner, HandoffState
+from ._health import retry_reason
+from ._pool import Worker
+from ._protocols import PreprocessedRequest
+from ._router_types import Item
+
+if TYPE_CHECKING:
+    from ._router import DisaggRouter
+
+logger = logging.getLogger("trio_disagg.router")
+
+
+async def accepted_decode(
+    router: DisaggRouter,
+    nursery: trio.Nursery,
+    owner: HandoffOwner,
+    gate: Gatekeeper,
+    decode_request: PreprocessedRequest,
+    decode_context: RequestContext,
+    deadline: float,
+) -> trio.MemoryReceiveChannel[Item]:
+    """Dispatch the decode leg until a decode worker accepted it, and return its stream.
+
+    A worker that refused (a 5xx) or could not be reached is replaced by another with the
+    same handoff, the KV still staged (B9), up to ``router.retry``'s attempts; the backoff
+    ends before ``deadline`` (the handoff deadline's end, on the trio clock). The leg runs
+    in ``nursery`` (:func:`decode_leg`), or in the keeper when it is part of the KV
+    transfer (:func:`kept_decode_leg`), ``gate`` racing it against the prefill (G1).
+
+    Raises:
+        WorkerError: the last decode worker refused, and no retry is allowed.
+        PrefillError: the prefill failed first (G1).
+    """
+    start = kept_decode_leg if owner.holds_transfer else decode_leg
+    tried: list[Worker[DecodeEngine]] = []
+    while True:
+        tried.append(owner.decode_worker)
+        decode_send, decode_receive = trio.open_memory_channel[Item](router.channel_buffer)
+        try:
+            await gate.dispatch(nursery, start, router, owner, decode_request,
+                                decode_context, decode_send)
+            return decode_receive
+        except WorkerError as exc:
+            decode_receive.close()
+            error, reason = exc, retry_reason(exc)
+            delay = router.retry.delay(len(tried) + 1)
+            if (reason is None or len(tried) >= router.retry.max_attempts
+                    or trio.current_time() + delay >= deadline
+                    or _decode_replacement(router, owner, tried) is None):
+                raise
+        except BaseException:
+            # Nobody will read the decode stream: a decode leg that did start gets
+            # BrokenResourceError on its next send instead of blocking on a full channel.
+            decode_receive.close()
+            raise
+        await trio.sleep(delay)  # backoff with jitter (B9)
+        worker = _decode_replacement(router, owner, tried)  # the pool may have changed
+        if worker is None:
+            raise error
+        router.counters.count_retry("decode", reason)
+        logger.info("decode of %s: %s on %s, trying %s (B9)", owner.request.request_id,
+                    reason, owner.decode_worker.name, worker.name)
+        owner.switch_decode_worker(worker)
+        decode_request = attrs.evolve(decode_request, routing=owner.request.routing)
+
+
+def _decode_replacement(
+    router: DisaggRouter, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+) -> Worker[DecodeEngine] | None:
+    """The worker a refused decode is tried again on with the same handoff (B9), or
+    None: the KV is not staged any more (a decode took it, or its worker reported it
+    lost), the decode leg is part of the KV transfer (TensorRT-LLM, SGLang), the
+    request ended, or no healthy decode worker is left. (A decode-only request has no
+    KV: it may always be tried on another worker before one accepted it.)"""
+    if (owner.holds_transfer or not owner.request_open or owner.context.is_stopped
+            or (owner.disaggregated and owner.state is not HandoffState.STAGED)):
+        return None
+    return router.decode.alternative(owner.request, tried)
+
+
+async def kept_decode_leg(  # noqa: ASYNC128 (reports started() itself)
+    router: DisaggRouter,
+    owner: HandoffOwner,
+    request: PreprocessedRequest,
+    context: RequestContext,
+    send_channel: trio.MemorySendChannel[Item],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Dispatch a decode leg that is part of the KV transfer in the keeper, and wait
+    for its worker to accept.
+
+    Cancelling the wait (the client left, or G1) does not cancel the dispatch: a
+    decode half-dispatched might or might not have joined the room or queued for the
+    KV, and then nobody could say whether the KV still needs consuming (B1, B6). The
+    owner hears the leg's outcome from the leg itself.
+    """
+    leg = router.keeper.spawn_leg(
+        decode_leg, router, owner, request, context, send_channel,
+        name=request.request_id,
+    )
+    leg.bound(router.deadlines.handoff)  # accepted within the handoff deadline, waited or not
+    owner.attach_leg(leg)
+    await leg.wait_started()
+    task_status.started()
+
+
+async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
+    router: DisaggRouter,
+    owner: HandoffOwner,
+    request: PreprocessedRequest,
+    context: RequestContext,
+    send_channel: trio.MemorySendChannel[Item],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """One decode leg with the handoff; tells ``owner`` whether its worker accepted."""
+    worker = owner.decode_worker
+    status = _Accepted(owner, task_status)
+    with router.decode.lease(worker):
+        try:
+            await worker.engine.generate(request, context, send_channel, task_status=status)
+        except BaseException as exc:
+            if not status.accepted:
+                owner.decode_not_accepted(exc)
+            if isinstance(exc, WorkerError):
+                router.decode.record_failure(worker, exc)
+            raise
+        else:
+            router.decode.record_success(worker)
+        finally:
+            if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
+                owner.decode_cancelled()
+
+
+class _Accepted:
+    """A decode leg's ``task_status`` that tells the handoff's owner when the decode worker
+    accepted the request."""
+
+    __slots__ = ("accepted", "owner", "task_status")
+
+    def __init__(self, owner: HandoffOwner, task_status: trio.TaskStatus[None]) -> None:
+        self.owner = owner
+        self.task_status = task_status
+        self.accepted = False
+
+    def started(self, value: None = None) -> None:
+        self.accepted = True
+        self.owner.decode_accepted()
+        self.task_status.started(value)

@@ -1,0 +1,285 @@
+"""The prefill leg the keeper runs: dispatch, the first output within the prefill deadline,
+retries on another worker (B9), the drain, and what the handoff's owner hears of it
+(S1-S10, T4, B1, B2, B6, B10)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ._context import RequestContext
+from ._engine import DecodeEngine, PrefillEngine
+from ._errors import PrefillCancelled, PrefillDeadlineExceeded, PrefillError, WorkerError
+from ._handoff import HandoffOwner, HandoffState
+from ._health import retry_reason
+from ._pool import Worker
+from ._prefill import (
+    Handoff,
+    PrefillCompletion,
+    classify_first_output,
+    consume_prefill_stream,
+    is_bootstrap_params,
+)
+from ._protocols import PreprocessedRequest
+from ._router_types import Item
+
+if TYPE_CHECKING:
+    from ._router import DisaggRouter
+
+logger = logging.getLogger("trio_disagg.router")
+
+#: Seconds (at most; 10% of the prefill deadline if less) to read a prefill answer that
+#: was already on its way when the prefill deadline expired, so its KV is consumed (B1).
+LATE_ANSWER_GRACE = 1.0
+
+
+async def prefill_leg(
+    router: DisaggRouter, owner: HandoffOwner, context: RequestContext, rooms: set[int]
+) -> PrefillCompletion:
+    """The whole prefill leg, run by the keeper on its own ``context`` (C5): dispatch,
+    classify, drain; ``owner`` hears how it ended, and the bootstrap room, if any, leaves
+    ``rooms`` (the router's rooms in use) however it ends.
+
+    Raises:
+        PrefillError: the prefill failed; a :class:`PrefillCancelled` when the router ended
+            it (B6, B10), a :class:`PrefillDeadlineExceeded` when it ran out of time (B2).
+    """
+    try:
+        with trio.move_on_after(router.deadlines.transfer) as transfer_scope:
+            with owner.prefill_scope:
+                completion = await _run_prefill(router, owner, context)
+    except PrefillError as error:
+        owner.prefill_failed()
+        if owner.state is HandoffState.RELEASED:  # the router stopped it (B6, B10)
+            raise _cancelled(owner) from error
+        raise
+    except BaseException:
+        owner.prefill_failed()
+        raise
+    finally:
+        if owner.request.bootstrap_info is not None:
+            rooms.discard(owner.request.bootstrap_info.room)
+    if owner.prefill_scope.cancelled_caught:
+        owner.prefill_failed()
+        raise _cancelled(owner)
+    if transfer_scope.cancelled_caught:
+        context.kill()
+        owner.prefill_failed()
+        raise PrefillDeadlineExceeded("transfer", router.deadlines.transfer)
+    owner.prefill_done(completion)
+    if owner.state is HandoffState.RELEASED:  # stopped, and it answered "cancelled"
+        raise _cancelled(owner)
+    return completion
+
+
+async def _run_prefill(
+    router: DisaggRouter, owner: HandoffOwner, context: RequestContext
+) -> PrefillCompletion:
+    """Dispatch the prefill and classify its stream (S1-S10, T4); a prefill worker that
+    refused before it answered anything (a transport failure, a 5xx) is replaced by
+    another, up to the retry policy's attempts, all within the prefill deadline (B9).
+    """
+    deadline = trio.current_time() + router.deadlines.prefill
+    tried: list[Worker[DecodeEngine]] = []
+    while True:
+        tried.append(owner.prefill_leg_worker)
+        try:
+            return await _prefill_attempt(router, owner, context, deadline)
+        except _Retryable as retryable:
+            error, reason = retryable.error, retryable.reason
+        delay = router.retry.delay(len(tried) + 1)
+        if (len(tried) >= router.retry.max_attempts or trio.current_time() + delay >= deadline
+                or _prefill_replacement(router, owner, tried) is None):
+            raise error from error.__cause__
+        await trio.sleep(delay)  # backoff with jitter (B9)
+        worker = _prefill_replacement(router, owner, tried)  # the pool may have changed
+        if worker is None:
+            raise error from error.__cause__
+        router.counters.count_retry("prefill", reason)
+        logger.info("prefill of %s: %s on %s, trying %s (B9)", owner.request.request_id,
+                    reason, owner.prefill_leg_worker.name, worker.name)
+        owner.switch_prefill_worker(worker)
+
+
+def _prefill_replacement(
+    router: DisaggRouter, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+) -> Worker[PrefillEngine] | None:
+    """The worker a refused prefill is tried again on (B9), or None: no healthy worker
+    of the same handoff style left, or the request ended, or the router stopped the
+    prefill (B6, B10), or the prefill pairs with a decode in a bootstrap room."""
+    if (not owner.request_open or owner.state is not HandoffState.PENDING
+            or owner.prefill_scope.cancel_called or owner.context.is_stopped
+            or owner.request.bootstrap_info is not None):
+        return None
+    style = owner.prefill_leg_worker.engine.handoff_style
+    other_styles = [worker for worker in router.prefill.workers
+                    if worker.engine.handoff_style is not style]
+    return router.prefill.alternative(owner.request, [*tried, *other_styles])
+
+
+async def _prefill_attempt(
+    router: DisaggRouter, owner: HandoffOwner, context: RequestContext, deadline: float
+) -> PrefillCompletion:
+    """One prefill attempt on ``owner.prefill_worker``.
+
+    ``deadline`` bounds the wait for the first output (the handoff), and for a
+    bootstrap prefill also its answer (which comes after the KV transfer). The engine
+    runs outside it, so an answer already on its way when the deadline expires can
+    still be read, and its staged KV consumed (B1).
+
+    Raises:
+        _Retryable: the worker refused before it answered anything (B9).
+    """
+    worker = owner.prefill_leg_worker
+    with router.prefill.lease(worker):
+        send, receive = trio.open_memory_channel[Item](router.channel_buffer)
+        refusal: list[WorkerError] = []
+        first: Item | None = None
+        completion: PrefillCompletion | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_run_engine, worker.engine, owner.request, context,
+                                   send, refusal)
+                first = await _first_prefill_output(router, owner, receive, refusal, deadline)
+                # A bootstrap prefill answers once its KV reached the decode, and an
+                # adapter may hand off the room before that: its deadline bounds the
+                # answer, so a stalled bootstrap prefill is a prefill deadline too.
+                bootstrap = first is not None and _is_bootstrap(first)
+                with trio.move_on_after(router.deadlines.prefill if bootstrap else math.inf):
+                    if first is not None:
+                        completion = await consume_prefill_stream(
+                            receive, tracker=owner.tracker, first=first
+                        )
+                if completion is None:
+                    nursery.cancel_scope.cancel()
+        except* PrefillError as group:
+            leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
+            router.prefill.record_failure(worker, leaf.__cause__ or leaf)
+            reason = retry_reason(refusal[0]) if refusal and first is None else None
+            if reason is not None:
+                raise _Retryable(leaf, reason) from None
+            raise leaf from leaf.__cause__
+        finally:
+            if owner.prefill_scope.cancel_called:
+                _stage_arrived(owner, first, receive)
+        if completion is None:
+            router.prefill.record_failure(worker)
+            raise PrefillDeadlineExceeded("prefill", router.deadlines.prefill)
+        router.prefill.record_success(worker)
+        return completion
+
+
+async def _first_prefill_output(
+    router: DisaggRouter,
+    owner: HandoffOwner,
+    receive: trio.MemoryReceiveChannel[Item],
+    refusal: list[WorkerError],
+    deadline: float,
+) -> Item | None:
+    """The prefill's first output, or None if the prefill deadline (``deadline``, on
+    the trio clock) expired first.
+
+    An answer already on its way when the deadline expires is read within a short
+    grace; if it staged KV, the owner has it consumed (B1) instead of leaving it to
+    the worker's lease.
+    """
+    worker = owner.prefill_leg_worker
+    with trio.move_on_at(deadline):
+        return await _receive_first(worker, receive, refusal)
+    with trio.move_on_after(min(LATE_ANSWER_GRACE, 0.1 * router.deadlines.prefill)):
+        with contextlib.suppress(PrefillError):
+            late = await _receive_first(worker, receive, refusal)
+            completion = await consume_prefill_stream(receive, first=late)
+            if isinstance(completion, Handoff) and not completion.bootstrap:
+                owner.prefill_staged(completion.result)
+    return None
+
+
+def _stage_arrived(
+    owner: HandoffOwner, first: Item | None, receive: trio.MemoryReceiveChannel[Item]
+) -> None:
+    """The router ended the prefill (B6, B10): a handoff that had already arrived is
+    still consumed (B1). Never raises (it runs in a ``finally``)."""
+    if first is None:
+        try:
+            first = receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return
+    try:
+        completion = classify_first_output(first)
+    except PrefillError:
+        return
+    if isinstance(completion, Handoff) and not completion.bootstrap:
+        owner.prefill_staged(completion.result)
+
+
+class _Retryable(Exception):
+    """A prefill attempt failed in a way B9 lets the router retry: ``error`` to raise if
+    it does not, ``reason`` for the ``retries_total`` metric."""
+
+    def __init__(self, error: PrefillError, reason: str) -> None:
+        super().__init__(reason)
+        self.error = error
+        self.reason = reason
+
+
+def _is_bootstrap(item: Item) -> bool:
+    return item.data is not None and is_bootstrap_params(item.data.disaggregated_params)
+
+
+def _cancelled(owner: HandoffOwner) -> PrefillCancelled:
+    return PrefillCancelled(f"prefill of {owner.request.request_id} ended by the router: "
+                            "no decode will take its KV")
+
+
+async def _run_engine(
+    engine: DecodeEngine,
+    request: PreprocessedRequest,
+    context: RequestContext,
+    send: trio.MemorySendChannel[Item],
+    refusal: list[WorkerError],
+) -> None:
+    """Run a prefill engine outside any deadline; a refusal (raised before it started) is
+    kept for the reader, who sees the channel end."""
+    try:
+        with send:
+            await engine.generate(request, context, send)
+    except WorkerError as exc:
+        refusal.append(exc)
+
+
+async def _receive_first(
+    worker: Worker[DecodeEngine],
+    receive: trio.MemoryReceiveChannel[Item],
+    refusal: list[WorkerError],
+) -> Item:
+    """The first output of a prefill stream.
+
+    Raises:
+        PrefillError: the stream ended with none: the worker refused the request, or
+            returned nothing (S1).
+    """
+    try:
+        return await receive.receive()
+    except trio.EndOfChannel:
+        if refusal:
+            raise PrefillError(_naming(worker, refusal[0])) from refusal[0]
+        raise PrefillError("Prefill returned no output (stream ended)") from None
+
+
+def _naming(worker: Worker[DecodeEngine], exc: BaseException) -> str:
+    """The error's message, naming the prefill worker once (adapters' messages often do)."""
+    text = str(exc)
+    return text if worker.name in text else f"prefill worker {worker.name} failed: {text}"
+
+
+def _single(group: BaseExceptionGroup[Any]) -> Any:
+    """The first leaf exception of a group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
