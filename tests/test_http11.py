@@ -1,4 +1,4 @@
-"""The router's HTTP/1.1 server (server/_http11.py) byte for byte, on real sockets: framing,
+"""The router's HTTP/1.1 server (trio_disagg/_http11/) byte for byte, on real sockets: framing,
 keep-alive, pipelining, 100-continue, and the answers it gives by itself (400, 408)."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ async def test_a_body_that_stops_coming_ends_the_request_with_a_408(
 ) -> None:
     """A client that sends its headers and part of its body, then nothing, does not hold
     the request (and its admission slot) for ever."""
-    monkeypatch.setattr(_http11, "BODY_TIMEOUT", 0.2)
+    monkeypatch.setattr(_http11._exchange, "BODY_TIMEOUT", 0.2)
     app = EchoApp()
     with trio.fail_after(10):
         async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
@@ -139,7 +139,7 @@ async def test_a_client_that_stops_reading_loses_its_connection_after_the_write_
 ) -> None:
     """A send goes out whole or breaks the connection: a client that reads nothing while
     a large answer waits is cut off after WRITE_TIMEOUT, and the app's send returns."""
-    monkeypatch.setattr(_http11, "WRITE_TIMEOUT", 0.3)
+    monkeypatch.setattr(_http11._exchange, "WRITE_TIMEOUT", 0.3)
     big = b"x" * (32 * 1024 * 1024)
     sent = trio.Event()
 

@@ -1,0 +1,180 @@
+"""One client connection of the HTTP/1.1 server: its bytes parsed by httptools into requests
+(head, then body as it arrives), its limits, and the answers the server gives by itself."""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import suppress
+
+import httptools
+import trio
+
+READ_SIZE = 65536
+#: Seconds an idle keep-alive connection is kept open (uvicorn's default).
+KEEP_ALIVE_TIMEOUT = 5.0
+#: Seconds a client gets to send a request's headers once it started sending them.
+HEADERS_TIMEOUT = 10.0
+#: Bytes of request line and headers accepted (else 431).
+MAX_HEAD_BYTES = 64 * 1024
+#: Bytes read ahead (request bodies not yet received by the app, pipelined requests)
+#: before the server stops reading from the client.
+MAX_BUFFERED_BYTES = 1024 * 1024
+
+REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 408: b"Request Timeout",
+           431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}
+
+#: The OpenAI-style error code of each answer the server gives by itself.
+CODES = {400: b"malformed_request", 408: b"request_timeout",
+         431: b"request_header_fields_too_large"}
+
+
+class Request:
+    """One request as it is parsed: its head, then its body as it arrives."""
+
+    __slots__ = ("body", "complete", "expect_continue", "headers", "keep_alive", "method",
+                 "url", "version")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: deque[bytes] = deque()
+        self.complete = False
+        self.method = "GET"
+        self.version = "1.1"
+        self.keep_alive = True
+        self.expect_continue = False
+
+
+class Connection:
+    """One client connection: its parser, the requests parsed from it, and the response
+    of the one being served."""
+
+    def __init__(self, stream: trio.SocketStream, *, head_with_body: bool) -> None:
+        self.head_with_body = head_with_body  # a response's head waits for its first body
+        self.stream = stream
+        self.parser = httptools.HttpRequestParser(self)
+        self.requests: deque[Request] = deque()
+        self.parsing: Request | None = None
+        self.head_bytes = 0
+        self.buffered = 0
+        self.closed = False  # the client went away (or the connection broke)
+        self.closing = False  # the server closes it after the current response
+        self.idle = True
+        self.changed = trio.Event()
+        self.scope = trio.CancelScope()
+        self.fileno = stream.socket.fileno()
+        try:
+            self.client: tuple[str, int] | None = stream.socket.getpeername()[:2]
+            self.local: tuple[str, int] | None = stream.socket.getsockname()[:2]
+        except OSError:
+            self.client = self.local = None
+
+    # httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.parsing = Request()
+        self.head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.url += url
+        self.head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.headers.append((name.lower(), value))
+        self.head_bytes += len(name) + len(value)
+
+    def on_headers_complete(self) -> None:
+        request = self.parsing
+        assert request is not None
+        parser = self.parser
+        request.method = parser.get_method().decode("ascii")
+        request.version = parser.get_http_version()
+        request.keep_alive = parser.should_keep_alive()
+        request.expect_continue = (b"expect", b"100-continue") in request.headers
+        self.requests.append(request)
+
+    def on_body(self, body: bytes) -> None:
+        assert self.parsing is not None
+        self.parsing.body.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        assert self.parsing is not None
+        self.parsing.complete = True
+        self.parsing = None
+
+    # reading ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def read_once(self) -> bool:
+        """Read what the client sent into the parser; False if it went away."""
+        try:
+            data = await self.stream.receive_some(READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            data = b""
+        if not data:
+            self.closed = True
+            self._wake()
+            return False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.closing = True
+            await self.refuse(400, b"upgrades are not supported")
+            return False
+        except httptools.HttpParserError:
+            self.closing = True
+            await self.refuse(400, b"malformed HTTP request")
+            return False
+        if self.parsing is not None and self.head_bytes > MAX_HEAD_BYTES \
+                and not self.requests:
+            self.closing = True
+            await self.refuse(431, b"request headers too large")
+            return False
+        self._wake()
+        return True
+
+    async def next_request(self) -> Request | None:
+        """The next request whose head is in, or None when the connection is done."""
+        while not self.requests:
+            if self.closed or self.closing:
+                return None
+            waiting_for_start = self.parsing is None
+            timeout = KEEP_ALIVE_TIMEOUT if waiting_for_start else HEADERS_TIMEOUT
+            with trio.move_on_after(timeout) as waited:
+                alive = await self.read_once()
+            if waited.cancelled_caught:
+                if not waiting_for_start:
+                    await self.refuse(408, b"request headers not received in time")
+                return None
+            if not alive:
+                return None
+        return self.requests.popleft()
+
+    async def read_while_serving(self, request: Request) -> None:
+        """Read on while the app serves ``request``: its body, then whatever comes (a
+        pipelined request is parsed and waits; the end of the connection is a
+        disconnect). Reading pauses while too much is buffered."""
+        while not self.closed:
+            if self.buffered > MAX_BUFFERED_BYTES:
+                await self.changed.wait()  # the app took some of the body
+                continue
+            if not await self.read_once():
+                return
+
+    async def refuse(self, status: int, message: bytes) -> None:
+        """Answer an error that no app saw (the request was not HTTP), then close."""
+        body = (b'{"error":{"message":"' + message + b'","type":"invalid_request_error",'
+                b'"param":null,"code":"' + CODES.get(status, b"bad_request") + b'"}}')
+        head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n"
+                % (status, REASONS.get(status, b""), len(body)))
+        with trio.move_on_after(1), suppress(trio.BrokenResourceError,
+                                             trio.ClosedResourceError, OSError):
+            await self.stream.send_all(head + body)
+        self.closed = True

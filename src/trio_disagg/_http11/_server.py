@@ -1,0 +1,165 @@
+"""The HTTP/1.1 server's listening side: connections accepted, requests served one at a
+time per connection with the ASGI app, and the graceful shutdown (B3)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import trio
+
+from .._listen import open_listeners
+from ._connection import Connection, Request
+from ._exchange import Exchange, Message
+
+logger = logging.getLogger("trio_disagg.server")
+
+Scope = dict[str, Any]
+App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
+               Awaitable[None]]
+
+#: The ASGI scope extension saying that this server's sends are whole or break the
+#: connection, each bounded by the write timeout (so an app need not shield them).
+WHOLE_SENDS = "trio_disagg.whole_sends"
+
+
+class Server:
+    def __init__(self, app: App, *, head_with_body: bool = True) -> None:
+        self.app = app
+        self.head_with_body = head_with_body
+        self.connections: set[Connection] = set()
+        self.shutting_down = False
+        self.idle_event = trio.Event()
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        conn = Connection(stream, head_with_body=self.head_with_body)
+        self.connections.add(conn)
+        try:
+            with conn.scope:
+                await self._serve(conn)
+        finally:
+            self.connections.discard(conn)
+            with trio.move_on_after(1, shield=True):
+                await trio.aclose_forcefully(stream)
+            if not self.connections:
+                self.idle_event.set()
+
+    async def _serve(self, conn: Connection) -> None:
+        while not self.shutting_down:
+            conn.idle = True
+            request = await conn.next_request()
+            if request is None:
+                return
+            conn.idle = False
+            exchange = Exchange(conn, request)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.read_while_serving, request)
+                await self._run_app(conn, request, exchange)
+                nursery.cancel_scope.cancel()
+            if not exchange.done or not exchange.keep_alive or conn.closed:
+                return
+            if not request.complete:
+                return  # answered before its body ended (the head said close)
+
+    async def _run_app(self, conn: Connection, request: Request,
+                       exchange: Exchange) -> None:
+        path, _, query = request.url.partition(b"?")
+        scope: Scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": request.version, "method": request.method, "scheme": "http",
+            "path": unquote(path), "raw_path": path, "query_string": query,
+            "root_path": "", "headers": request.headers,
+            "client": conn.client, "server": conn.local,
+            # Each send goes out whole or breaks the connection, bounded by WRITE_TIMEOUT,
+            # whatever becomes of the app's task: the app needs no shield of its own.
+            "extensions": {WHOLE_SENDS: {}},
+        }
+        try:
+            await self.app(scope, exchange.receive, exchange.send)
+        except Exception:
+            logger.exception("the ASGI app failed serving %s %s", request.method,
+                             scope["path"])
+        if exchange.body_timed_out and not exchange.started and not conn.closed:
+            await conn.refuse(408, b"request body not received in time")
+            return
+        if conn.closed or exchange.done:
+            return
+        if not exchange.started:
+            await exchange.send({"type": "http.response.start", "status": 500,
+                                 "headers": [(b"content-length", b"0")]})
+            exchange.keep_alive = False
+            await exchange.send({"type": "http.response.body", "body": b"",
+                                 "more_body": False})
+        elif exchange.head is not None:  # started, nothing sent: an empty answer
+            exchange.keep_alive = False
+            await exchange.send({"type": "http.response.body", "body": b"",
+                                 "more_body": False})
+        else:
+            # The app returned in the middle of its answer: the client must see a broken
+            # answer, not a complete one cut short, so the connection closes as it is.
+            conn.closed = True
+
+
+def unquote(path: bytes) -> str:
+    if b"%" not in path:
+        return path.decode("latin-1")
+    return unquote_to_bytes(path).decode("utf-8", "replace")
+
+
+async def serve_http(
+    app: App,
+    *,
+    host: str,
+    port: int,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    shutdown_timeout: float = 30.0,
+    reuse_port: bool = False,
+    head_with_body: bool = True,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` (ASGI 3, http scope) on ``host``:``port`` until cancelled, or until
+    ``shutdown_trigger`` returns and the connections have finished.
+
+    With ``head_with_body`` (the router's way) a response's head waits for its first body
+    and goes out in the same write; without it (the mock workers', as uvicorn in front of
+    a real worker does) the head goes out as soon as the app starts the response, so the
+    client knows at once that the worker accepted the request.
+
+    On shutdown the server stops accepting, closes idle keep-alive connections at once,
+    lets the others finish the response in progress (then closes them), and after
+    ``shutdown_timeout`` seconds cancels what is left. ``task_status`` reports the bound
+    port. ``reuse_port`` shares the port with other processes (``SO_REUSEPORT``: see
+    :func:`trio_disagg._listen.open_listeners`).
+
+    Raises:
+        OSError: the address could not be bound.
+    """
+    server = Server(app, head_with_body=head_with_body)
+    listeners = await open_listeners(host, port, reuse_port=reuse_port)
+    bound = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        accepting = trio.CancelScope()
+
+        async def accept() -> None:
+            with accepting:
+                await trio.serve_listeners(server.handle, listeners,
+                                           handler_nursery=nursery)
+
+        nursery.start_soon(accept)
+        task_status.started(bound)
+        if shutdown_trigger is None:
+            await trio.sleep_forever()
+        await shutdown_trigger()
+        server.shutting_down = True
+        accepting.cancel()
+        for conn in list(server.connections):
+            conn.closing = True
+            if conn.idle:
+                conn.scope.cancel()
+        with trio.move_on_after(shutdown_timeout):
+            while server.connections:
+                server.idle_event = trio.Event()
+                await server.idle_event.wait()
+        nursery.cancel_scope.cancel()
