@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import trio
 
@@ -138,28 +138,42 @@ class Gatekeeper:
             return await nursery.start(start_decode, *args)  # G2
         started: Any = None
         if not self.prefill.done:
-            # The watcher lives in ``nursery`` rather than in a nursery of its own, so an
-            # error from start_decode reaches the caller bare, not in an ExceptionGroup.
-            watcher = trio.CancelScope()
-            with trio.CancelScope() as race:
-                nursery.start_soon(self._cancel_on_prefill_failure, race, watcher)
-                try:
-                    started = await nursery.start(start_decode, *args)
-                except Exception as exc:
-                    if not self.prefill.failed:
-                        raise
-                    # A decode refusal in the same instant as a prefill failure: the
-                    # prefill is looked at first (G1).
-                    self.client_context.stop_generating()
-                    assert self.prefill.error is not None
-                    raise self.prefill.error from exc
-                finally:
-                    watcher.cancel()
+            started = await self._start_racing_prefill(nursery, start_decode, args)
         if self.prefill.failed:  # looked at first, also on a tie (G1)
-            self.client_context.stop_generating()
-            assert self.prefill.error is not None
-            raise self.prefill.error
+            self._raise_prefill_failure()
         return started
+
+    async def _start_racing_prefill(
+        self, nursery: trio.Nursery, start_decode: Callable[..., Awaitable[Any]],
+        args: tuple[Any, ...],
+    ) -> Any:
+        """``nursery.start(start_decode, *args)`` in a cancel scope that a prefill failure
+        cancels (G1); None if it was cancelled so."""
+        # The watcher lives in ``nursery`` rather than in a nursery of its own, so an error
+        # from start_decode reaches the caller bare, not in an ExceptionGroup.
+        watcher = trio.CancelScope()
+        with trio.CancelScope() as race:
+            nursery.start_soon(self._cancel_on_prefill_failure, race, watcher)
+            try:
+                return await nursery.start(start_decode, *args)
+            except Exception as exc:
+                if not self.prefill.failed:
+                    raise
+                # A decode refusal in the same instant as a prefill failure: the prefill
+                # is looked at first (G1).
+                self._raise_prefill_failure(exc)
+            finally:
+                watcher.cancel()
+        return None
+
+    def _raise_prefill_failure(self, cause: BaseException | None = None) -> NoReturn:
+        """Stop the client context and raise the prefill's error (G1)."""
+        self.client_context.stop_generating()
+        error = self.prefill.error
+        assert error is not None
+        if cause is None:
+            raise error
+        raise error from cause
 
     async def _cancel_on_prefill_failure(
         self, scope: trio.CancelScope, watcher: trio.CancelScope | None = None

@@ -194,11 +194,8 @@ async def write_response(
     ``observe_itl`` (if given) with the seconds since the output before, for each later one
     (an output may carry a burst of tokens: one observation).
     A worker's ``abort`` is an error, never a success."""
-    now = trio.lowlevel.current_clock().current_time  # one lookup, not one per token
     parts, batched, on_text, on_choice = sink.parts, sink.batched, sink.text, sink.choice
-    tokens = 0
-    usage: CompletionUsage | None = None
-    last: float | None = None
+    tally = _Tally(first_token, observe_itl)
     with stream.outputs as outputs:
         while True:
             try:
@@ -216,21 +213,10 @@ async def write_response(
             data = item.data
             if data is None:
                 continue
-            if last is None:
-                last = now()
-                first_token()
-            elif observe_itl is not None:
-                current = now()
-                observe_itl(current - last)
-                last = current
-            tokens += len(data.token_ids)
-            if data.completion_usage is not None:
-                usage = data.completion_usage
+            tally.add(data)
             choices = data.choices
             choice = None
             if choices:
-                if not data.token_ids:  # a chunk with content and no ids is one token
-                    tokens += sum(map(counted_tokens, choices))
                 if data.finish_reason is not None:
                     *choices, choice = choices  # the last one ends the response
                 for earlier in choices:
@@ -245,9 +231,39 @@ async def write_response(
                 sink.cut(data.text, choice)
                 break
             await sink.succeed(data.text, choice, name, usage_dict(
-                usage, tokens, _cached(stream), stream.prompt_tokens))
+                tally.usage, tally.tokens, _cached(stream), stream.prompt_tokens))
             return "success"
     return await _fail(sink, failure_of(item))
+
+
+class _Tally:
+    """What a response counts as its outputs pass: completion tokens (the outputs' ids, or
+    one per worker chunk with content when it sent none), the last usage a worker
+    reported, and the time to the first output and between two outputs."""
+
+    __slots__ = ("first_token", "last", "now", "observe_itl", "tokens", "usage")
+
+    def __init__(self, first_token: Callable[[], None],
+                 observe_itl: Callable[[float], None] | None) -> None:
+        self.first_token = first_token
+        self.observe_itl = observe_itl
+        self.now = trio.lowlevel.current_clock().current_time  # one lookup per response
+        self.last: float | None = None
+        self.tokens = 0
+        self.usage: CompletionUsage | None = None
+
+    def add(self, data: LLMEngineOutput) -> None:
+        now = self.now()
+        if self.last is None:
+            self.first_token()
+        elif self.observe_itl is not None:
+            self.observe_itl(now - self.last)
+        self.last = now
+        self.tokens += len(data.token_ids)
+        if data.completion_usage is not None:
+            self.usage = data.completion_usage
+        if data.choices and not data.token_ids:
+            self.tokens += sum(map(counted_tokens, data.choices))
 
 
 async def _fail(sink: SseSink | JsonSink, failure: ApiError) -> str:
