@@ -40,9 +40,8 @@ class Server:
             with conn.scope:
                 await self._serve(conn)
         finally:
+            # The stream is closed by trio's serve_listeners as this handler returns.
             self.connections.discard(conn)
-            with trio.move_on_after(1, shield=True):
-                await trio.aclose_forcefully(stream)
             if not self.connections:
                 self.idle_event.set()
 

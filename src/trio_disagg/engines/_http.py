@@ -55,6 +55,9 @@ class Response(Protocol):
     @property
     def headers(self) -> Mapping[str, str]: ...
 
+    @property
+    def at_end(self) -> bool: ...
+
     async def read(self) -> bytes: ...
 
     async def aread(self, limit: int | None = None) -> bytes: ...
@@ -469,6 +472,8 @@ async def _read_body_end(response: Response) -> None:
     """Read the end of a streamed body that sent ``[DONE]`` (it follows at once), so that
     the connection goes back to the pool instead of being closed. The answer is complete
     already: a failure here changes nothing."""
+    if response.at_end:  # it came with the [DONE]: no wait, no cancel scope
+        return
     with trio.move_on_after(BODY_END_GRACE):
         try:
             while await response.read():

@@ -19,6 +19,7 @@ class _HttpxResponse:
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
         self._parts = response.aiter_bytes()
+        self.at_end = False  # True once the body was read to its end
         self.status_code = response.status_code
         self.headers: Mapping[str, str] = response.headers
 
@@ -26,6 +27,7 @@ class _HttpxResponse:
         try:
             return await anext(self._parts)
         except StopAsyncIteration:
+            self.at_end = True
             return b""
         except httpx.TimeoutException as exc:
             raise ReadTimeout(str(exc)) from exc

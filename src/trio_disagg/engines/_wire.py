@@ -11,6 +11,7 @@ of the router's CPU; this client does the same work with one parser call per soc
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -172,6 +173,11 @@ class WorkerResponse:
         self._body = []
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    @property
+    def at_end(self) -> bool:
+        """True once the whole body has been read: :meth:`read` would return ``b""``."""
+        return self._complete and not self._body
+
     def _headers_framed(self) -> bool:
         return "content-length" in self.headers or "chunked" in self.headers.get(
             "transfer-encoding", "").lower()
@@ -246,10 +252,7 @@ class _Exchange:
             response = WorkerResponse(client, pool, connection)
             self._response = response
             try:
-                with trio.move_on_after(client.write_timeout) as writing:
-                    await connection.stream.send_all(request)
-                if writing.cancelled_caught:
-                    raise WriteTimeout(f"request not written in {client.write_timeout:g} s")
+                await client._send(connection, request)
                 await response._read_head()
             except (trio.BrokenResourceError, OSError, RemoteProtocolError) as exc:
                 response._discard()
@@ -410,6 +413,28 @@ class WorkerClient:
         except BaseException:
             self._slots.release()
             raise
+
+    async def _send(self, connection: _Connection, request: bytes) -> None:
+        """Write ``request`` whole: one non-blocking write when the socket takes it all
+        (the usual case: a request is small and the socket's buffer empty), with no
+        cancel scope; else the rest under :attr:`write_timeout`.
+
+        Raises:
+            WriteTimeout: the rest was not written in time.
+            OSError, trio.BrokenResourceError: the connection broke.
+        """
+        sent = 0
+        if connection.socket is not None:
+            try:
+                sent = os.write(connection.socket.fileno(), request)
+            except BlockingIOError:
+                sent = 0
+        if sent == len(request):
+            return  # the caller's next step, reading the answer, is the checkpoint
+        with trio.move_on_after(self.write_timeout) as writing:
+            await connection.stream.send_all(memoryview(request)[sent:])
+        if writing.cancelled_caught:
+            raise WriteTimeout(f"request not written in {self.write_timeout:g} s")
 
     def _take_slot(self) -> bool:
         try:
