@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -148,12 +147,13 @@ async def _prefill_attempt(
                 # A bootstrap prefill answers once its KV reached the decode, and an
                 # adapter may hand off the room before that: its deadline bounds the
                 # answer, so a stalled bootstrap prefill is a prefill deadline too.
-                bootstrap = first is not None and _is_bootstrap(first)
-                with trio.move_on_after(router.deadlines.prefill if bootstrap else math.inf):
-                    if first is not None:
+                if first is not None and _is_bootstrap(first):
+                    with trio.move_on_after(router.deadlines.prefill):
                         completion = await consume_prefill_stream(
-                            receive, tracker=owner.tracker, first=first
-                        )
+                            receive, tracker=owner.tracker, first=first)
+                elif first is not None:  # the first output was the answer: nothing to bound
+                    completion = await consume_prefill_stream(
+                        receive, tracker=owner.tracker, first=first)
                 if completion is None:
                     nursery.cancel_scope.cancel()
         except* PrefillError as group:
