@@ -70,6 +70,10 @@ class SseSink:
     def choice(self, choice: Choice) -> None:
         self.parts.append(self.encoder.choice(choice))
 
+    def choices(self, choices: list[Choice]) -> None:
+        """Each of a burst's worker choices as its own event (B8)."""
+        self.parts += map(self.encoder.choice, choices)
+
     async def flush(self) -> None:
         responder = self.responder
         if not responder.started:
@@ -152,6 +156,10 @@ class JsonSink:
             self.texts.clear()
         collector.add(choice)
 
+    def choices(self, choices: list[Choice]) -> None:
+        for choice in choices:
+            self.choice(choice)
+
     async def flush(self) -> None:
         await trio.lowlevel.checkpoint()  # never called: ``parts`` stays empty
 
@@ -194,7 +202,7 @@ async def write_response(
     ``observe_itl`` (if given) with the seconds since the output before, for each later one
     (an output may carry a burst of tokens: one observation).
     A worker's ``abort`` is an error, never a success."""
-    parts, batched, on_text, on_choice = sink.parts, sink.batched, sink.text, sink.choice
+    parts, batched, on_text, on_choices = sink.parts, sink.batched, sink.text, sink.choices
     tally = _Tally(first_token, observe_itl)
     with stream.outputs as outputs:
         while True:
@@ -219,8 +227,8 @@ async def write_response(
             if choices:
                 if data.finish_reason is not None:
                     *choices, choice = choices  # the last one ends the response
-                for earlier in choices:
-                    on_choice(earlier)  # the worker's own choices, as sent (B8)
+                if choices:
+                    on_choices(choices)  # the worker's own choices, as sent (B8)
             finish = data.finish_reason
             if finish is None:
                 if not choices and data.text:  # an in-process engine: its text
