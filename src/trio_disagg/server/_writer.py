@@ -67,9 +67,6 @@ class SseSink:
     def text(self, text: str) -> None:
         self.parts.append(self.encoder.token(text))
 
-    def choice(self, choice: Choice) -> None:
-        self.parts.append(self.encoder.choice(choice))
-
     def choices(self, choices: list[Choice]) -> None:
         """Each of a burst's worker choices as its own event (B8)."""
         self.parts += map(self.encoder.choice, choices)
