@@ -1,26 +1,18 @@
-"""Plain ASGI 3 plumbing for the mock HTTP workers: one response and its state (JSON, SSE
-and octet-stream answers, errors in either error shape), reading a body with a size
-limit, request headers and query parameters (parsed with the standard library), the
-lifespan protocol, and the disconnect listener that aborts a request when its connection
-closes."""
+"""The mock HTTP workers' side of the ASGI plumbing: one response and its state (JSON, SSE
+and octet-stream answers, errors in either error shape) and the disconnect listener that
+aborts a request when its connection closes. Headers, query parameters, body reading and
+the lifespan protocol are the package's shared plumbing (``trio_disagg._asgi``)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
-from urllib.parse import parse_qs
+from collections.abc import Awaitable, Callable
 
 import attrs
 import orjson
 import trio
 
-Scope = Mapping[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from .._asgi import JSON_TYPE, SSE_TYPE, Receive, Send, wait_disconnect
 
-JSON_TYPE = b"application/json"
-SSE_TYPE = b"text/event-stream"
 DONE_EVENT = b"data: [DONE]\n\n"
 OCTETS = b"application/octet-stream"
 _CHUNK = 64 * 1024  # bytes per body message of an octet-stream answer
@@ -120,27 +112,6 @@ class Exchange:
             await trio.lowlevel.checkpoint()
 
 
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The request body, or None if the client went away first.
-
-    Raises:
-        ValueError: the body is over ``limit`` bytes.
-    """
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        data = message.get("body", b"")
-        size += len(data)
-        if size > limit:
-            raise ValueError(f"request body over {limit} bytes")
-        chunks.append(data)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 async def run_until_disconnect(
     receive: Receive, exchange: Exchange, work: Callable[[], Awaitable[None]]
 ) -> None:
@@ -154,13 +125,10 @@ async def run_until_disconnect(
 
         async def listen() -> None:
             with listener:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        if not exchange.finished:
-                            exchange.disconnected = True
-                            nursery.cancel_scope.cancel()
-                        return
+                await wait_disconnect(receive)
+                if not exchange.finished:
+                    exchange.disconnected = True
+                    nursery.cancel_scope.cancel()
 
         nursery.start_soon(listen)
         await work()
@@ -180,30 +148,3 @@ async def send_octets(exchange: Exchange, data: bytes,
     for chunk in chunks[:-1]:
         await exchange.body(chunk)
     await exchange.finish(chunks[-1])
-
-
-def header(scope: Scope, name: bytes) -> str | None:
-    """A request header, decoded as latin-1 and stripped; None if absent or empty."""
-    for key, value in scope["headers"]:
-        if key == name:
-            text = bytes(value).decode("latin-1").strip()
-            return text or None
-    return None
-
-
-def query_param(scope: Scope, name: str) -> str | None:
-    """A query string parameter (the first, percent-decoded), or None."""
-    query = bytes(scope.get("query_string") or b"").decode("latin-1")
-    values = parse_qs(query, keep_blank_values=True).get(name)
-    return values[0] if values else None
-
-
-async def lifespan(receive: Receive, send: Send) -> None:
-    """Answer the ASGI lifespan protocol."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -15,18 +15,9 @@ import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio nati
 import orjson
 import trio
 
+from .._asgi import Receive, Scope, Send, header, query_param
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
-from ._asgi import (
-    Exchange,
-    Receive,
-    Scope,
-    Send,
-    header,
-    query_param,
-    run_until_disconnect,
-    send_octets,
-    url_host,
-)
+from ._asgi import Exchange, run_until_disconnect, send_octets, url_host
 from ._kv import BootstrapRoom, KVTransferError
 from ._kvwire import PULL_TIMEOUT, KVSource, kv_bytes
 
@@ -119,7 +110,7 @@ class BootstrapPort:
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
         path = scope["path"]
-        exchange = self.worker.exchange(send, header(scope, b"x-request-id"))
+        exchange = self.worker.exchange(send, header(scope, b"x-request-id", strip=True))
         if path == "/health" and method == "GET":
             await exchange.respond(200, b"", b"text/plain")
             return

@@ -14,7 +14,8 @@ import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio nati
 import orjson
 import trio
 
-from ._asgi import Receive, Scope, Send, header, run_until_disconnect, send_octets, url_host
+from .._asgi import Receive, Scope, Send, header
+from ._asgi import run_until_disconnect, send_octets, url_host
 from ._core import RELEASE_TIMEOUT
 from ._kv import KVTransferError
 
@@ -167,7 +168,7 @@ async def serve_kv(worker: MockWorker, scope: Scope, receive: Receive, send: Sen
     raw = bytes(scope.get("raw_path") or scope["path"].encode()).partition(b"?")[0]
     rest = raw[len(b"/kv/"):]
     method = scope["method"]
-    exchange = worker.exchange(send, header(scope, b"x-request-id"))
+    exchange = worker.exchange(send, header(scope, b"x-request-id", strip=True))
     if rest.endswith(b"/release") and method == "POST":
         key = unquote_to_bytes(rest[:-len(b"/release")]).decode("utf-8", "replace")
         released = worker.kv.release_key(key)

@@ -18,15 +18,10 @@ from typing import Any, ClassVar, Unpack
 import attrs
 import orjson
 
+from .._asgi import Receive, Scope, Send
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
 from ._answers import AnswerFormat, usage_dict
-from ._asgi import (
-    DONE_EVENT,
-    Exchange,
-    Receive,
-    Scope,
-    Send,
-)
+from ._asgi import DONE_EVENT, Exchange
 from ._bootstrap import BOOTSTRAP_KEYS, MAX_ROOM, BootstrapJoin, BootstrapPort, bootstrap_triple
 from ._core import Handover, Prefill, hand_over
 from ._faults import Fault, FaultKind

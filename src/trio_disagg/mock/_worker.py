@@ -22,18 +22,9 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
+from .._asgi import JSON_TYPE, BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body
 from ._answers import REASONING_HOOK, AnswerFormat, OpenAIFormat, choice_shape
-from ._asgi import (
-    JSON_TYPE,
-    Exchange,
-    Receive,
-    Scope,
-    Send,
-    header,
-    lifespan,
-    read_body,
-    run_until_disconnect,
-)
+from ._asgi import Exchange, run_until_disconnect
 from ._core import RELEASE_TIMEOUT, Decode, Prefill, PrefillSink
 from ._faults import Fault, FaultKind, FaultPlan, fault_for
 from ._kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TTL, KVBlockPool
@@ -289,11 +280,11 @@ class MockWorker:
     async def _generate_open(self, scope: Scope, receive: Receive, send: Send) -> None:
         stats = self.stats
         path = scope["path"]
-        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        request_id = header(scope, b"x-request-id", strip=True) or uuid.uuid4().hex
         exchange = self.exchange(send, request_id)
         try:
             data = await read_body(receive, self.max_body_bytes)
-        except ValueError as exc:
+        except BodyTooLarge as exc:
             stats.failed += 1
             await exchange.error(str(exc), 413)
             return

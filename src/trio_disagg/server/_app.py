@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 from trio_util import AsyncValue
 
+from .._asgi import Receive, Scope, Send, lifespan
 from .._context import RequestContext
 from .._http11 import WHOLE_SENDS
 from .._protocols import (
@@ -30,15 +31,7 @@ from ._request import (
     request_id_of,
     watch_disconnect,
 )
-from ._responder import (
-    ENDING_WINDOW,
-    SEND_WINDOW,
-    Receive,
-    Responder,
-    Scope,
-    Send,
-    end_cancelled,
-)
+from ._responder import ENDING_WINDOW, SEND_WINDOW, Responder, end_cancelled
 from ._writer import JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
@@ -148,18 +141,9 @@ class OpenAIApp:
         if kind == "http":
             await self._http_boundary(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send)
         else:  # websocket: refused by the server when the app returns
             await trio.lowlevel.checkpoint()
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _http_boundary(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app's boundary: nothing one request does may escape into the server.

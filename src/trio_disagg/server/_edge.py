@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ import orjson
 import trio
 from prometheus_client import Counter
 
+from .._asgi import Receive, Scope, header_bytes
 from ._openai_errors import (
     ApiError,
     invalid_api_key,
@@ -29,9 +30,6 @@ from ._openai_errors import (
 )
 
 logger = logging.getLogger("trio_disagg.server")
-
-Scope = Mapping[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 #: Seconds a client refused by admission control is told to wait (``Retry-After``).
 RETRY_AFTER = 1
@@ -58,13 +56,6 @@ def _digest(key: bytes) -> bytes:
     # Keys are compared as digests, so that the comparison's time does not even depend on
     # the length of the key the client sent.
     return hashlib.sha256(key).digest()
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
 
 
 def _is_json(content_type: bytes | None) -> bool:
@@ -147,7 +138,7 @@ class Edge:
             return None
         if not (self.protect_metrics or scope["path"].startswith("/v1/")):
             return None
-        header = _header(scope, b"authorization")
+        header = header_bytes(scope, b"authorization")
         given: bytes | None = None
         if header is not None:
             scheme, _, credentials = header.strip().partition(b" ")
@@ -168,8 +159,8 @@ class Edge:
         generation request must then be run inside :meth:`slot`, with no checkpoint in
         between, so that the count is exact.
         """
-        if scope["method"] == "POST" and not _is_json(_header(scope, b"content-type")):
-            raw = _header(scope, b"content-type")
+        if scope["method"] == "POST" and not _is_json(header_bytes(scope, b"content-type")):
+            raw = header_bytes(scope, b"content-type")
             return Refusal(unsupported_media_type(None if raw is None else
                                                   raw.decode("latin-1")),
                            "unsupported_media_type")

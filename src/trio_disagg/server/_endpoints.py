@@ -6,10 +6,11 @@ import time
 
 import orjson
 
+from .._asgi import Receive, Scope
 from .._router import DisaggRouter
 from ._metrics import ServerMetrics
 from ._openai_errors import ApiError
-from ._responder import Receive, Responder, Scope
+from ._responder import Responder
 
 
 class InfoEndpoints:

@@ -10,6 +10,8 @@ from typing import Any
 import attrs
 import trio
 
+from .. import _asgi
+from .._asgi import BodyTooLarge, Receive, Scope, declared_length, header, wait_disconnect
 from .._protocols import PreprocessedRequest, RoutingHints
 from ._edge import Edge
 from ._openai_errors import ApiError, request_too_large
@@ -24,7 +26,7 @@ from ._openai_requests import (
     parse_json,
     structure_body,
 )
-from ._responder import Receive, Responder, Scope
+from ._responder import Responder
 
 #: Bytes of an oversized body read (and thrown away) before answering 413, so the client
 #: sees the answer rather than a connection reset.
@@ -86,12 +88,9 @@ async def watch_disconnect(
     ``http.disconnect`` message on ``receive``.
     """
     with listener:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                state.disconnected = True
-                request_scope.cancel()
-                return
+        await wait_disconnect(receive)
+        state.disconnected = True
+        request_scope.cancel()
 
 
 def request_id_of(scope: Scope) -> tuple[str, bool]:
@@ -113,35 +112,17 @@ def bad_request_id() -> ApiError:
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    """The request body, or None if the client went away first.
+    """The request body, or None if the client went away first. An oversized body is
+    drained up to ``_DRAIN_LIMIT`` bytes past ``limit`` before the 413.
 
     Raises:
-        ApiError: 413 if the body is over ``max_body_bytes``.
+        ApiError: 413 if the body is (or is declared) over ``limit`` bytes.
     """
-    declared = header(scope, b"content-length")
-    too_large = declared is not None and declared.isdigit() and int(declared) > limit
-    if too_large and declared is not None and int(declared) > limit + _DRAIN_LIMIT:
-        raise request_too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        data = message.get("body", b"")
-        size += len(data)
-        if size > limit:
-            too_large = True
-            chunks.clear()
-        if not too_large:
-            chunks.append(data)
-        if not message.get("more_body", False):
-            break
-        if size > limit + _DRAIN_LIMIT:
-            break  # stop draining: the server closes the connection after the 413
-    if too_large:
-        raise request_too_large(limit)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        return await _asgi.read_body(
+            receive, limit, drain=_DRAIN_LIMIT, declared=declared_length(scope))
+    except BodyTooLarge:
+        raise request_too_large(limit) from None
 
 
 def build_request(
@@ -214,10 +195,3 @@ def _typed(
     else:
         check_max_tokens(budget_name, budget, limits.max_tokens_limit)
     return parsed, budget, budget_name
-
-
-def header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value).decode("latin-1")
-    return None

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import trio
 
+from .._asgi import JSON_TYPE, SSE_TYPE, Message, Send
 from ._openai_errors import ApiError
 from ._openai_responses import DONE_EVENT
 
 logger = logging.getLogger("trio_disagg.server")
-
-Scope = Mapping[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-_JSON = b"application/json"
 
 
 #: Seconds one send of a response may wait for the connection. Sends are shielded so that
@@ -102,7 +95,7 @@ class Responder:
             raise ResponseBroken(f"sending {message['type']} timed out")
 
     async def start_stream(self) -> None:
-        headers = self._headers(b"text/event-stream")
+        headers = self._headers(SSE_TYPE)
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -121,7 +114,7 @@ class Responder:
         self,
         status: int,
         data: bytes,
-        content_type: bytes = _JSON,
+        content_type: bytes = JSON_TYPE,
         extra: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         headers = self._headers(content_type)
