@@ -504,6 +504,56 @@ async def test_B9_a_refused_decode_is_retried_and_its_kv_consumed(
     assert router.counters.staged_kv_cleanups == 1  # the last refusal: B1, as without retry
 
 
+@attrs.define
+class DownDecode:
+    """A decode engine whose worker cannot be reached: every request is refused before it
+    is accepted, as an HTTP adapter refuses on a connection error."""
+
+    engine: Any
+    name: str = "down"
+    refused: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext,
+                       send_channel: Any, *, task_status: Any = None) -> None:
+        self.refused += 1
+        with send_channel:
+            await trio.lowlevel.checkpoint()
+            raise WorkerError(f"decode worker {self.name} failed: ConnectError", status=502,
+                              worker=self.name)
+
+
+async def test_B1_a_cleanup_decode_refused_by_a_dead_worker_is_retried_elsewhere(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The client's decode refuses with a 429 (final: no B9 retry), so a B1 cleanup decode
+    # must consume the staged KV; round-robin sends it to the dead worker first.
+    async with TransferKeeper() as keeper:
+        cluster = mock_cluster(1, 2)
+        down = DownDecode(cluster.decode[1])
+        router = DisaggRouter(WorkerPool(cluster.prefill, policy=RoundRobin()),
+                              WorkerPool([cluster.decode[0], down], policy=RoundRobin()),
+                              keeper, deadlines=Deadlines(prefill=5, handoff=5))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4,
+                "fault": "decode_reject:429"}
+        request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4)
+        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, match="429")):
+            async with trio.open_nursery() as nursery:
+                await router.stream(nursery, request, RequestContext("r"))
+        with trio.fail_after(60):
+            await router.wait_idle()
+            await keeper.wait_idle()
+    assert down.refused == 1
+    assert router.counters.staged_kv_cleanups == 1
+    assert router.counters.staged_kv_cleanup_failures == 0
+    assert router.counters.retries == {("cleanup", "transport_error"): 1}
+    counters = cluster.counters()
+    assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
+    assert counters.served == 1  # the KV went to the cleanup decode on the live worker
+
+
 async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
     async with TransferKeeper() as keeper:
         router, error = await routed(keeper, 1, 2, "decode_reject:429")

@@ -12,7 +12,11 @@ import attrs
 import trio
 
 from ._context import RequestContext
+from ._engine import DecodeEngine
+from ._errors import WorkerError
+from ._health import retry_reason
 from ._keeper import CLEANUP
+from ._pool import Worker
 from ._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
@@ -40,25 +44,61 @@ def start_cleanup(router: DisaggRouter, request: PreprocessedRequest) -> None:
 async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) -> None:
     """B1: a minimal decode (one token, not streamed) on one of ``router``'s decode
     workers that consumes the staged KV ``request`` hands off, within the handoff and
-    decode-idle deadlines. Never raises but on cancellation: a failure is counted and
-    logged (T2)."""
+    decode-idle deadlines. A decode worker that refuses it before accepting (it could not
+    be reached, or a 5xx: B9's kind) is replaced by another healthy one, the KV still
+    staged, until none is left. Never raises but on cancellation: a failure is counted
+    and logged (T2)."""
     router.counters.staged_kv_cleanups += 1
     minimal = attrs.evolve(request, body=_one_token_body(request.body), max_tokens=1,
                            stream=False)
+    tried: list[Worker[DecodeEngine]] = []
     try:
-        worker = router.decode.select(minimal)
-        send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](1)
-        with trio.fail_after(router.deadlines.handoff + router.deadlines.decode_idle), \
-                router.decode.lease(worker):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(worker.engine.generate, minimal,
-                                    RequestContext(request.request_id), send)
-                with receive:
-                    async for _ in receive:
-                        pass
+        with trio.fail_after(router.deadlines.handoff + router.deadlines.decode_idle):
+            worker: Worker[DecodeEngine] | None = router.decode.select(minimal)
+            while worker is not None:
+                tried.append(worker)
+                refusal = await _cleanup_decode(router, worker, minimal)
+                if refusal is None:
+                    return
+                reason = retry_reason(refusal)
+                worker = (router.decode.alternative(minimal, tried) if reason is not None
+                          else None)
+                if worker is None or reason is None:
+                    raise refusal
+                router.counters.count_retry("cleanup", reason)
+                logger.info("B1 cleanup decode for %s: %s on %s, trying %s",
+                            request.request_id, reason, tried[-1].name, worker.name)
     except Exception as exc:  # logged, never raised into the keeper (T2)
         router.counters.staged_kv_cleanup_failures += 1
         logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+async def _cleanup_decode(
+    router: DisaggRouter, worker: Worker[DecodeEngine], minimal: PreprocessedRequest
+) -> WorkerError | None:
+    """One cleanup decode on ``worker``, read to its end; the worker's refusal before it
+    accepted (returned, not raised: a retry may follow), else None.
+
+    Raises:
+        Exception: what the decode raised after it accepted (the KV may be gone: no retry).
+    """
+    refusal: WorkerError | None = None
+    send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](1)
+    with router.decode.lease(worker):
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(worker.engine.generate, minimal,
+                                    RequestContext(minimal.request_id), send)
+            except WorkerError as exc:  # kept out of the nursery: a bare exception
+                refusal = exc
+                receive.close()
+            else:
+                with receive:
+                    async for _ in receive:
+                        pass
+    if refusal is not None:
+        router.decode.record_failure(worker, refusal)
+    return refusal
 
 
 def _one_token_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -157,7 +157,7 @@ class RouterCounters:
         """Count one retry in :attr:`retries` (B9).
 
         Args:
-            leg: ``"prefill"`` or ``"decode"``.
+            leg: ``"prefill"``, ``"decode"``, or ``"cleanup"`` (a B1 cleanup decode).
             reason: ``"transport_error"`` or ``"server_error"``
                 (``retry_reason`` in the health module).
         """

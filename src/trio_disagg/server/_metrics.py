@@ -332,10 +332,11 @@ def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
     retries = CounterMetricFamily(
         "trio_disagg_retries",
         "Legs tried again on another worker before the first byte (B9), by leg "
-        "(prefill, decode) and reason (transport_error, server_error).",
+        "(prefill, decode, cleanup: a B1 cleanup decode) and reason (transport_error, "
+        "server_error).",
         labels=["leg", "reason"],
     )
-    for leg in ("prefill", "decode"):
+    for leg in ("prefill", "decode", "cleanup"):
         for reason in RETRY_REASONS:
             retries.add_metric([leg, reason], router.counters.retries.get((leg, reason), 0))
     yield retries
