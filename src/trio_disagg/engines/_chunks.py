@@ -53,7 +53,23 @@ class ChunkParser:
 
     def add(self, chunk: Mapping[str, Any], burst: Burst) -> LLMEngineOutput | None:
         """A streamed chunk: its output if it carries the finish, else None, its output
-        (if it has one) gone into ``burst``."""
+        (if it has one) gone into ``burst`` (:func:`openai_chunk`)."""
+        # The common chunk, read inline (this runs once per token): one dict choice with
+        # some text or delta content, no finish, no token ids, no usage.
+        choices = chunk.get("choices")
+        if (type(choices) is list and choices and type(choice := choices[0]) is dict
+                and choice.get("finish_reason") is None):
+            if "text" in choice:
+                text = choice["text"]
+            elif type(delta := choice.get("delta")) is dict:
+                text = delta.get("content")
+            else:
+                text = None
+            if (type(text) is str and text and "token_ids" not in choice
+                    and chunk.get("usage") is None):
+                burst.choices.append(choice)
+                burst.texts.append(text)
+                return None
         return openai_chunk(chunk, burst, self.finish_table)
 
     def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
@@ -149,21 +165,9 @@ class SseReader:
         """
         if self._pending:
             part = self._pending + part
-        if b"\r" in part:
-            part, held = normalise_line_ends(part)
-        else:
-            held = b""
-        events = part.split(b"\n\n")
-        self._pending = events.pop() + held
         parser, burst = self._parser, self.burst
         add = parser.add
-        for event in events:
-            if event[:6] == b"data: " and b"\n" not in event:
-                data: bytes | None = event[6:]  # the common case: one data line
-            else:
-                data = sse_data(event)
-            if data is None:
-                continue
+        for data in self._data_of(part):
             if data == b"[DONE]":
                 self.done = True
                 return None
@@ -173,13 +177,40 @@ class SseReader:
                 return f"sent a malformed chunk: {data[:200]!r}"
             if type(chunk) is not dict:
                 return f"sent a chunk that is not an object: {data[:200]!r}"
-            if is_error_object(chunk):
+            if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
                 return f"reported an error: {error_text(chunk)}"
             if self.final is None:
                 self.final = add(chunk, burst)
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
         return None
+
+    def _data_of(self, part: bytes) -> list[bytes]:
+        """The data of each event ``part`` completes; what is left of it waits for the
+        next read."""
+        if part[:6] == b"data: " and b"\r" not in part:
+            # The common stream: every event is one data line. Split on the boundary
+            # between two such events, and check by counting line ends that no event
+            # was anything else (a comment, a second line): one split and one count in
+            # C, no copy per event.
+            payloads = part[6:].split(b"\n\ndata: ")
+            last = payloads[-1]
+            if last[-2:] == b"\n\n":
+                payloads[-1] = last[:-2]
+                pending = b""
+            else:
+                payloads.pop()
+                pending = b"data: " + last
+            if part.count(b"\n") == 2 * len(payloads) + pending.count(b"\n"):
+                self._pending = pending
+                return payloads
+        if b"\r" in part:
+            part, held = normalise_line_ends(part)
+        else:
+            held = b""
+        events = part.split(b"\n\n")
+        self._pending = events.pop() + held
+        return [data for event in events if (data := sse_data(event)) is not None]
 
 
 def normalise_line_ends(data: bytes) -> tuple[bytes, bytes]:
@@ -355,23 +386,6 @@ def openai_chunk(
         None: a chunk with something in it went into ``burst``, one with nothing (a
         role-only delta, a usage chunk) was skipped.
     """
-    choices = chunk.get("choices")
-    if type(choices) is list and choices and type(choice := choices[0]) is dict:
-        # The common chunk, read inline (this runs once per token): a dict choice with a
-        # ``text`` or a ``delta`` dict and no finish.
-        if choice.get("finish_reason") is not None:
-            return openai_output(chunk, final=False, finish_table=finish_table)
-        if "text" in choice:
-            text = choice["text"]
-        elif type(delta := choice.get("delta")) is dict:
-            text = delta.get("content")
-        else:
-            text = None
-        if type(text) is str and text and "token_ids" not in choice:
-            usage = chunk.get("usage")
-            burst.add_parts(choice, text, [],
-                            None if usage is None else parse_usage(chunk))
-            return None
     choice = first_choice(chunk)
     if choice is None:
         return None
