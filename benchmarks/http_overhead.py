@@ -55,6 +55,8 @@ import trio
 
 MODEL = "trio-disagg-mock"
 PROMPT = "Explain why structured concurrency makes cancellation of a request tractable."
+#: Tokens a stream in the short P4a runs that split its CPU into per request and per token.
+SHORT_TOKENS = 16
 HERE = Path(__file__).resolve().parent
 PROXY = HERE / "anchors" / "passthrough_proxy.py"
 EVENT = b"data: "
@@ -380,6 +382,25 @@ def p4a(done: dict[str, list[LoadRun]], streams: int, tokens: int) -> None:
         print("  (no proxy anchor: `uv sync --group bench` installs it)")
 
 
+def p4a_split(long: dict[str, list[LoadRun]], short: dict[str, list[LoadRun]],
+              tokens: int, short_tokens: int) -> None:
+    """CPU per request and per token of each process between the client and the
+    workers, from the same load at two stream lengths: what a longer stream adds is the
+    per-token cost, the rest is per request."""
+    print(f"P4a split: CPU per request and per token, from the runs at {tokens} and "
+          f"{short_tokens} tokens a stream")
+    for name in short:
+        if name == "direct":
+            continue
+        per_stream = {n: statistics.median(run.cpu[name] / len(run.streams)
+                                           for run in runs_)
+                      for n, runs_ in ((tokens, long[name]), (short_tokens, short[name]))}
+        per_token = (per_stream[tokens] - per_stream[short_tokens]) / (tokens - short_tokens)
+        per_request = per_stream[short_tokens] - short_tokens * per_token
+        print(f"  {name:<13} {per_request * 1e6:>7,.0f} us a request, "
+              f"{per_token * 1e6:>5.2f} us a token")
+
+
 def p4b(done: dict[str, list[LoadRun]], streams: int, tokens: int, itl: float) -> None:
     names = [name for name in ("direct", "router", "proxy") if name in done]
     print(f"P4b: {streams} streams x {tokens} tokens paced at {itl * 1e3:g} ms per token")
@@ -527,6 +548,11 @@ async def run(args: argparse.Namespace) -> int:
             done = await runs(fast, list(fast.targets), args.streams, args.tokens,
                               args.repeat)
             p4a(done, args.streams, args.tokens)
+            short_tokens = min(SHORT_TOKENS, args.tokens // 4)
+            if short_tokens >= 1:
+                short = await runs(fast, [n for n in fast.targets if n != "direct"],
+                                   args.streams, short_tokens, args.repeat)
+                p4a_split(done, short, args.tokens, short_tokens)
             await p4c(fast, args.samples, 4)
             paced = await start_cluster(servers, args.itl, [a for a in anchors
                                                              if a == "proxy"],
