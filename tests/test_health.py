@@ -506,18 +506,25 @@ async def test_B9_a_refused_decode_is_retried_and_its_kv_consumed(
 
 @attrs.define
 class DownDecode:
-    """A decode engine whose worker cannot be reached: every request is refused before it
-    is accepted, as an HTTP adapter refuses on a connection error."""
+    """A decode engine whose worker cannot be reached for its first ``down_for`` requests
+    (None: ever): each is refused before it is accepted, as an HTTP adapter refuses on a
+    connection error; then it is back."""
 
     engine: Any
     name: str = "down"
+    down_for: int | None = None
     refused: int = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext,
-                       send_channel: Any, *, task_status: Any = None) -> None:
+                       send_channel: Any, *,
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.down_for is not None and self.refused >= self.down_for:
+            await self.engine.generate(request, context, send_channel,
+                                       task_status=task_status)
+            return
         self.refused += 1
         with send_channel:
             await trio.lowlevel.checkpoint()
@@ -552,6 +559,34 @@ async def test_B1_a_cleanup_decode_refused_by_a_dead_worker_is_retried_elsewhere
     counters = cluster.counters()
     assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
     assert counters.served == 1  # the KV went to the cleanup decode on the live worker
+
+
+async def test_B1_a_cleanup_decode_waits_for_its_only_decode_worker_to_come_back(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The only decode worker is down (the health probe has not seen it yet): the request
+    # gets its 502, and the B1 cleanup decode tries again after a backoff until the worker
+    # is back, while the KV is still staged, instead of leaving the KV to the lease.
+    async with TransferKeeper() as keeper:
+        cluster = mock_cluster(1, 1)
+        down = DownDecode(cluster.decode[0], down_for=3)
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool([down]), keeper,
+                              deadlines=Deadlines(prefill=5, handoff=5))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+        request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4)
+        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, match="ConnectError")):
+            async with trio.open_nursery() as nursery:
+                await router.stream(nursery, request, RequestContext("r"))
+        with trio.fail_after(60):
+            await router.wait_idle()
+            await keeper.wait_idle()
+    assert down.refused == 3  # the request's decode, then two cleanup attempts
+    assert router.counters.staged_kv_cleanups == 1
+    assert router.counters.staged_kv_cleanup_failures == 0
+    assert router.counters.retries == {("cleanup", "transport_error"): 2}
+    counters = cluster.counters()
+    assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
+    assert counters.served == 1
 
 
 async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:

@@ -13,7 +13,7 @@ import trio
 
 from ._context import RequestContext
 from ._engine import DecodeEngine
-from ._errors import WorkerError
+from ._errors import NoWorkerAvailable, WorkerError
 from ._health import retry_reason
 from ._keeper import CLEANUP
 from ._pool import Worker
@@ -44,33 +44,53 @@ def start_cleanup(router: DisaggRouter, request: PreprocessedRequest) -> None:
 async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) -> None:
     """B1: a minimal decode (one token, not streamed) on one of ``router``'s decode
     workers that consumes the staged KV ``request`` hands off, within the handoff and
-    decode-idle deadlines. A decode worker that refuses it before accepting (it could not
-    be reached, or a 5xx: B9's kind) is replaced by another healthy one, the KV still
-    staged, until none is left. Never raises but on cancellation: a failure is counted
-    and logged (T2)."""
+    decode-idle deadlines. Never raises but on cancellation: a failure is counted and
+    logged (T2).
+
+    A decode worker that refuses it before accepting (it could not be reached, or a 5xx:
+    B9's kind) is replaced by another healthy one at once; with none left, the same
+    workers are tried again after ``router.retry``'s backoff, until the deadline: a decode
+    worker that comes back while the KV is staged still consumes it. A 4xx, a refusal that
+    reports the KV lost, or a failure after the worker accepted ends the cleanup.
+    """
     router.counters.staged_kv_cleanups += 1
     minimal = attrs.evolve(request, body=_one_token_body(request.body), max_tokens=1,
                            stream=False)
     tried: list[Worker[DecodeEngine]] = []
     try:
         with trio.fail_after(router.deadlines.handoff + router.deadlines.decode_idle):
-            worker: Worker[DecodeEngine] | None = router.decode.select(minimal)
-            while worker is not None:
-                tried.append(worker)
-                refusal = await _cleanup_decode(router, worker, minimal)
-                if refusal is None:
-                    return
-                reason = retry_reason(refusal)
-                worker = (router.decode.alternative(minimal, tried) if reason is not None
-                          else None)
-                if worker is None or reason is None:
-                    raise refusal
-                router.counters.count_retry("cleanup", reason)
-                logger.info("B1 cleanup decode for %s: %s on %s, trying %s",
-                            request.request_id, reason, tried[-1].name, worker.name)
+            while True:
+                worker = router.decode.alternative(minimal, tried) or _any_worker(router,
+                                                                                 minimal)
+                refusal = None
+                if worker is not None:
+                    tried.append(worker)
+                    refusal = await _cleanup_decode(router, worker, minimal)
+                    if refusal is None:
+                        return
+                    reason = retry_reason(refusal)
+                    if reason is None:
+                        raise refusal
+                    router.counters.count_retry("cleanup", reason)
+                    logger.info("B1 cleanup decode for %s: %s on %s, trying again",
+                                request.request_id, reason, worker.name)
+                if router.decode.alternative(minimal, tried) is None:
+                    await trio.sleep(router.retry.delay(len(tried) + 1))  # backoff (B9)
     except Exception as exc:  # logged, never raised into the keeper (T2)
         router.counters.staged_kv_cleanup_failures += 1
+        if isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]  # the leg's own failure, as the log should name it
         logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+
+
+def _any_worker(router: DisaggRouter, request: PreprocessedRequest
+                ) -> Worker[DecodeEngine] | None:
+    """A decode worker for another try, tried before or not; None if none may take a
+    request now (every one failed its health probe)."""
+    try:
+        return router.decode.select(request)
+    except NoWorkerAvailable:
+        return None
 
 
 async def _cleanup_decode(
