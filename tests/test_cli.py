@@ -269,3 +269,38 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
         build_parser().parse_args(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"trio-disagg {version('trio-disagg')}"
+
+
+async def test_serve_max_tokens_limit_is_a_flag() -> None:
+    """A long-context deployment raises (or lowers) the budget a request may ask for."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "--log-level", "WARNING", *SERVE,
+                                   "--max-tokens-limit", "8"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False))
+            port = await banner_port(process)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                         timeout=30) as http:
+                answers = [await http.post("/v1/completions", json={
+                    "model": "trio-disagg-mock", "prompt": "hi", "max_tokens": budget})
+                    for budget in (8, 9)]
+            process.terminate()
+    assert answers[0].status_code == 200
+    assert answers[1].status_code == 400
+    error = answers[1].json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "invalid_value")
+    assert "between 1 and 8" in error["message"]
+
+
+async def test_mock_style_with_a_real_backend_is_refused() -> None:
+    with trio.fail_after(30):
+        done = await trio.run_process(
+            [*COMMAND, "serve", "--backend", "vllm", "--mock-style", "bootstrap",
+             "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
+            capture_stdout=True, capture_stderr=True, check=False)
+    text = done.stderr.decode()
+    assert done.returncode == 2, text
+    (line,) = text.strip().splitlines()
+    assert line.startswith("trio-disagg serve: error: --mock-style"), line
+    assert "--backend mock" in line

@@ -66,7 +66,11 @@ class RequestStream:
     prefill leg (``prefill``) stays the keeper's: it runs on, or is cancelled inside its
     engine's cancel window, and staged KV that no decode took is consumed (B1, B10, G9).
     Closing ``outputs`` early ends the forwarding as a client that left does; the prefill
-    leg is not affected (G9).
+    leg is not affected (G9). A caller that stops reading without closing ``outputs`` or
+    cancelling the nursery holds the request: the decode leg waits on the full channel,
+    and no deadline ends that wait (a slow reader is not an idle decode, B2), so the
+    nursery does not exit. Bound a reader that may stall with a cancel scope of its own
+    (the HTTP server closes the connection of a client that reads nothing for 10 s).
 
     Attributes:
         outputs: the client's stream of items; the last one is a terminal, an error,

@@ -62,7 +62,7 @@ def limit(text: str) -> int | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
     return value or None
 
 

@@ -74,9 +74,9 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
                            help="the model name clients must ask for")
     serve_cmd.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES),
                            help="worker selection for both pools")
-    serve_cmd.add_argument("--mock-style", default="sequential",
-                           choices=["sequential", "bootstrap"],
-                           help="handoff style of the embedded mock prefill engines")
+    serve_cmd.add_argument("--mock-style", choices=["sequential", "bootstrap"],
+                           help="handoff style of the embedded mock prefill engines, with "
+                                "--backend mock only (default: sequential)")
     serve_cmd.add_argument(
         "--cancel-window", action="append", default=[], metavar="[WORKER=]WINDOW",
         help="when a prefill may be cancelled after its client left: never, "
@@ -136,6 +136,10 @@ def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
                         metavar="BYTES",
                         help="the largest prompt (a chat's messages, a completion's prompt, "
                              "as JSON); larger: 400 prompt_too_long")
+    limits.add_argument("--max-tokens-limit", type=positive_int, default=32768, metavar="N",
+                        help="the largest max_tokens / max_completion_tokens a request may "
+                             "ask for; larger: 400 invalid_value (raise it for a "
+                             "long-context model)")
     limits.add_argument("--max-in-flight", type=limit, default=1024, metavar="N",
                         help="generation requests handled at once; past it: 503 with "
                              "Retry-After at once (0: no limit)")

@@ -137,7 +137,8 @@ def router_app(
     try:
         app = create_app(
             router, models=[args.model], max_body_bytes=args.max_body_bytes,
-            max_prompt_bytes=args.max_prompt_bytes, api_key=api_key,
+            max_prompt_bytes=args.max_prompt_bytes, max_tokens_limit=args.max_tokens_limit,
+            default_max_tokens=min(16, args.max_tokens_limit), api_key=api_key,
             protect_metrics=args.protect_metrics, max_in_flight=args.max_in_flight,
             max_keeper_tasks=args.max_keeper_tasks, fault_injection=args.fault_injection)
     except ValueError as exc:

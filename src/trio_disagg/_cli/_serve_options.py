@@ -119,9 +119,12 @@ def engines_for(
     if args.backend == "mock":
         if args.prefill or args.decode:
             raise StartupError("--prefill/--decode need --backend vllm, sglang or trtllm")
-        style = HandoffStyle(args.mock_style)
+        style = HandoffStyle(args.mock_style or "sequential")
         cluster = mock_cluster(1, 1, style=style, latency=LatencyModel())
         return list(cluster.prefill), list(cluster.decode), cluster
+    if args.mock_style is not None:
+        raise StartupError("--mock-style is the embedded mocks' handoff style: it needs "
+                           "--backend mock (a real backend's style is its protocol's)")
     if not args.prefill or not args.decode:
         raise StartupError(f"--backend {args.backend} needs at least one --prefill and "
                            "--decode")
