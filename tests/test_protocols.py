@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 
 from trio_disagg import (
@@ -188,6 +189,8 @@ def test_wire_error_envelope_form() -> None:
         ({"token_ids": [1, "2"]}, LLMEngineOutput, "expected an integer, got str '2'"),
         ({"token_ids": [1, "2"]}, LLMEngineOutput, "$.token_ids[1]"),
         ({"token_ids": [1.0]}, LLMEngineOutput, "expected an integer, got float"),
+        (orjson.loads(b'{"index": 99999999999999999999999}'), LLMEngineOutput,
+         "expected an integer of at most 64 bits, got one of about 1e+23"),
         ({"index": True}, LLMEngineOutput, "expected an integer, got bool"),
         ({"text": 5}, LLMEngineOutput, "expected a string, got int 5 @ $.text"),
         ({"worker_trace_link": {}}, LLMEngineOutput, "$.worker_trace_link.worker_id"),

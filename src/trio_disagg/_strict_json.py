@@ -29,6 +29,9 @@ def _strict(kind: type, name: str) -> Any:
     def structure(value: Any, _: type) -> Any:
         if type(value) is kind or (kind is float and type(value) is int):
             return value
+        if kind is int and type(value) is float and value.is_integer() and abs(value) >= 2**63:
+            # orjson reads an integer literal past 64 bits as a float: say what was sent.
+            raise TypeError(f"expected {name} of at most 64 bits, got one of about {value:g}")
         raise TypeError(f"expected {name}, got {describe_value(value)}")
 
     return structure
