@@ -50,10 +50,10 @@ def streaming_body(request: PreprocessedRequest, *, decode: bool = True) -> dict
     talking to the worker directly. (``request.max_tokens`` is the router's reckoning of
     the budget, for its own accounting only.)
 
-    The decode legs always stream, whatever the client asked: the adapter then produces
-    one output per token either way, a worker dying mid-answer is seen as such, and the
-    server layer collects the outputs into one JSON answer for a client that did not
-    stream.
+    The decode legs always stream, whatever the client asked: the adapter then reads the
+    answer as it comes (one output per socket read, each worker chunk kept) either way, a
+    worker dying mid-answer is seen as such, and the server layer collects the outputs
+    into one JSON answer for a client that did not stream.
     """
     wire = dict(request.body)
     wire["stream"] = True

@@ -135,9 +135,9 @@ def decode_body(request: PreprocessedRequest) -> dict[str, Any]:
 
     - the decode worker is always asked to stream (``stream: true``,
       ``stream_options.include_usage: true``), whatever the client asked: the adapter
-      then produces one output per token either way, a worker dying mid-answer is seen
-      as such, and the server layer collects the outputs into one JSON answer for a
-      client that did not stream;
+      then reads the answer as it comes (one output per socket read) either way, a
+      worker dying mid-answer is seen as such, and the server layer collects the outputs
+      into one JSON answer for a client that did not stream;
     - ``prompt_logprobs`` and ``echo`` are dropped: they concern the prompt, which only
       the prefill computed (the server refuses them before routing; this is the second
       line of defence).
