@@ -107,8 +107,9 @@ class MockDecodeEngine:
             raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate!r}")
         if default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be >= 0, got {default_max_tokens}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        #: The prefix cache of the prefills this engine computes itself (no handoff); it
+        #: checks ``block_size`` and ``prefix_cache_blocks``.
+        self.prefix = PrefixCache(block_size, prefix_cache_blocks)
         self.name = name
         self.handoff_style = style
         self.bootstrap_host: str | None = None
@@ -121,8 +122,6 @@ class MockDecodeEngine:
         self.bootstrap_timeout = channel.check_seconds("bootstrap_timeout", bootstrap_timeout)
         self.block_size = block_size
         self.fault_plan = fault_plan
-        #: The prefix cache of the prefills this engine computes itself (no handoff).
-        self.prefix = PrefixCache(block_size, prefix_cache_blocks)
 
     def __repr__(self) -> str:
         return f"<MockDecodeEngine {self.name!r}>"
