@@ -532,33 +532,40 @@ class DownDecode:
                               worker=self.name)
 
 
-async def test_B1_a_cleanup_decode_refused_by_a_dead_worker_is_retried_elsewhere(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    # The client's decode refuses with a 429 (final: no B9 retry), so a B1 cleanup decode
-    # must consume the staged KV; round-robin sends it to the dead worker first.
+async def cleaned_up(decode: list[Any], cluster: Any, body: dict[str, Any],
+                     refusal: str) -> DisaggRouter:
+    """Route one request whose decode is refused (``refusal`` matches the client's
+    error) over ``decode``, then wait until its B1 cleanup ended; B1 must hold."""
     async with TransferKeeper() as keeper:
-        cluster = mock_cluster(1, 2)
-        down = DownDecode(cluster.decode[1])
         router = DisaggRouter(WorkerPool(cluster.prefill, policy=RoundRobin()),
-                              WorkerPool([cluster.decode[0], down], policy=RoundRobin()),
-                              keeper, deadlines=Deadlines(prefill=5, handoff=5))
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4,
-                "fault": "decode_reject:429"}
+                              WorkerPool(decode, policy=RoundRobin()), keeper,
+                              deadlines=Deadlines(prefill=5, handoff=5))
         request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4)
-        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, match="429")):
+        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, match=refusal)):
             async with trio.open_nursery() as nursery:
                 await router.stream(nursery, request, RequestContext("r"))
         with trio.fail_after(60):
             await router.wait_idle()
             await keeper.wait_idle()
-    assert down.refused == 1
     assert router.counters.staged_kv_cleanups == 1
     assert router.counters.staged_kv_cleanup_failures == 0
-    assert router.counters.retries == {("cleanup", "transport_error"): 1}
     counters = cluster.counters()
     assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
-    assert counters.served == 1  # the KV went to the cleanup decode on the live worker
+    assert counters.served == 1  # the KV went to a cleanup decode on a live worker
+    return router
+
+
+async def test_B1_a_cleanup_decode_refused_by_a_dead_worker_is_retried_elsewhere(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The client's decode refuses with a 429 (final: no B9 retry), so a B1 cleanup decode
+    # must consume the staged KV; round-robin sends it to the dead worker first.
+    cluster = mock_cluster(1, 2)
+    down = DownDecode(cluster.decode[1])
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "fault": "decode_reject:429"}
+    router = await cleaned_up([cluster.decode[0], down], cluster, body, "429")
+    assert down.refused == 1
+    assert router.counters.retries == {("cleanup", "transport_error"): 1}
 
 
 async def test_B1_a_cleanup_decode_waits_for_its_only_decode_worker_to_come_back(
@@ -567,26 +574,12 @@ async def test_B1_a_cleanup_decode_waits_for_its_only_decode_worker_to_come_back
     # The only decode worker is down (the health probe has not seen it yet): the request
     # gets its 502, and the B1 cleanup decode tries again after a backoff until the worker
     # is back, while the KV is still staged, instead of leaving the KV to the lease.
-    async with TransferKeeper() as keeper:
-        cluster = mock_cluster(1, 1)
-        down = DownDecode(cluster.decode[0], down_for=3)
-        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool([down]), keeper,
-                              deadlines=Deadlines(prefill=5, handoff=5))
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
-        request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4)
-        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, match="ConnectError")):
-            async with trio.open_nursery() as nursery:
-                await router.stream(nursery, request, RequestContext("r"))
-        with trio.fail_after(60):
-            await router.wait_idle()
-            await keeper.wait_idle()
+    cluster = mock_cluster(1, 1)
+    down = DownDecode(cluster.decode[0], down_for=3)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    router = await cleaned_up([down], cluster, body, "ConnectError")
     assert down.refused == 3  # the request's decode, then two cleanup attempts
-    assert router.counters.staged_kv_cleanups == 1
-    assert router.counters.staged_kv_cleanup_failures == 0
     assert router.counters.retries == {("cleanup", "transport_error"): 2}
-    counters = cluster.counters()
-    assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
-    assert counters.served == 1
 
 
 async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
