@@ -1,5 +1,6 @@
-"""The OpenAI-compatible server end to end: real hypercorn on 127.0.0.1, the official
-``openai`` client and raw httpx, the in-process mock engines, the real clock.
+"""The OpenAI-compatible server end to end: the project's HTTP server on 127.0.0.1
+(hypercorn where a test says so), the official ``openai`` client and raw httpx, the
+in-process mock engines, the real clock.
 
 docs/protocols.md section 1 (SSE framing, errors, cached_tokens, X-Request-Id), rules
 B1-B5 in docs/semantics.md through HTTP, and the disconnect listener's regression test.
@@ -23,6 +24,7 @@ import openai
 import orjson
 import pytest
 import trio
+from hypercorn.config import Config as HyperConfig
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
@@ -124,6 +126,7 @@ async def running(
     failure_threshold: int = 1000,
     style: HandoffStyle = HandoffStyle.SEQUENTIAL,
     decode_engine: Callable[[Any], Watched] = Watched,
+    config: Any = None,
     **app_options: Any,
 ) -> AsyncIterator[Server]:
     cluster = mock_cluster(latency=latency if latency is not None else LatencyModel.zero(),
@@ -142,7 +145,7 @@ async def running(
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(
                 serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait,
-                graceful_timeout=graceful_timeout,
+                graceful_timeout=graceful_timeout, config=config,
             ))
             yield Server(f"http://127.0.0.1:{port}", app, router, keeper, cluster,
                          prefill, decode, stop)
@@ -795,11 +798,15 @@ async def test_T3_a_crashing_prefill_engine_reads_as_one_message() -> None:
 # --- client disconnects -------------------------------------------------------------------
 
 
-async def test_disconnect_mid_stream_cancels_the_request_nursery() -> None:
-    """Regression: hypercorn never cancels the app; the disconnect listener must."""
+@pytest.mark.parametrize("hypercorn", [False, True], ids=["own-server", "hypercorn"])
+async def test_disconnect_mid_stream_cancels_the_request_nursery(hypercorn: bool) -> None:
+    """Regression: a server never cancels the app; the disconnect listener must: the
+    project's server calls it back (ON_DISCONNECT), hypercorn sends ``http.disconnect``
+    to a listening task."""
     latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.005,
                            kv_transfer_per_token=0.0)
-    async with running(latency=latency) as server, server.http() as http:
+    config = HyperConfig() if hypercorn else None
+    async with running(latency=latency, config=config) as server, server.http() as http:
         with trio.fail_after(10):
             async with http.stream("POST", COMPLETIONS, json={
                 **GOOD, "max_tokens": 5000, "stream": True}) as response:

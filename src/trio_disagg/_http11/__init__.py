@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ._connection import KEEP_ALIVE_TIMEOUT
 from ._exchange import BODY_TIMEOUT, WRITE_TIMEOUT
-from ._server import WHOLE_SENDS, App, serve_http
+from ._server import ON_DISCONNECT, WHOLE_SENDS, App, serve_http
 
-__all__ = ["BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "WHOLE_SENDS", "WRITE_TIMEOUT", "App",
-           "serve_http"]
+__all__ = ["BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "ON_DISCONNECT", "WHOLE_SENDS",
+           "WRITE_TIMEOUT", "App", "serve_http"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from contextlib import suppress
 
 import httptools
@@ -61,6 +62,9 @@ class Connection:
         self.closing = False  # the server closes it after the current response
         self.idle = True
         self.changed = trio.Event()
+        #: Called once when the client goes away while a request is served (the app's
+        #: disconnect callback, :data:`ON_DISCONNECT`); None between requests.
+        self.on_gone: Callable[[], object] | None = None
         self.scope = trio.CancelScope()
         self.fileno = stream.socket.fileno()
         try:
@@ -111,6 +115,23 @@ class Connection:
         self.changed.set()
         self.changed = trio.Event()
 
+    def gone(self) -> None:
+        """The client went away (or the connection broke): wake what waits on the
+        connection and tell the request being served, once (:data:`ON_DISCONNECT`)."""
+        self.closed = True
+        self._wake()
+        on_gone, self.on_gone = self.on_gone, None
+        if on_gone is not None:
+            on_gone()
+
+    def on_disconnect(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once when the client goes away during the request being
+        served (at once if it is gone already)."""
+        if self.closed:
+            callback()
+        else:
+            self.on_gone = callback
+
     async def read_once(self) -> bool:
         """Read what the client sent into the parser; False if it went away."""
         try:
@@ -118,8 +139,7 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             data = b""
         if not data:
-            self.closed = True
-            self._wake()
+            self.gone()
             return False
         try:
             self.parser.feed_data(data)

@@ -155,8 +155,7 @@ class Exchange:
         except BlockingIOError:
             sent = 0
         except OSError:
-            conn.closed = True
-            conn._wake()
+            conn.gone()
             await trio.lowlevel.checkpoint()
             return
         if sent == len(data):
@@ -168,5 +167,4 @@ class Exchange:
                 return
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
-        conn.closed = True  # broken, or the client did not read for WRITE_TIMEOUT
-        conn._wake()
+        conn.gone()  # broken, or the client did not read for WRITE_TIMEOUT

@@ -23,6 +23,11 @@ App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awa
 #: The ASGI scope extension saying that this server's sends are whole or break the
 #: connection, each bounded by the write timeout (so an app need not shield them).
 WHOLE_SENDS = "trio_disagg.whole_sends"
+#: The ASGI scope extension with which an app hears of its client's disconnect without a
+#: task of its own: ``scope["extensions"][ON_DISCONNECT]["register"](callback)`` has the
+#: server call ``callback()`` once, synchronously, when the client goes away (or the
+#: connection breaks) while this request is served; at once if it is already gone.
+ON_DISCONNECT = "trio_disagg.on_disconnect"
 
 
 class Server:
@@ -55,7 +60,10 @@ class Server:
             exchange = Exchange(conn, request)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(conn.read_while_serving, request)
-                await self._run_app(conn, request, exchange)
+                try:
+                    await self._run_app(conn, request, exchange)
+                finally:
+                    conn.on_gone = None  # the request is over: its app hears no more
                 nursery.cancel_scope.cancel()
             if not exchange.done or not exchange.keep_alive or conn.closed:
                 return
@@ -73,7 +81,7 @@ class Server:
             "client": conn.client, "server": conn.local,
             # Each send goes out whole or breaks the connection, bounded by WRITE_TIMEOUT,
             # whatever becomes of the app's task: the app needs no shield of its own.
-            "extensions": {WHOLE_SENDS: {}},
+            "extensions": {WHOLE_SENDS: {}, ON_DISCONNECT: {"register": conn.on_disconnect}},
         }
         try:
             await self.app(scope, exchange.receive, exchange.send)

@@ -27,9 +27,9 @@ from ._request import (
     RequestState,
     bad_request_id,
     build_request,
+    listen_for_disconnect,
     read_body,
     request_id_of,
-    watch_disconnect,
 )
 from ._responder import ENDING_WINDOW, SEND_WINDOW, Responder, end_cancelled
 from ._writer import JsonSink, SseSink, write_response
@@ -271,13 +271,14 @@ class OpenAIApp:
             state.outcome = outcome_of(error)
             await responder.error(error)
             return
-        outcome = await self._route(receive, state, request, include_usage, chat=chat)
+        outcome = await self._route(scope, receive, state, request, include_usage, chat=chat)
         if outcome is None:
             outcome = "disconnected" if state.disconnected else "internal_error"
         state.outcome = outcome
 
     async def _route(
         self,
+        scope: Scope,
         receive: Receive,
         state: RequestState,
         request: PreprocessedRequest,
@@ -294,11 +295,8 @@ class OpenAIApp:
         outcome: str | None = None
         try:
             async with trio.open_nursery() as nursery:
-                listener = trio.CancelScope()
+                listener = listen_for_disconnect(nursery, scope, receive, state)
                 responder.listener = listener
-                nursery.start_soon(
-                    watch_disconnect, receive, nursery.cancel_scope, listener, state
-                )
                 try:
                     stream = await self.router.stream(nursery, request, context)
                 except Exception as exc:

@@ -12,6 +12,7 @@ import trio
 
 from .. import _asgi
 from .._asgi import BodyTooLarge, Receive, Scope, declared_length, header, wait_disconnect
+from .._http11 import ON_DISCONNECT
 from .._protocols import PreprocessedRequest, RoutingHints
 from ._edge import Edge
 from ._openai_errors import ApiError, request_too_large
@@ -74,6 +75,47 @@ class RequestState:
     def cancel_for_shutdown(self) -> None:
         self.shutdown = True
         self.scope.cancel()
+
+
+class DisconnectGuard:
+    """The disconnect listener as a callback, for a server that offers
+    ``ON_DISCONNECT`` (the project's own): called once when the client goes away, it
+    cancels the request's nursery, and only it, as :func:`watch_disconnect` does, with no
+    task of its own. :meth:`cancel` (the answer is complete) disarms it, as cancelling a
+    listener task's scope does."""
+
+    __slots__ = ("armed", "request_scope", "state")
+
+    def __init__(self, state: RequestState, request_scope: trio.CancelScope) -> None:
+        self.state = state
+        self.request_scope = request_scope
+        self.armed = True
+
+    def __call__(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.state.disconnected = True
+            self.request_scope.cancel()
+
+    def cancel(self) -> None:
+        self.armed = False
+
+
+def listen_for_disconnect(
+    nursery: trio.Nursery, scope: Scope, receive: Receive, state: RequestState
+) -> DisconnectGuard | trio.CancelScope:
+    """Cancel ``nursery`` (the request's), and only it, when the client goes away: by a
+    callback the server calls, if it offers ``ON_DISCONNECT``, else by a task that waits
+    for ``http.disconnect`` (hypercorn). Returns what the responder cancels once the
+    answer is complete."""
+    offer = scope.get("extensions", {}).get(ON_DISCONNECT)
+    if offer is not None:
+        guard = DisconnectGuard(state, nursery.cancel_scope)
+        offer["register"](guard)
+        return guard
+    listener = trio.CancelScope()
+    nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope, listener, state)
+    return listener
 
 
 async def watch_disconnect(

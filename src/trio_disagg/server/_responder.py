@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
@@ -31,6 +32,13 @@ class ResponseBroken(Exception):
     """A send of the response did not complete: nothing more can be sent on it."""
 
 
+class Cancellable(Protocol):
+    """What the responder cancels before the final bytes: a listener's cancel scope, or
+    the guard of a server's disconnect callback."""
+
+    def cancel(self) -> None: ...
+
+
 class Responder:
     """One HTTP response, and where it is: not started, streaming, or finished.
 
@@ -54,7 +62,9 @@ class Responder:
         self.started = False
         self.finished = False
         self.broken = False
-        self.listener: trio.CancelScope | None = None
+        #: The disconnect listener (a scope of a listening task, or a server callback's
+        #: guard): cancelled before the final bytes go out.
+        self.listener: Cancellable | None = None
         #: No send may go on past this time (the shutdown ending caps it).
         self.send_deadline = math.inf
 

@@ -98,7 +98,7 @@ async def serve(
 ) -> None:
     """Serve ``app`` over HTTP/1.1 until shut down.
 
-    The server is the project's own (``trio_disagg.server._http11``: trio sockets and the
+    The server is the project's own (``trio_disagg._http11``: trio sockets and the
     httptools parser, built for the relay's per-token cost, docs/performance.md); with a
     hypercorn ``config`` it is hypercorn's trio worker instead (for TLS or HTTP/2). Run it
     inside the :class:`~trio_disagg.TransferKeeper` the app's router uses::
