@@ -283,7 +283,7 @@ class Streams:
         self.failed: list[str] = []
         self.all_in_flight = trio.Event()
         self.release = trio.Event()
-        self.outputs: list[trio.MemoryReceiveChannel[Item]] = []
+        self.outputs: list[td.GatedOutputs | trio.MemoryReceiveChannel[Item]] = []
 
     async def client(self) -> None:
         request = make_request(self.tokens)
@@ -417,10 +417,10 @@ async def p3_run(count: int, tokens: int, trace: bool, top: int,
         kv = cluster.counters()
     if freeze:
         gc.unfreeze()
-    # Unread per stream: both channel buffers (the router uses one size for both), plus the
-    # item the gatekeeper and the decode engine each hold while blocked on a send (or all
-    # that is left of a short stream).
-    unread = min(tokens - 1, 2 * buffer + 2)
+    # Unread per stream: the decode leg's channel buffer (the gatekeeper reads it in the
+    # client's task), plus the item the decode engine holds while blocked on its send (or
+    # all that is left of a short stream).
+    unread = min(tokens - 1, buffer + 1)
     if before is not None and after is not None:
         per_stream = breakdown(before, after, count, top)
     else:

@@ -18,10 +18,12 @@ request by hand:
 - the prefill leg runs on ``client_context.detached_copy()`` (C5), the decode leg on a
   context linked with ``client_context.link_child(...)`` (C4);
 - a :class:`~trio_disagg.Gatekeeper` takes that handoff as it is (it watches the drain):
-  ``gate.dispatch(...)`` starts the decode, racing the prefill (G1, G2), then
-  ``gate.forward(...)`` moves the decode's outputs to the client, holding the success
-  terminal until the prefill's outcome is known (G5). A prefill failure is logged once,
-  by the keeper, under the request's name (T2).
+  ``gate.dispatch(...)`` starts the decode, racing the prefill (G1, G2), then the client
+  reads ``gate.outputs(...)``, a receive channel that pulls each decode output through
+  the gate in the client's own task (no forwarding task), holding the success terminal
+  until the prefill's outcome is known (G5). A prefill failure is logged once, by the
+  keeper, under the request's name (T2). (``gate.forward(...)``, shown in tutorial 3,
+  pushes the same into a channel instead.)
 
 The fake prefill hands off a bootstrap room at once and goes on "transferring" for a
 while, as an SGLang prefill does, so the decode runs while the prefill's fate is open.
@@ -152,18 +154,17 @@ async def serve(
     gate = td.Gatekeeper(completion, client)  # watches the drain: no glue needed
     legs.prefill = completion.drain if isinstance(completion, td.Handoff) else None
     decode_send, decode_receive = trio.open_memory_channel[Item](8)
-    client_send, client_receive = trio.open_memory_channel[Item](8)
 
     async def start_decode(*, task_status: trio.TaskStatus[None]) -> None:
         assert isinstance(completion, td.Handoff)  # a Terminal dispatches nothing (S7)
         decoded = attrs.evolve(request, prefill_result=completion.result)
         await fake_decode(decoded, legs.decode_context, decode_send, task_status=task_status)
 
-    async with trio.open_nursery() as nursery:  # the request: decode leg, gate, writer
+    async with trio.open_nursery() as nursery:  # the request: the decode leg, the writer
         await gate.dispatch(nursery, start_decode)  # G1, G2
-        nursery.start_soon(gate.forward, decode_receive, client_send, legs.decode_context)
-        async with client_receive:  # the client writer
-            async for item in client_receive:
+        # The client writer reads through the gate, in its own task (G3-G8).
+        with gate.outputs(decode_receive, legs.decode_context) as outputs:
+            async for item in outputs:
                 prefill = gate.prefill
                 state = ("failed" if prefill.failed else "succeeded" if prefill.done
                          else "pending")

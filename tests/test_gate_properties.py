@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from trio_disagg import (
     Annotated,
     FinishReason,
+    GatedOutputs,
     Gatekeeper,
     LLMEngineOutput,
     PrefillError,
@@ -111,7 +112,7 @@ class Observed:
     keeper_cancelled: int = -1
 
 
-async def run_request(sc: Scenario) -> Observed:
+async def run_request(sc: Scenario, pull: bool = False) -> Observed:
     obs = Observed()
     async with TransferKeeper(drain_window=100) as keeper:
 
@@ -147,10 +148,16 @@ async def run_request(sc: Scenario) -> Observed:
                 obs.dispatch_error = exc
                 nursery.cancel_scope.cancel()  # a leg started in a tie is not read
             else:
-                nursery.start_soon(gate.forward, decode_recv, client_send, decode_ctx)
+                # The client reads the gate itself (pull), or what forward() pushes.
+                outputs: GatedOutputs | trio.MemoryReceiveChannel[Item]
+                if pull:
+                    outputs = gate.outputs(decode_recv, decode_ctx)
+                else:
+                    nursery.start_soon(gate.forward, decode_recv, client_send, decode_ctx)
+                    outputs = client_recv
                 delays = itertools.cycle(sc.consumer_delays)
-                with client_recv:
-                    async for item in client_recv:
+                with outputs:
+                    async for item in outputs:
                         obs.items.append(item)
                         obs.received_at.append(trio.current_time())
                         obs.prefill_succeeded_at_receipt.append(task.succeeded)
@@ -164,10 +171,10 @@ async def run_request(sc: Scenario) -> Observed:
     return obs
 
 
-async def bounded(sc: Scenario) -> Observed:
+async def bounded(sc: Scenario, pull: bool = False) -> Observed:
     """Run one example; a hang fails it (the autojump clock makes 1000 s instant)."""
     with trio.fail_after(1000):
-        return await run_request(sc)
+        return await run_request(sc, pull)
 
 
 def check(sc: Scenario, obs: Observed) -> None:
@@ -233,10 +240,13 @@ def check(sc: Scenario, obs: Observed) -> None:
             assert obs.decode_stopped
 
 
+@pytest.mark.parametrize("pull", [False, True], ids=["forward", "outputs"])
 @settings(max_examples=200, deadline=None)
 @given(sc=scenarios())
-def test_G1_to_G9_gatekeeper_invariants_under_generated_interleavings(sc: Scenario) -> None:
-    obs = trio.run(bounded, sc, clock=trio.testing.MockClock(autojump_threshold=0))
+def test_G1_to_G9_gatekeeper_invariants_under_generated_interleavings(
+    pull: bool, sc: Scenario
+) -> None:
+    obs = trio.run(bounded, sc, pull, clock=trio.testing.MockClock(autojump_threshold=0))
     check(sc, obs)
     event(outcome(obs))
 

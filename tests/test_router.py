@@ -717,6 +717,32 @@ async def test_S11_decode_phase_waits_for_the_drain_to_start(
                 pass
 
 
+@pytest.mark.parametrize("style", STYLES)
+async def test_B5_the_gate_runs_in_the_readers_task(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """No forwarding task per request (P3, P4): the request's nursery holds the decode leg
+    when it runs there, or one watcher for a leg the keeper holds; the reader's own reads
+    end the request, and so does leaving the nursery on cancellation without closing."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(), RequestContext("r"))
+            assert len(nursery.child_tasks) == 1
+            async for _ in stream.outputs:
+                pass
+            assert h.router.in_flight == 0
+        with trio.move_on_after(1) as cut:  # mid-stream, and the reader never closes
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(nursery, make_request(max_tokens=500),
+                                               RequestContext("r2"))
+                async for _ in stream.outputs:
+                    pass
+        assert cut.cancelled_caught
+        await h.settle()
+        h.assert_clean()
+
+
 async def test_S12_selection_is_returned_and_the_request_left_as_it_was(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -33,6 +33,7 @@ from trio_disagg import (
     Annotated,
     Deadlines,
     DisaggRouter,
+    GatedOutputs,
     HandoffStyle,
     InvalidPrefillHandoff,
     LLMEngineOutput,
@@ -640,7 +641,7 @@ def terminal_replaced_by(server: Server, error: BaseException) -> None:
     error (the prefill and the gatekeeper succeeded): the server has only the item."""
     real_stream = server.router.stream
 
-    async def relay(outputs: trio.MemoryReceiveChannel[Item],
+    async def relay(outputs: GatedOutputs | trio.MemoryReceiveChannel[Item],
                     send: trio.MemorySendChannel[Item]) -> None:
         with outputs, send:
             async for item in outputs:

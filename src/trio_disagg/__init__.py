@@ -23,6 +23,7 @@ from ._errors import RouterClosed as RouterClosed
 from ._errors import TrioDisaggError as TrioDisaggError
 from ._errors import WireFormatError as WireFormatError
 from ._errors import WorkerError as WorkerError
+from ._gate import GatedOutputs as GatedOutputs
 from ._gate import Gatekeeper as Gatekeeper
 from ._gate import is_decode_failure as is_decode_failure
 from ._handoff import HandoffOwner as HandoffOwner

@@ -5,6 +5,7 @@ the KV transfer, in the keeper (G9)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import attrs
@@ -147,6 +148,11 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         finally:
             if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
                 owner.decode_cancelled()
+            if (owner.outputs is not None and not owner.holds_transfer
+                    and trio.current_effective_deadline() == -math.inf):
+                # The request's nursery was cancelled (the client went away): its stream
+                # ends now, whether or not its reader closes it.
+                owner.outputs.abandon()
 
 
 class _Accepted:

@@ -38,6 +38,7 @@ from ._cleanup import start_cleanup
 from ._context import RequestContext
 from ._engine import CancelWindow, DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import WorkerError
+from ._gated import GatedOutputs
 from ._keeper import PrefillTask, TransferLeg
 from ._pool import Worker
 from ._prefill import PrefillCompletion, Terminal
@@ -132,6 +133,8 @@ class HandoffOwner:
     #: was still open: decided on again when the request closes (the leg may end before
     #: or after that, whichever the scheduler runs first).
     refusal: BaseException | None = None
+    #: The client's end of the decode stream, once a decode accepted the request.
+    outputs: GatedOutputs | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_worker is not None:
@@ -294,7 +297,8 @@ class HandoffOwner:
             self.leg.scope.cancel()
 
     def forward_ended(self, grace: float, *, failed: bool) -> None:
-        """The request's forwarder ended: nobody reads the decode leg any more. A kept leg
+        """The request's stream ended (its last item read, its reader gone, its prefill
+        failed): nobody reads the decode leg any more. A kept leg
         past its first output is no longer part of the transfer, and one whose stream the
         gatekeeper failed (``failed``: a prefill failure, a deadline) is of no use: both
         end now. One that has not fetched its KV yet when its client left gets ``grace``

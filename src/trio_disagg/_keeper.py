@@ -40,13 +40,14 @@ class PrefillTask(Generic[T]):
         name: the drain's name, as the keeper's logs show it (usually the request id).
     """
 
-    __slots__ = ("_done", "_ended", "_error", "_value", "name")
+    __slots__ = ("_callbacks", "_done", "_ended", "_error", "_value", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._ended = False
         # Made only when somebody waits before the drain ended (docs/design.md P3).
         self._done: trio.Event | None = None
+        self._callbacks: list[Callable[[], None]] | None = None
         self._value: T | None = None
         self._error: PrefillError | None = None
 
@@ -110,6 +111,23 @@ class PrefillTask(Generic[T]):
             self._done = trio.Event()
         await self._done.wait()
 
+    def _on_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the drain ended (at once if it has). For the core's
+        own watchers (the gatekeeper's), which must not raise nor await: they run in the
+        keeper's task, into whose nursery nothing may raise."""
+        if self._ended:
+            callback()
+            return
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(callback)
+
+    def _forget_on_done(self, callback: Callable[[], None]) -> None:
+        """Drop a callback of :meth:`_on_done` that has no more use; one not registered
+        (or already called) is ignored."""
+        if self._callbacks is not None and callback in self._callbacks:
+            self._callbacks.remove(callback)
+
     def _finish(self, value: T | None, error: PrefillError | None) -> None:
         self._value = value
         self._error = error
@@ -117,6 +135,9 @@ class PrefillTask(Generic[T]):
         if self._done is not None:
             self._done.set()  # wakes its waiters, which hold it; later ones see _ended
             self._done = None
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback()
 
 
 class TransferKeeper:

@@ -1,8 +1,8 @@
 """The disaggregated router: one nursery per request, one handoff owner per request, deadlines.
 
 :class:`DisaggRouter` orchestrates a request: it routes it, starts its prefill leg in the
-keeper (``_prefill_leg``), dispatches its decode leg (``_decode_leg``) and forwards the
-decode's stream through the gatekeeper. Staged KV no decode took is consumed by
+keeper (``_prefill_leg``), dispatches its decode leg (``_decode_leg``) and hands the
+caller the decode's stream, read through the gatekeeper. Staged KV no decode took is consumed by
 ``_cleanup`` (B1); the data types it hands out are in ``_router_types``, and importable
 from here too.
 """
@@ -21,7 +21,7 @@ from ._decode_leg import accepted_decode
 from ._engine import DecodeEngine, PrefillEngine
 from ._errors import DeadlineExceeded, NoWorkerAvailable, RouterClosed, WorkerError
 from ._estimate import estimate_prompt_tokens
-from ._gate import Gatekeeper
+from ._gate import GatedOutputs, Gatekeeper
 from ._handoff import BootstrapOwner, DecodeOnlyOwner, HandoffOwner, owner_for
 from ._health import RetryPolicy
 from ._keeper import PrefillTask, TransferKeeper
@@ -43,7 +43,8 @@ from ._router_types import Item as Item
 from ._router_types import RequestStream as RequestStream
 from ._router_types import RouterCounters as RouterCounters
 
-#: Items an engine may run ahead of the gatekeeper, and the gatekeeper of the client.
+#: Items a decode leg may run ahead of its reader (one item per socket read of an HTTP
+#: engine: a burst of tokens).
 CHANNEL_BUFFER = 16
 
 
@@ -84,8 +85,8 @@ class DisaggRouter:
         deadlines: the bounded waits (B2).
         retry: how a leg that failed before the first byte is tried again on another
             worker (B9); default :class:`RetryPolicy` (two attempts per leg).
-        channel_buffer: how many items a decode leg may run ahead of the gatekeeper, and
-            the gatekeeper of the client. Smaller costs less memory per slow reader
+        channel_buffer: how many items a decode leg may run ahead of its reader (who
+            reads through the gatekeeper). Smaller costs less memory per slow reader
             (P3: about 0.3 KiB an item); larger lets a worker's burst reach the client in
             one write (P4).
         disagg_min_prompt_tokens: the estimated prompt length, in tokens, from which a
@@ -127,8 +128,9 @@ class DisaggRouter:
     @property
     def in_flight(self) -> int:
         """Requests admitted and not yet finished (B5): counted from :meth:`stream`'s call
-        until its gatekeeper stops forwarding (at once for a request that failed before
-        its decode accepted it, or that needs no decode leg). A prefill the keeper still
+        until its stream ends: its last item read, its ``outputs`` closed, its prefill
+        failed (G5, G6), or its nursery cancelled (at once for a request that failed
+        before its decode accepted it, or that needs no decode leg). A prefill the keeper still
         drains after its request ended is the keeper's, not counted here."""
         return self._in_flight.value
 
@@ -173,8 +175,9 @@ class DisaggRouter:
     ) -> RequestStream:
         """Start ``request`` and return its output stream.
 
-        The decode leg and the gatekeeper run in ``nursery``: the request's nursery, which
-        the caller cancels when the client goes away. Returns once the decode worker
+        The decode leg runs in ``nursery``: the request's nursery, which the caller cancels
+        when the client goes away; the gatekeeper runs in the reader's task, as it reads
+        ``outputs``. Returns once the decode worker
         accepted the request (or at once for a terminal prefill), so errors before the
         first byte are raised here.
 
@@ -186,7 +189,8 @@ class DisaggRouter:
                 the prefill (C5), and never a decode leg before it fetched its KV (G9).
 
         Returns:
-            A :class:`RequestStream` whose ``outputs`` the caller reads to the end.
+            A :class:`RequestStream` whose ``outputs`` the caller reads to the end, or
+            closes (``with stream.outputs:``).
 
         Raises:
             RouterClosed: the router is shutting down (B3).
@@ -341,22 +345,30 @@ class DisaggRouter:
         except BaseException:
             decode_receive.close()
             raise
-        out_send, out_receive = trio.open_memory_channel[Item](self.channel_buffer)
-        forward: trio.CancelScope | None = None  # only a kept leg needs one (P3: memory)
+        # A kept leg is ended by its owner, never by a stop it would obey before it
+        # fetched its KV (that would leave the KV to a worker timeout): see forward_ended().
+        leg_context = None if owner.holds_transfer else decode_context
+
+        def stream_ended() -> None:
+            owner.tracker.finish()
+            self._release()
+            owner.forward_ended(self.deadlines.decode_idle, failed=gate.failure is not None)
+
+        outputs = owner.outputs = gate.outputs(decode_receive, leg_context, stream_ended)
         if owner.holds_transfer:
             # The client's stop or kill ends its stream at once; the kept leg goes on to
             # fetch its KV (G9). (Not when the gatekeeper itself stopped the client.)
-            scope = forward = trio.CancelScope()
             owner.context.on_stop(lambda killed: None if owner.first_output_seen
-                                  or gate.failure is not None else scope.cancel())
-        nursery.start_soon(self._forward, owner, gate, decode_receive, out_send,
-                           decode_context, forward)
-        return self._request_stream(owner, out_receive, gate)
+                                  or gate.failure is not None else outputs.stop())
+            # The leg lives in the keeper: this task is the request nursery's hand on it.
+            # (A leg in the nursery abandons the stream itself when cancelled.)
+            nursery.start_soon(_abandon_when_cancelled, outputs)
+        return self._request_stream(owner, outputs, gate)
 
     def _request_stream(
         self,
         owner: HandoffOwner,
-        outputs: trio.MemoryReceiveChannel[Item],
+        outputs: trio.MemoryReceiveChannel[Item] | GatedOutputs,
         gate: Gatekeeper | None,
         style: str | None = None,
     ) -> RequestStream:
@@ -391,28 +403,14 @@ class DisaggRouter:
         owner.tracker.finish()
         return self._request_stream(owner, receive, None, "terminal")
 
-    async def _forward(
-        self,
-        owner: HandoffOwner,
-        gate: Gatekeeper,
-        decode_receive: trio.MemoryReceiveChannel[Item],
-        out_send: trio.MemorySendChannel[Item],
-        decode_context: RequestContext,
-        scope: trio.CancelScope | None,
-    ) -> None:
-        # A kept leg is ended by its owner, never by a stop it would obey before it fetched
-        # its KV (that would leave the KV to a worker timeout): see forward_ended().
-        leg_context = None if owner.holds_transfer else decode_context
-        try:
-            if scope is None:
-                await gate.forward(decode_receive, out_send, leg_context)
-            else:
-                with scope:
-                    await gate.forward(decode_receive, out_send, leg_context)
-        finally:
-            owner.tracker.finish()
-            self._release()
-            owner.forward_ended(self.deadlines.decode_idle, failed=gate.failure is not None)
+
+async def _abandon_when_cancelled(outputs: GatedOutputs) -> None:
+    """Wait for the stream's end; if the request's nursery is cancelled first (the client
+    went away), end the stream's bookkeeping even if its reader never closes it."""
+    try:
+        await outputs.wait_ended()
+    finally:
+        outputs.abandon()
 
 
 def _select(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from ._gate import Gatekeeper
+from ._gate import GatedOutputs, Gatekeeper
 from ._handoff import HandoffOwner
 from ._keeper import PrefillTask
 from ._prefill import Handoff, PrefillCompletion, Terminal
@@ -14,6 +14,10 @@ from ._protocols import Annotated, BootstrapInfo, LLMEngineOutput, PromptTokensD
 from ._tracker import RequestTracker
 
 Item = Annotated[LLMEngineOutput]
+
+#: What :attr:`RequestStream.outputs` is: the decode stream read through the gatekeeper,
+#: or a memory channel holding a request's one item when no decode leg runs.
+StreamOutputs = GatedOutputs | trio.MemoryReceiveChannel[Item]
 
 #: The routing decisions :attr:`RouterCounters.decisions` counts: with a prefill leg and
 #: a KV transfer, or on one decode worker alone (conditional disaggregation).
@@ -60,17 +64,21 @@ class Deadlines:
 class RequestStream:
     """A request in flight: what :meth:`DisaggRouter.stream` returns.
 
-    The caller reads ``outputs`` to its end. The decode leg and the gatekeeper that feed
-    it run in the nursery the caller gave :meth:`DisaggRouter.stream`; cancelling that
-    nursery (the client went away) closes ``outputs`` and stops the decode leg, while the
-    prefill leg (``prefill``) stays the keeper's: it runs on, or is cancelled inside its
-    engine's cancel window, and staged KV that no decode took is consumed (B1, B10, G9).
-    Closing ``outputs`` early ends the forwarding as a client that left does; the prefill
-    leg is not affected (G9). A caller that stops reading without closing ``outputs`` or
-    cancelling the nursery holds the request: the decode leg waits on the full channel,
-    and no deadline ends that wait (a slow reader is not an idle decode, B2), so the
-    nursery does not exit. Bound a reader that may stall with a cancel scope of its own
-    (the HTTP server closes the connection of a client that reads nothing for 10 s).
+    The caller reads ``outputs`` to its end, or closes it (``with stream.outputs:``, as
+    with any trio channel): the request is in flight until then. Each item is pulled
+    through the gatekeeper in the reader's own task (:class:`GatedOutputs`); the decode
+    leg feeding it runs in the nursery the caller gave :meth:`DisaggRouter.stream`.
+    Cancelling that nursery (the client went away) stops the decode leg, and leaving the
+    ``with`` block on that cancellation ends the request, while the prefill leg
+    (``prefill``) stays the keeper's: it runs on, or is cancelled inside its engine's
+    cancel window, and staged KV that no decode took is consumed (B1, B10, G9). Closing
+    ``outputs`` early ends the request as a client that left does, and stops its decode
+    leg; the prefill leg is not affected (G9). A caller that stops reading without
+    closing ``outputs`` or cancelling the nursery holds the request: the decode leg waits
+    on its full channel, and no deadline ends that wait (a slow reader is not an idle
+    decode, B2), so the nursery does not exit. Bound a reader that may stall with a
+    cancel scope of its own (the HTTP server closes the connection of a client that
+    reads nothing for 10 s).
 
     Attributes:
         outputs: the client's stream of items; the last one is a terminal, an error,
@@ -94,7 +102,7 @@ class RequestStream:
         handoff: the request's handoff owner (its ``state`` says what became of the KV).
     """
 
-    outputs: trio.MemoryReceiveChannel[Item]
+    outputs: StreamOutputs
     tracker: RequestTracker
     style: str
     prefill: PrefillTask[PrefillCompletion]

@@ -19,6 +19,7 @@ import trio
 
 from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput
 from .._router import RequestStream
+from .._router_types import StreamOutputs
 from ._metrics import outcome_of
 from ._openai_errors import ApiError, error_for_exception
 from ._openai_responses import (
@@ -311,7 +312,7 @@ def _cached(stream: RequestStream) -> int | None:
     return details.cached_tokens if details is not None else None
 
 
-def _next_item(outputs: trio.MemoryReceiveChannel[Item]) -> Item | None:
+def _next_item(outputs: StreamOutputs) -> Item | None:
     """The next item if one is waiting, else None (without a schedule point).
 
     Raises:

@@ -1,0 +1,370 @@
+"""The client's end of a request's decode stream, read through its gatekeeper in the
+reader's own task (rules G3-G8 in docs/semantics.md)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import trio
+
+from ._context import RequestContext
+from ._errors import DeadlineExceeded
+from ._protocols import Annotated, FinishKind, LLMEngineOutput
+
+if TYPE_CHECKING:
+    from ._gate import Gatekeeper
+
+Item = Annotated[LLMEngineOutput]
+
+_OPEN: Final = 0
+_ENDED: Final = 1  # the last item went out, or the decode stream ended
+_CLOSED: Final = 2
+
+#: What an interrupted wait returns: the prefill ended meanwhile, look again.
+_AGAIN: Final = Annotated[LLMEngineOutput](comment=["the prefill ended"])
+#: A held end of the decode stream (no terminal item), as :attr:`GatedOutputs._held`.
+_END: Final = Annotated[LLMEngineOutput](comment=["the decode stream ended"])
+
+
+def is_decode_failure(item: Item) -> bool:
+    """An error envelope, or ``finish_reason`` error or cancelled (G4)."""
+    if item.event == "error":
+        return True
+    data = item.data
+    if data is None or data.finish_reason is None:
+        return False
+    kind = data.finish_reason.kind
+    return kind is FinishKind.ERROR or kind is FinishKind.CANCELLED
+
+
+def is_terminal(item: Item) -> bool:
+    """An error item, or an item with a finish reason: the last of a stream (G8)."""
+    data = item.data
+    return item.event == "error" or (data is not None and data.finish_reason is not None)
+
+
+class GatedOutputs(trio.abc.ReceiveChannel[Item]):
+    """A request's decode outputs, read through its :class:`Gatekeeper` (G3-G8).
+
+    Each :meth:`receive` pulls the next decode output through the gate in the reader's
+    own task: no forwarding task and no second channel stand between the decode leg and
+    the client (docs/performance.md, P3 and P4). What the reader gets:
+
+    - a decode output without a finish reason at once, even while the prefill is
+      pending (G3);
+    - a decode failure at once, as the engine sent it, as the last item (G4);
+    - a success terminal, or the end of the decode stream, only once the prefill
+      succeeded; if it failed, one error item carrying the prefill's error instead (G5);
+    - after a successful prefill, every output unchanged (G7); after a terminal item,
+      the end of the channel (G8).
+
+    A prefill that fails while the reader waits, or reads nothing at all, is acted on
+    when it fails, not when the reader next asks (G6): a watcher on the prefill's task
+    stops the client's context and ``decode_context`` at once, and the reader's next
+    item is the error. Every error item the gate makes itself carries its typed
+    exception in ``item.exception`` (a :class:`PrefillError`, or the
+    :class:`DeadlineExceeded` of the B2 decode-idle or terminal-hold wait), and
+    :attr:`Gatekeeper.failure` says which.
+
+    A gate made from a :class:`Terminal` (S7) gives the prefill's answer alone.
+
+    Cancelling a :meth:`receive` loses nothing: a held terminal stays held for the next
+    call. Closing the channel before its end (the reader left) closes the decode leg's
+    channel and stops ``decode_context``; leaving a ``with`` block on ``Cancelled`` (the
+    client went away) closes both without stopping anything: the decode leg lives in the
+    request's nursery, or belongs to the keeper (G9). The prefill is never touched.
+
+    Made by :meth:`Gatekeeper.outputs`.
+    """
+
+    __slots__ = ("_decode", "_decode_context", "_ended", "_final", "_finished", "_gate",
+                 "_held", "_on_end", "_passing", "_prefill", "_state", "_stopped",
+                 "_waiting", "_watcher")
+
+    def __init__(
+        self,
+        gate: Gatekeeper,
+        decode_outputs: trio.MemoryReceiveChannel[Item],
+        decode_context: RequestContext | None = None,
+        on_end: Callable[[], object] | None = None,
+    ) -> None:
+        self._gate = gate
+        self._prefill = gate.prefill
+        self._decode = decode_outputs
+        self._decode_context = decode_context
+        self._on_end = on_end
+        self._state = _OPEN
+        self._final: Item | None = None  # the item the gate ends the stream with itself
+        self._held: Item | None = None  # a terminal (or _END) held for the prefill (G5)
+        self._waiting: trio.CancelScope | None = None  # a receive's wait, interruptible
+        self._stopped = False
+        #: Prefill succeeded and the first output seen: the hot path (G7).
+        self._passing = False
+        self._watcher: Callable[[], None] | None = None
+        self._finished = False  # the bookkeeping of the stream's end is done
+        self._ended: trio.Event | None = None  # made only for wait_ended()
+        if not self._prefill.done:
+            self._watcher = self._prefill_ended
+            self._prefill._on_done(self._watcher)
+
+    # --- the channel ----------------------------------------------------------------
+
+    async def receive(self) -> Item:
+        """The next item through the gate.
+
+        Raises:
+            trio.EndOfChannel: the stream ended (after its last item, or with none).
+            trio.ClosedResourceError: this channel was closed.
+        """
+        if self._state:
+            raise trio.ClosedResourceError if self._state == _CLOSED else trio.EndOfChannel
+        if self._final is None:
+            try:
+                item = await (self._pass() if self._passing else self._gated())
+            except DeadlineExceeded as exc:
+                item = self._fail(exc)
+            if self._final is None:  # (else the prefill's outcome won meanwhile)
+                return self._deliver(item)
+        self._state = _ENDED
+        self._end()
+        return self._final
+
+    def receive_nowait(self) -> Item:
+        """The next item if it is ready and needs no wait for the prefill.
+
+        Raises:
+            trio.WouldBlock: no item is ready, or the gate must wait (the prefill is
+                pending or the first output not yet seen): await :meth:`receive`.
+            trio.EndOfChannel: the stream ended.
+            trio.ClosedResourceError: this channel was closed.
+        """
+        if self._state:
+            raise trio.ClosedResourceError if self._state == _CLOSED else trio.EndOfChannel
+        if self._final is not None:
+            self._state = _ENDED
+            self._end()
+            return self._final
+        if not self._passing:
+            raise trio.WouldBlock
+        try:
+            item = self._decode.receive_nowait()
+        except trio.EndOfChannel:
+            item = None
+        return self._deliver(item)
+
+    def _deliver(self, item: Item | None) -> Item:
+        if item is None:
+            self._state = _ENDED
+            self._end()
+            raise trio.EndOfChannel
+        data = item.data
+        if item.event == "error" or (data is not None and data.finish_reason is not None):
+            self._state = _ENDED  # G8
+            self._end()
+        return item
+
+    def statistics(self) -> Any:
+        """The decode leg's channel's ``statistics()``: the items it ran ahead."""
+        return self._decode.statistics()
+
+    def close(self) -> None:
+        """Close the channel; before its end, the decode leg's context is stopped (the
+        reader left) and ``receive`` raises ``ClosedResourceError``. Idempotent."""
+        self._close(stop=True)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then a checkpoint."""
+        self._close(stop=True)
+        await trio.lowlevel.checkpoint()
+
+    def __enter__(self) -> GatedOutputs:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._close(stop=not isinstance(exc, trio.Cancelled))
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        # No checkpoint: closing is synchronous, and a block left on Cancelled must not
+        # raise a second one.
+        self._close(stop=not isinstance(exc, trio.Cancelled))
+
+    def _close(self, *, stop: bool) -> None:
+        if self._state == _CLOSED:
+            return
+        early = self._state == _OPEN
+        self._state = _CLOSED
+        self._decode.close()
+        if early and stop and self._decode_context is not None:
+            self._decode_context.stop_generating()  # nobody reads the decode leg any more
+        self._end()
+
+    def abandon(self) -> None:
+        """The request is over (its nursery was cancelled: the client went away), whether
+        or not its reader closes this channel: the decode leg's channel is closed (its
+        next send fails) and nothing is stopped, as when a ``with`` block is left on
+        ``Cancelled``; a later receive ends the channel. Idempotent."""
+        if self._state == _OPEN:
+            self._state = _ENDED
+            self._decode.close()
+        self._end()
+
+    async def wait_ended(self) -> None:
+        """Return once the stream ended (its bookkeeping done), however it ended."""
+        if self._finished:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._ended is None:
+            self._ended = trio.Event()
+        await self._ended.wait()
+
+    def stop(self) -> None:
+        """End the stream at once, with no item of the gate's own: its next (or pending)
+        receive ends the channel. The router calls it for a client that stopped its
+        context while its decode leg, part of the KV transfer, may not hear of it yet
+        (G9)."""
+        if self._state == _OPEN and self._final is None:
+            self._stopped = True
+            if self._waiting is not None:
+                self._waiting.cancel()
+
+    # --- the gate ---------------------------------------------------------------------
+
+    async def _pass(self) -> Item | None:
+        """G7, the hot path: the next decode output; None at the stream's end."""
+        try:
+            return self._decode.receive_nowait()
+        except trio.WouldBlock:
+            pass  # awaited outside the except clause: a parked wait keeps no exception
+        except trio.EndOfChannel:
+            return None
+        return await self._wait()
+
+    async def _wait(self) -> Item | None:
+        """Wait for the next decode output, at most the decode-idle deadline (B2); a stop
+        or the prefill's end interrupts the wait (None, or :data:`_AGAIN`)."""
+        timeout = self._gate.idle_timeout
+        if timeout == math.inf and self._passing:  # nothing can interrupt it: no scope
+            try:
+                return await self._decode.receive()
+            except trio.EndOfChannel:
+                return None
+        with trio.move_on_after(timeout) as wait:
+            self._waiting = wait
+            try:
+                return await self._decode.receive()
+            except trio.EndOfChannel:
+                return None
+            finally:
+                self._waiting = None
+        if self._stopped:
+            return None if self._passing else _AGAIN  # (the gate's loop looks again)
+        if self._final is not None:  # the prefill's watcher ended the stream
+            return _AGAIN
+        raise DeadlineExceeded("decode idle", timeout)
+
+    async def _gated(self) -> Item | None:
+        """The prefill pending, a terminal held, or the first output not yet seen."""
+        prefill = self._prefill
+        while True:
+            if self._stopped:
+                return None
+            if self._held is not None:
+                return await self._hold(None if self._held is _END else self._held)
+            if prefill.done:
+                if prefill.failed or self._gate._prefill_answer() is not None:
+                    return self._conclude()
+                if self._gate._on_first_output is None:
+                    self._passing = True
+                    return await self._pass()
+            try:
+                item: Item | None = self._decode.receive_nowait()
+            except trio.WouldBlock:
+                item = _AGAIN
+            except trio.EndOfChannel:
+                item = None
+            if item is _AGAIN:
+                item = await self._wait()
+                if item is _AGAIN:
+                    continue
+            self._gate._first_output()
+            if item is not None and is_decode_failure(item):
+                return item  # G4: does not wait for the prefill
+            if item is not None and not is_terminal(item):
+                return item  # G3
+            if prefill.succeeded and self._gate._prefill_answer() is None:
+                return item  # G7
+            return await self._hold(item)
+
+    async def _hold(self, item: Item | None) -> Item | None:
+        """G5: hold a success terminal (or the stream's end, None) for the prefill, at
+        most ``terminal_hold_timeout`` seconds (B2)."""
+        self._held = _END if item is None else item  # kept if this wait is cancelled
+        prefill = self._prefill
+        if not prefill.done:
+            with trio.move_on_after(self._gate.terminal_hold_timeout):
+                await prefill.wait_done()
+        self._held = None
+        if not prefill.done:
+            return self._fail(DeadlineExceeded("terminal hold",
+                                               self._gate.terminal_hold_timeout))
+        if prefill.failed or self._gate._prefill_answer() is not None:
+            return self._conclude()
+        return item
+
+    def _prefill_ended(self) -> None:
+        """The prefill's watcher, called by its task when it ends: a failure (G6) or an
+        answer of its own (S7) ends the stream now, whatever the reader is doing."""
+        self._watcher = None
+        if self._state == _OPEN and self._final is None:
+            prefill = self._prefill
+            if prefill.failed or self._gate._prefill_answer() is not None:
+                self._conclude()
+                self._end()  # the request is over: its last item waits for the reader
+                if self._waiting is not None:
+                    self._waiting.cancel()
+
+    def _conclude(self) -> Item:
+        """The item the prefill's outcome ends the stream with: its error (G5, G6) or its
+        own answer (S7)."""
+        error = self._prefill.error
+        if error is not None:
+            return self._fail(error)
+        answer = self._gate._prefill_answer()
+        assert answer is not None
+        if self._final is None:
+            # The bootstrap style: the prefill finished the request on its first token
+            # and staged nothing, so the decode has nothing to pull; it is stopped.
+            if self._decode_context is not None:
+                self._decode_context.stop_generating()
+            self._final = answer
+        return self._final
+
+    def _fail(self, error: Exception) -> Item:
+        """End the stream with one error item of the gate's own, both contexts stopped."""
+        if self._final is None:
+            self._gate.failure = error
+            self._gate.client_context.stop_generating()
+            if self._decode_context is not None:
+                self._decode_context.stop_generating()
+            # The item carries the exception itself: the server maps its type to a status.
+            self._final = Annotated.from_exception(error)
+        return self._final
+
+    def _end(self) -> None:
+        """Once, when the stream ends however it ends: the watcher goes, the owner hears."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._watcher is not None:
+            self._prefill._forget_on_done(self._watcher)
+            self._watcher = None
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+        if self._ended is not None:
+            self._ended.set()

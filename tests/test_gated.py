@@ -1,0 +1,238 @@
+"""The client's end of a decode stream read through the gatekeeper in the reader's own task
+(:meth:`Gatekeeper.outputs`, :class:`GatedOutputs`): rules G3-G9 and B2 in
+docs/semantics.md where the pull differs from a forwarding task. (The rules themselves are
+checked on both paths in tests/test_gate_properties.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+
+from trio_disagg import (
+    Annotated,
+    DeadlineExceeded,
+    FinishReason,
+    GatedOutputs,
+    Gatekeeper,
+    LLMEngineOutput,
+    PrefillError,
+    PrefillTask,
+    RequestContext,
+    TransferKeeper,
+)
+
+Item = Annotated[LLMEngineOutput]
+LOST = "prefill connection lost"
+
+
+def token(*ids: int) -> Item:
+    return Annotated.from_data(LLMEngineOutput(token_ids=list(ids)))
+
+
+def finished(*ids: int) -> Item:
+    return Annotated.from_data(LLMEngineOutput(token_ids=list(ids),
+                                               finish_reason=FinishReason.STOP))
+
+
+class Prefill:
+    """A prefill drain in the keeper whose outcome the test decides."""
+
+    def __init__(self, keeper: TransferKeeper) -> None:
+        self._go = trio.Event()
+        self._error: PrefillError | None = None
+        self.task: PrefillTask[None] = keeper.start(self._drain, name="r-1")
+
+    async def _drain(self) -> None:
+        await self._go.wait()
+        if self._error is not None:
+            raise self._error
+
+    def succeed(self) -> None:
+        self._go.set()
+
+    def fail(self) -> None:
+        self._error = PrefillError(LOST)
+        self._go.set()
+
+
+class Request:
+    """One request's gate and its reader's channel, with the end counted."""
+
+    def __init__(self, prefill: PrefillTask[None], *, idle_timeout: float = math.inf,
+                 on_first_output: bool = False) -> None:
+        self.client = RequestContext("r-1")
+        self.decode_ctx = RequestContext("r-1")
+        self.first_outputs = 0
+        self.ends = 0
+        self.gate = Gatekeeper(prefill, self.client, idle_timeout=idle_timeout,
+                               on_first_output=self._first if on_first_output else None)
+        self.decode_send, decode_recv = trio.open_memory_channel[Item](math.inf)
+        self.outputs: GatedOutputs = self.gate.outputs(decode_recv, self.decode_ctx,
+                                                       self._end)
+
+    def _first(self) -> None:
+        self.first_outputs += 1
+
+    def _end(self) -> None:
+        self.ends += 1
+
+    async def rest(self) -> list[Item]:
+        with trio.fail_after(100):
+            return [item async for item in self.outputs]
+
+
+async def test_G6_a_prefill_failure_stops_both_contexts_before_the_next_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Nobody has to be reading: the prefill's own task stops the client and the decode
+    leg when it fails, and the reader's next item is the error, then the end."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task)
+        request.decode_send.send_nowait(token(1))
+        assert (await request.outputs.receive()).data == token(1).data  # G3
+        prefill.fail()
+        await trio.testing.wait_all_tasks_blocked()
+        assert request.client.is_stopped and request.decode_ctx.is_stopped
+        assert isinstance(request.gate.failure, PrefillError)
+        assert request.ends == 1  # the request ended with the failure, not at the read
+        request.decode_send.send_nowait(token(2))  # too late: never read
+        items = await request.rest()
+        assert len(items) == 1 and items[0].exception is request.gate.failure
+
+
+async def test_B2_decode_idle_before_the_first_output_of_a_kept_leg(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A leg kept for the transfer (with a first-output hook) that never sends: the idle
+    deadline ends the stream, though the prefill already succeeded."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        await prefill.task.wait_done()
+        request = Request(prefill.task, idle_timeout=3, on_first_output=True)
+        items = await request.rest()
+        assert trio.current_time() == 3.0
+        assert len(items) == 1
+        assert isinstance(items[0].exception, DeadlineExceeded)
+        assert items[0].exception.what == "decode idle"
+        assert request.first_outputs == 0 and request.ends == 1
+
+
+async def test_G5_a_cancelled_read_keeps_the_held_terminal(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task)
+        request.decode_send.send_nowait(finished(1))
+        with trio.move_on_after(1) as reader:
+            await request.outputs.receive()  # holds the terminal for the prefill (G5)
+        assert reader.cancelled_caught
+        prefill.succeed()
+        items = await request.rest()
+        assert [item.data for item in items] == [finished(1).data]
+        assert request.ends == 1
+
+
+async def test_receive_nowait_waits_for_the_gate_while_the_prefill_is_pending(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task)
+        request.decode_send.send_nowait(token(1))
+        request.decode_send.send_nowait(token(2))
+        with pytest.raises(trio.WouldBlock):
+            request.outputs.receive_nowait()  # the gate may have to wait: receive()
+        assert (await request.outputs.receive()).data == token(1).data
+        prefill.succeed()
+        await request.gate.prefill.wait_done()
+        assert (await request.outputs.receive()).data == token(2).data
+        request.decode_send.send_nowait(finished(3))
+        assert request.outputs.receive_nowait().data == finished(3).data  # G7, no wait
+        with pytest.raises(trio.EndOfChannel):
+            request.outputs.receive_nowait()  # G8
+        assert request.ends == 1
+
+
+async def test_closing_before_the_end_stops_the_decode_leg(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The reader left: the decode leg is stopped and its next send fails; the prefill
+    runs on (G9)."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task)
+        with request.outputs:
+            request.decode_send.send_nowait(token(1))
+            await request.outputs.receive()
+        assert request.decode_ctx.is_stopped and not request.client.is_stopped
+        with pytest.raises(trio.BrokenResourceError):
+            request.decode_send.send_nowait(token(2))
+        with pytest.raises(trio.ClosedResourceError):
+            await request.outputs.receive()
+        assert request.ends == 1
+        assert not prefill.task.done
+        prefill.succeed()
+
+
+async def test_G9_leaving_on_cancellation_stops_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The client went away (its scope cancelled): the channel closes, nothing is stopped:
+    the decode leg is its nursery's to cancel, or its owner's, and the prefill the
+    keeper's."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task)
+        with trio.move_on_after(1):
+            with request.outputs:
+                await request.outputs.receive()
+        assert not request.decode_ctx.is_stopped and not request.client.is_stopped
+        with pytest.raises(trio.BrokenResourceError):
+            request.decode_send.send_nowait(token(1))
+        assert request.ends == 1
+        prefill.succeed()
+
+
+async def test_G9_abandon_ends_a_stream_its_reader_never_closes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        request = Request(prefill.task)
+        request.outputs.abandon()
+        request.outputs.abandon()  # idempotent
+        assert request.ends == 1 and not request.decode_ctx.is_stopped
+        with pytest.raises(trio.BrokenResourceError):
+            request.decode_send.send_nowait(token(1))
+        with pytest.raises(trio.EndOfChannel):
+            await request.outputs.receive()
+
+
+async def test_G9_stop_ends_the_stream_of_a_kept_leg_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What the router does for a client that stops its context before a kept leg's first
+    output: the waiting reader's stream ends with no item, and no context is stopped."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        request = Request(prefill.task, on_first_output=True)
+        got: list[Item] = []
+
+        async def read() -> None:
+            got.extend(await request.rest())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            request.outputs.stop()
+        assert got == []
+        assert request.ends == 1 and request.first_outputs == 0
+        assert not request.decode_ctx.is_stopped
