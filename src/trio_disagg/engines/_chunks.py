@@ -5,7 +5,7 @@ the worker's error objects. The per-token part of the relay (docs/performance.md
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -14,7 +14,9 @@ from .._protocols import (
     FinishReason,
     LLMEngineOutput,
     PromptTokensDetails,
+    RawChoice,
 )
+from ._raw import learn_prefix, raw_choice_of
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -84,10 +86,12 @@ class Burst:
 
     Their token ids and text are joined; each worker choice is kept, in order, to be
     relayed as its own chunk (B8); the last usage reported wins. All are of one choice
-    index (the router asks a worker for ``n`` = 1).
+    index (the router asks a worker for ``n`` = 1). A choice the fast path carried as
+    bytes (a :class:`~trio_disagg.RawChoice`, :class:`SseReader`) adds no text
+    here: the output's text is then made from its choices when read (``raw`` is set).
     """
 
-    __slots__ = ("choices", "index", "texts", "token_ids", "usage")
+    __slots__ = ("choices", "index", "raw", "texts", "token_ids", "usage")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -95,6 +99,8 @@ class Burst:
         self.choices: list[Mapping[str, Any]] = []
         self.usage: CompletionUsage | None = None
         self.index: int | None = None
+        #: A RawChoice is among ``choices``.
+        self.raw = False
 
     def add_parts(self, choice: Mapping[str, Any], text: str | None, token_ids: list[int],
                   usage: CompletionUsage | None) -> None:
@@ -125,11 +131,15 @@ class Burst:
         texts, choices = self.texts, self.choices
         if not texts and not choices and not self.token_ids:
             return None
+        # With a RawChoice among the choices, the text is left to be made from all of
+        # them when read (LLMEngineOutput.text): the streaming relay never reads it.
+        text = "".join(texts) if texts and not self.raw else None
         output = LLMEngineOutput(
-            token_ids=self.token_ids, text="".join(texts) if texts else None,
+            token_ids=self.token_ids, text=text,
             completion_usage=self.usage, index=self.index, choices=choices or None)
         self.token_ids, self.texts, self.choices = [], [], []
         self.usage = None
+        self.raw = False
         return output
 
 
@@ -137,6 +147,16 @@ class SseReader:
     """Reads a worker's server-sent events one socket read at a time (the relay's hot path,
     docs/performance.md): :meth:`feed` splits what a read brought into its events at once,
     parses each chunk (orjson) and reads it through the response's :class:`ChunkParser`.
+
+    The common chunk is not parsed at all (the fast path, :attr:`raw_choices`): once a
+    plain content chunk was parsed and found to be exactly its envelope (the bytes up to
+    ``"choices":[``, no ``usage``) around one choice, a later chunk with the same envelope
+    whose one choice has ``index`` 0, a null ``finish_reason``, no ``token_ids`` and
+    non-empty text (or chat ``delta.content`` first) goes into the burst as a
+    :class:`~trio_disagg.RawChoice` of its bytes (:func:`._raw.raw_choice_of`), for
+    the server to relay as sent (B8). Anything else (the first chunk, a finish, usage,
+    an error object, a second choice) is parsed as before; a parsed plain content chunk
+    learns the envelope again (a ``created`` that ticks over costs one parsed chunk).
 
     Attributes:
         burst: the outputs of the reads fed so far that are not sent yet (the caller
@@ -146,11 +166,16 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_parser", "_pending", "burst", "done", "final")
+    __slots__ = ("_parser", "_pending", "_prefix", "burst", "done", "final")
+
+    #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
+    raw_choices: ClassVar[bool] = True
 
     def __init__(self, parser: ChunkParser) -> None:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
+        #: The learned envelope of the stream's chunks, up to ``"choices":[``.
+        self._prefix: bytes | None = None
         self.burst = Burst()
         self.final: LLMEngineOutput | None = None
         self.done = False
@@ -167,7 +192,14 @@ class SseReader:
             part = self._pending + part
         parser, burst = self._parser, self.burst
         add = parser.add
+        prefix = self._prefix
         for data in self._data_of(part):
+            if prefix is not None and data.startswith(prefix):
+                raw = raw_choice_of(data, len(prefix))
+                if raw is not None:  # the common chunk: no parse (see the class docstring)
+                    burst.choices.append(RawChoice(raw))
+                    burst.raw = True
+                    continue
             if data == b"[DONE]":
                 self.done = True
                 return None
@@ -180,7 +212,13 @@ class SseReader:
             if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
                 return f"reported an error: {error_text(chunk)}"
             if self.final is None:
+                known = len(burst.choices)
                 self.final = add(chunk, burst)
+                if self.final is not None:  # nothing after the finish is relayed
+                    self._prefix = prefix = None
+                elif len(burst.choices) > known and self.raw_choices:
+                    prefix = learn_prefix(data, chunk) or prefix
+                    self._prefix = prefix
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
         return None
