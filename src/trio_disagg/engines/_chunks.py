@@ -16,7 +16,7 @@ from .._protocols import (
     PromptTokensDetails,
     RawChoice,
 )
-from ._raw import learn_prefix, raw_choice_of
+from ._raw import Template, learn_template
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -149,14 +149,16 @@ class SseReader:
     parses each chunk (orjson) and reads it through the response's :class:`ChunkParser`.
 
     The common chunk is not parsed at all (the fast path, :attr:`raw_choices`): once a
-    plain content chunk was parsed and found to be exactly its envelope (the bytes up to
-    ``"choices":[``, no ``usage``) around one choice, a later chunk with the same envelope
-    whose one choice has ``index`` 0, a null ``finish_reason``, no ``token_ids`` and
-    non-empty text (or chat ``delta.content`` first) goes into the burst as a
-    :class:`~trio_disagg.RawChoice` of its bytes (:func:`._raw.raw_choice_of`), for
-    the server to relay as sent (B8). Anything else (the first chunk, a finish, usage,
-    an error object, a second choice) is parsed as before; a parsed plain content chunk
-    learns the envelope again (a ``created`` that ticks over costs one parsed chunk).
+    plain content chunk was parsed (one choice, ``index`` 0, non-empty text or chat
+    ``delta.content`` written first, a null ``finish_reason``, no ``token_ids``, no
+    ``usage``), its bytes around the text are the stream's template
+    (:func:`._raw.learn_template`); a later chunk that is the template around another
+    text (no quote in it, no trailing backslash) goes into the burst as a
+    :class:`~trio_disagg.RawChoice` of its choice's bytes, for the server to relay as
+    sent (B8), with no parse. Anything else (the first chunk, a finish, usage, an error
+    object, a second choice, logprobs, a text with a quote) is parsed as before, and a
+    parsed plain content chunk learns the template again (a ``created`` that ticks over
+    costs one parsed chunk).
 
     Attributes:
         burst: the outputs of the reads fed so far that are not sent yet (the caller
@@ -166,7 +168,7 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_parser", "_pending", "_prefix", "burst", "done", "final")
+    __slots__ = ("_parser", "_pending", "_template", "burst", "done", "final")
 
     #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
     raw_choices: ClassVar[bool] = True
@@ -174,8 +176,8 @@ class SseReader:
     def __init__(self, parser: ChunkParser) -> None:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
-        #: The learned envelope of the stream's chunks, up to ``"choices":[``.
-        self._prefix: bytes | None = None
+        #: The learned bytes of the stream's common chunk.
+        self._template: Template | None = None
         self.burst = Burst()
         self.final: LLMEngineOutput | None = None
         self.done = False
@@ -192,14 +194,19 @@ class SseReader:
             part = self._pending + part
         parser, burst = self._parser, self.burst
         add = parser.add
-        prefix = self._prefix
+        template = self._template
+        if template is not None:
+            prefix, suffix, start, tail = template
+            after, fixed = len(suffix), len(prefix) + len(suffix)
         for data in self._data_of(part):
-            if prefix is not None and data.startswith(prefix):
-                raw = raw_choice_of(data, len(prefix))
-                if raw is not None:  # the common chunk: no parse (see the class docstring)
-                    burst.choices.append(RawChoice(raw))
-                    burst.raw = True
-                    continue
+            if (template is not None and data.startswith(prefix) and data.endswith(suffix)
+                    and (size := len(data)) > fixed
+                    and data.find(b'"', fixed - after, size - after) < 0
+                    and data[size - after - 1] != 0x5C):  # no quote, no trailing backslash
+                # The common chunk, its text between the template's bytes: no parse.
+                burst.choices.append(RawChoice(data[start:size - tail]))
+                burst.raw = True
+                continue
             if data == b"[DONE]":
                 self.done = True
                 return None
@@ -215,10 +222,12 @@ class SseReader:
                 known = len(burst.choices)
                 self.final = add(chunk, burst)
                 if self.final is not None:  # nothing after the finish is relayed
-                    self._prefix = prefix = None
-                elif len(burst.choices) > known and self.raw_choices:
-                    prefix = learn_prefix(data, chunk) or prefix
-                    self._prefix = prefix
+                    self._template = template = None
+                elif (len(burst.choices) > known and self.raw_choices
+                        and (learned := learn_template(data, chunk)) is not None):
+                    self._template = template = learned
+                    prefix, suffix, start, tail = template
+                    after, fixed = len(suffix), len(prefix) + len(suffix)
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
         return None

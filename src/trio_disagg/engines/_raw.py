@@ -3,58 +3,68 @@ choice the router relays as sent (B8) without parsing it, recognised by its byte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 _TEXT_START = b'{"index":0,"text":"'
 _CONTENT_START = b'{"index":0,"delta":{"content":"'
+_BACKSLASH = 0x5C
 
 
-def raw_choice_of(data: bytes, start: int) -> bytes | None:
-    """The bytes of a chunk's one choice, from ``start`` (just after its envelope, which
-    the caller checked), if the chunk is the common one: the choice is all the
-    ``choices`` array holds, only a null ``usage`` may follow it, and it has ``index`` 0,
-    one ``finish_reason`` (null), no ``token_ids``, and non-empty ``text`` (completions)
-    or ``delta.content`` first (chat). Else None: the chunk is to be parsed.
+class Template(NamedTuple):
+    """The bytes a stream's common chunks share, learned from one of them (its text's
+    bytes excepted): a chunk is ``prefix + text + suffix``."""
 
-    The checks are on bytes: JSON escapes a quote inside a string, so a pattern that
-    starts with a quote cannot come from a string's content; a second choice would
-    bring a second ``"finish_reason":`` or a ``},{"index":``.
+    #: Up to and with the opening quote of the choice's ``text`` or ``delta.content``.
+    prefix: bytes
+    #: From the closing quote of that string to the end of the chunk.
+    suffix: bytes
+    #: Where the choice (its ``{``) starts in the chunk.
+    start: int
+    #: Bytes after the choice's ``}``: ``]}`` or ``],"usage":null}``.
+    tail: int
+
+
+def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
+    """The template of ``data``, a chunk parsed as ``chunk``, if it is a common one: one
+    choice, ``index`` 0 written first, then its non-empty ``text`` (completions) or
+    ``delta.content`` (chat), a null ``finish_reason``, no ``token_ids``, nothing after
+    the choices but a null ``usage``, and no ``usage`` at all unless null.
+
+    A later chunk that starts with the template's prefix and ends with its suffix, with
+    neither a quote nor a trailing backslash between them, is then this chunk with
+    another text: JSON escapes a quote inside a string, so the string the prefix opens
+    ends where the suffix starts, and every other byte, hence every other field, is this
+    chunk's (checked here by parsing the choice's bytes). Such a chunk is never an error
+    object, a finish, a usage chunk or a second choice.
     """
-    if data.endswith(b"}]}"):
-        choice = data[start:-2]
-    elif data.endswith(b'}],"usage":null}'):
-        choice = data[start:-15]
-    else:
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
         return None
-    if choice.startswith(_TEXT_START):
-        first = choice[19:20]
-    elif choice.startswith(_CONTENT_START):
-        first = choice[31:32]
-    else:
+    choice = choices[0]
+    if (type(choice) is not dict or choice.get("finish_reason") is not None
+            or choice.get("token_ids") is not None):
         return None
-    if (first == b'"' or choice.count(b'"finish_reason":') != 1
-            or b',"finish_reason":null' not in choice or b'"token_ids":' in choice
-            or b'},{"index":' in choice):
-        return None
-    return choice
-
-
-def learn_prefix(data: bytes, chunk: dict[str, Any]) -> bytes | None:
-    """The envelope of ``data`` (a chunk that went into the burst, parsed as
-    ``chunk``) if the fast path would have read it exactly: the bytes before its one
-    choice, which :func:`raw_choice_of` accepts and which parse to that choice."""
     start = data.find(b'"choices":[')
     if start < 0:
         return None
     start += 11
-    prefix = data[:start]
-    if b'"usage"' in prefix:
+    if data.startswith(_TEXT_START, start):
+        text_at = start + len(_TEXT_START)
+    elif data.startswith(_CONTENT_START, start):
+        text_at = start + len(_CONTENT_START)
+    else:
+        return None  # another order of fields (SGLang's ``"role":null`` first): parsed
+    end = data.find(b'"', text_at)
+    if end <= text_at or data[end - 1] == _BACKSLASH:
+        return None  # an empty text, or one with a quote: the next chunk learns
+    if data.endswith(b"}]}"):
+        tail = 2
+    elif data.endswith(b'}],"usage":null}'):
+        tail = 15
+    else:
         return None
-    raw = raw_choice_of(data, start)
-    choices = chunk.get("choices")
-    if (raw is None or type(choices) is not list or len(choices) != 1
-            or orjson.loads(raw) != choices[0]):
-        return None
-    return prefix
+    if orjson.loads(data[start:len(data) - tail]) != choice:
+        return None  # the bytes are not this chunk's one choice: no template
+    return Template(data[:text_at], data[end:], start, tail)
