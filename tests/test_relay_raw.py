@@ -38,6 +38,7 @@ from trio_disagg import (
 from trio_disagg.engines import LatencyModel, MockCluster, VllmEngine, mock_cluster
 from trio_disagg.engines._chunks import ChunkParser, SseReader
 from trio_disagg.server import OpenAIApp, create_app, serve
+from trio_disagg.server._openai_responses import ChunkEncoder
 
 MODEL = "mock-model"
 Choice = dict[str, Any]
@@ -468,3 +469,27 @@ async def test_a_client_that_does_not_stream_gets_the_same_answer(
         fast, slow = answers
         assert fast.choices[0].message.content == "".join(texts)
         assert fast.choices == slow.choices and fast.usage == slow.usage
+
+
+# --- the encoder ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_encoder_writes_raw_and_parsed_choices_alike(chat: bool) -> None:
+    """Whatever mix a burst brings, a RawChoice is written as the dict it parses to would
+    be (a first chat delta gets its role), in order."""
+    made = [delta_choice({"content": t}) if chat else text_choice(t) for t in "abcd"]
+    mixes = [[RawChoice(orjson.dumps(c)) for c in made],
+             [made[0], RawChoice(orjson.dumps(made[1])), made[2], RawChoice(orjson.dumps(made[3]))],
+             [RawChoice(orjson.dumps(made[0])), made[1], made[2], made[3]]]
+
+    def encoder() -> ChunkEncoder:
+        return ChunkEncoder(chat=chat, response_id="r", model=MODEL, created=1,
+                            include_usage=True)
+
+    expected = b"".join(encoder().choices(made))
+    assert expected.count(b'"role":"assistant"') == chat
+    for mix in mixes:
+        assert b"".join(encoder().choices(mix)) == expected
+        split = encoder()
+        assert b"".join(split.choices(mix[:1]) + split.choices(mix[1:])) == expected

@@ -88,10 +88,10 @@ class Burst:
     relayed as its own chunk (B8); the last usage reported wins. All are of one choice
     index (the router asks a worker for ``n`` = 1). A choice the fast path carried as
     bytes (a :class:`~trio_disagg.RawChoice`, :class:`SseReader`) adds no text
-    here: the output's text is then made from its choices when read (``raw`` is set).
+    here: the output's text is then made from its choices when read.
     """
 
-    __slots__ = ("choices", "index", "raw", "texts", "token_ids", "usage")
+    __slots__ = ("choices", "index", "texts", "token_ids", "usage")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -99,8 +99,6 @@ class Burst:
         self.choices: list[Mapping[str, Any]] = []
         self.usage: CompletionUsage | None = None
         self.index: int | None = None
-        #: A RawChoice is among ``choices``.
-        self.raw = False
 
     def add_parts(self, choice: Mapping[str, Any], text: str | None, token_ids: list[int],
                   usage: CompletionUsage | None) -> None:
@@ -133,13 +131,13 @@ class Burst:
             return None
         # With a RawChoice among the choices, the text is left to be made from all of
         # them when read (LLMEngineOutput.text): the streaming relay never reads it.
-        text = "".join(texts) if texts and not self.raw else None
+        text = ("".join(texts) if texts and not any(type(c) is RawChoice for c in choices)
+                else None)
         output = LLMEngineOutput(
             token_ids=self.token_ids, text=text,
             completion_usage=self.usage, index=self.index, choices=choices or None)
         self.token_ids, self.texts, self.choices = [], [], []
         self.usage = None
-        self.raw = False
         return output
 
 
@@ -193,7 +191,7 @@ class SseReader:
         if self._pending:
             part = self._pending + part
         parser, burst = self._parser, self.burst
-        add = parser.add
+        add, append = parser.add, burst.choices.append  # the burst's list, until taken
         template = self._template
         if template is not None:
             prefix, suffix, start, tail = template
@@ -204,8 +202,7 @@ class SseReader:
                     and data.find(b'"', fixed - after, size - after) < 0
                     and data[size - after - 1] != 0x5C):  # no quote, no trailing backslash
                 # The common chunk, its text between the template's bytes: no parse.
-                burst.choices.append(RawChoice(data[start:size - tail]))
-                burst.raw = True
+                append(RawChoice(data[start:size - tail]))
                 continue
             if data == b"[DONE]":
                 self.done = True

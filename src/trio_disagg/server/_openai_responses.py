@@ -103,8 +103,8 @@ class ChunkEncoder:
             and :meth:`usage` builds the final usage chunk.
     """
 
-    __slots__ = ("_chat", "_choice_end", "_choices_head", "_end", "_first", "_head", "_mid",
-                 "_null_end", "_usage_head")
+    __slots__ = ("_between", "_chat", "_choice_end", "_choices_head", "_end", "_first", "_head",
+                 "_mid", "_null_end", "_usage_head")
 
     def __init__(
         self, *, chat: bool, response_id: str, model: str, created: int, include_usage: bool
@@ -119,6 +119,7 @@ class ChunkEncoder:
         self._head = head + b',"choices":[{"index":0,'
         self._choices_head = head + b',"choices":['
         self._choice_end = b"]" + usage_null + b"}\n\n"
+        self._between = self._choice_end + self._choices_head  # between two choice chunks
         self._usage_head = head + b',"choices":[]'
         self._mid = b',"logprobs":null,"finish_reason":'
         self._end = b"}" + self._choice_end
@@ -190,6 +191,19 @@ class ChunkEncoder:
                     fixed["delta"] = {"role": "assistant", **delta}
         return (self._choices_head + _dumps(choice if fixed is None else fixed)
                 + self._choice_end)
+
+    def choices(self, choices: list[Mapping[str, Any]]) -> list[bytes]:
+        """A chunk for each choice (:meth:`choice`), without a call per
+        :class:`~trio_disagg.RawChoice` once the role went out (the relay's per-token
+        path, docs/performance.md)."""
+        if self._first:
+            return list(map(self.choice, choices))
+        raws = [choice.raw for choice in choices if type(choice) is RawChoice]
+        if len(raws) == len(choices):  # the common burst: one join
+            return [self._choices_head + self._between.join(raws) + self._choice_end]
+        head, end = self._choices_head, self._choice_end
+        return [head + choice.raw + end if type(choice) is RawChoice else self.choice(choice)
+                for choice in choices]
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage chunk (``choices`` empty)."""
