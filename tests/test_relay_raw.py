@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -478,10 +478,11 @@ async def test_a_client_that_does_not_stream_gets_the_same_answer(
 def test_the_encoder_writes_raw_and_parsed_choices_alike(chat: bool) -> None:
     """Whatever mix a burst brings, a RawChoice is written as the dict it parses to would
     be (a first chat delta gets its role), in order."""
-    made = [delta_choice({"content": t}) if chat else text_choice(t) for t in "abcd"]
-    mixes = [[RawChoice(orjson.dumps(c)) for c in made],
-             [made[0], RawChoice(orjson.dumps(made[1])), made[2], RawChoice(orjson.dumps(made[3]))],
-             [RawChoice(orjson.dumps(made[0])), made[1], made[2], made[3]]]
+    made: list[Mapping[str, Any]] = [
+        delta_choice({"content": t}) if chat else text_choice(t) for t in "abcd"]
+    raw = [RawChoice(orjson.dumps(c)) for c in made]
+    mixes: list[list[Mapping[str, Any]]] = [
+        list(raw), [made[0], raw[1], made[2], raw[3]], [raw[0], *made[1:]]]
 
     def encoder() -> ChunkEncoder:
         return ChunkEncoder(chat=chat, response_id="r", model=MODEL, created=1,
