@@ -10,7 +10,6 @@ pulled the KV), and raw httpx and the ``openai`` client.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -82,7 +81,8 @@ DONE = event(b"[DONE]")
 #: Texts the byte checks must not be fooled by: quotes, backslashes, unicode, and the
 #: very patterns the reader looks for.
 TRICKY = ["caf\u00e9 \u2603 \U0001f600", 'say "hi"', "back\\slash\\", '"finish_reason":null',
-          ',"finish_reason":null}]}', '"choices":[{"index":0,', '"token_ids":[1]', "\n\t\u0000"]
+          ',"finish_reason":null}]}', '"choices":[{"index":0,', '"token_ids":[1]', "\n\t\u0000",
+          "}]}", "data: [DONE]", "{index:0,text:\u00e9", "\u00a0\u2028"]
 
 
 def completions_stream(texts: list[str], **more: Any) -> bytes:
@@ -97,12 +97,16 @@ def chat_stream(texts: list[str], **more: Any) -> bytes:
             + finish(True) + usage(True, len(texts)) + DONE)
 
 
-def ascii_json(stream: bytes) -> bytes:
-    """``stream`` as a worker that escapes non-ASCII text writes it (``\\u00e9``): the
-    same JSON, other bytes than the router's own encoder writes."""
-    events = [e.removeprefix(b"data: ") for e in stream[:-2].split(b"\n\n")]
-    return b"".join(event(e if e == b"[DONE]" else json.dumps(
-        orjson.loads(e), separators=(",", ":")).encode()) for e in events)
+def spaced(stream: bytes) -> bytes:
+    """``stream`` as a worker that writes a space after a choice's separators writes it:
+    the same JSON, other bytes than the router's own encoder writes."""
+    return stream.replace(b',"logprobs":null,"finish_reason":null',
+                          b', "logprobs": null, "finish_reason": null')
+
+
+def plain(text: str) -> bool:
+    """Whether ``text`` is written in JSON as it is (no escape): the fast path's text."""
+    return not any(c in '"\\' or ord(c) < 0x20 for c in text)
 
 
 def reads_of(stream: bytes) -> Iterator[list[bytes]]:
@@ -189,11 +193,11 @@ def test_the_common_chunk_is_carried_as_its_bytes(chat: bool, parses: list[bytes
     for reads in reads_of(stream):
         fast = Read(reads, raw=True)
         # every content chunk after the first is carried as sent, byte for byte, but
-        # those whose text has a quote or ends with a backslash
+        # those whose text has an escape in JSON
         content = choice_bytes(stream)[chat:chat + len(texts)]
         assert [c.raw for c in fast.raw] == [
             sent for sent, text in zip(content, texts, strict=True)
-            if '"' not in text and not text.endswith("\\")][1:]
+            if plain(text)][1:]
         assert parses == []  # nothing read them
         assert_same_as_parsed(stream, fast)  # reading them now gives the parsed answer
         parses.clear()
@@ -300,6 +304,20 @@ def test_an_error_object_is_never_carried() -> None:
         assert [type(c) for c in output.choices] == [dict, RawChoice]
 
 
+def test_a_malformed_text_is_never_carried() -> None:
+    """A chunk is carried unparsed only if it is valid JSON: a text with a bad escape, a
+    control character or bytes that are not UTF-8 is parsed, and reported."""
+    learned = chunk(False, text_choice("x"))
+    for text in (b"b\\q", b"a\x01b", b"\xff\xfe", b"tail\\", b"\xc3"):
+        bad = learned.replace(b'"text":"x"', b'"text":"' + text + b'"')
+        reader = SseReader(ChunkParser())
+        problem = reader.feed(learned + bad)
+        assert problem is not None and problem.startswith("sent a malformed chunk"), text
+        output = reader.burst.take()
+        assert output is not None and output.choices is not None
+        assert [type(c) for c in output.choices] == [dict]
+
+
 def test_nothing_after_the_finish_is_carried() -> None:
     learned = chunk(False, text_choice("x"))
     stream = learned * 2 + finish(False) + learned + usage(False, 2) + DONE
@@ -375,7 +393,7 @@ async def running() -> AsyncIterator[tuple[str, Relayed, OpenAIApp, MockCluster]
 
 
 def client_events(body: bytes) -> list[bytes]:
-    assert body.endswith(b"data: [DONE]\n\n") and body.count(b"[DONE]") == 1
+    assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: [DONE]\n\n") == 1
     return [e.removeprefix(b"data: ") for e in body[:-2].split(b"\n\n")][:-1]
 
 
@@ -416,16 +434,19 @@ async def test_the_client_gets_the_same_chunks_with_and_without_the_fast_path(
                             "stream_options": {"include_usage": True}}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if chat
                 else {"prompt": "hi"})
-    stream = ascii_json(chat_stream(texts) if chat else completions_stream(texts))
+    stream = spaced(chat_stream(texts) if chat else completions_stream(texts))
     path = "/v1/chat/completions" if chat else "/v1/completions"
     for read_size in (1 << 20, 97):
         fast, slow = await relay_twice(path, body, stream, monkeypatch, read_size)
         assert normalised(fast) == normalised(slow)
         # each choice is the worker's bytes, in the router's envelope (the parsed path
-        # writes the non-ASCII text its own way)
+        # writes them its own way); those with an escaped text are parsed
         sent = choice_bytes(stream)[chat + 1:chat + len(texts)]
-        assert choices_of(fast[1:-2]) == sent
-        assert choices_of(slow[1:-2]) != sent
+        carried = [i for i, text in enumerate(texts[1:]) if plain(text)]
+        assert len(carried) == len(texts) - 1 - 7
+        fast_choices, slow_choices = choices_of(fast[1:-2]), choices_of(slow[1:-2])
+        assert [fast_choices[i] for i in carried] == [sent[i] for i in carried]
+        assert not {slow_choices[i] for i in carried} & set(sent)
         assert orjson.loads(fast[-1])["usage"]["completion_tokens"] == len(texts)
         # the client got them with no parse past the first chunk
         assert parses == []

@@ -16,7 +16,7 @@ from .._protocols import (
     PromptTokensDetails,
     RawChoice,
 )
-from ._raw import Template, learn_template
+from ._raw import NOT_PLAIN, Template, is_utf8, learn_template
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -151,10 +151,12 @@ class SseReader:
     ``delta.content`` written first, a null ``finish_reason``, no ``token_ids``, no
     ``usage``), its bytes around the text are the stream's template
     (:func:`._raw.learn_template`); a later chunk that is the template around another
-    text (no quote in it, no trailing backslash) goes into the burst as a
+    plain text (UTF-8 without a quote, a backslash or a control character: a JSON string
+    as it is, so the chunk is valid JSON) goes into the burst as a
     :class:`~trio_disagg.RawChoice` of its choice's bytes, for the server to relay as
     sent (B8), with no parse. Anything else (the first chunk, a finish, usage, an error
-    object, a second choice, logprobs, a text with a quote) is parsed as before, and a
+    object, a second choice, logprobs that change, a text with an escape or a control
+    character or not UTF-8) is parsed as before, and a
     parsed plain content chunk learns the template again (a ``created`` that ticks over
     costs one parsed chunk).
 
@@ -195,14 +197,14 @@ class SseReader:
         template = self._template
         if template is not None:
             prefix, suffix, start, tail = template
-            after, fixed = len(suffix), len(prefix) + len(suffix)
+            at, after = len(prefix), len(suffix)
         for data in self._data_of(part):
             if (template is not None and data.startswith(prefix) and data.endswith(suffix)
-                    and (size := len(data)) > fixed
-                    and data.find(b'"', fixed - after, size - after) < 0
-                    and data[size - after - 1] != 0x5C):  # no quote, no trailing backslash
-                # The common chunk, its text between the template's bytes: no parse.
-                append(RawChoice(data[start:size - tail]))
+                    and (text := data[at:len(data) - after])
+                    and len(text.translate(None, NOT_PLAIN)) == len(text)
+                    and (text.isascii() or is_utf8(text))):
+                # The common chunk: the template around a plain text. No parse.
+                append(RawChoice(data[start:len(data) - tail]))
                 continue
             if data == b"[DONE]":
                 self.done = True
@@ -224,7 +226,7 @@ class SseReader:
                         and (learned := learn_template(data, chunk)) is not None):
                     self._template = template = learned
                     prefix, suffix, start, tail = template
-                    after, fixed = len(suffix), len(prefix) + len(suffix)
+                    at, after = len(prefix), len(suffix)
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
         return None

@@ -10,6 +10,8 @@ import orjson
 _TEXT_START = b'{"index":0,"text":"'
 _CONTENT_START = b'{"index":0,"delta":{"content":"'
 _BACKSLASH = 0x5C
+#: The bytes a JSON string cannot hold as they are: a quote, a backslash, a control.
+NOT_PLAIN = bytes(range(0x20)) + b'"\\'
 
 
 class Template(NamedTuple):
@@ -26,18 +28,28 @@ class Template(NamedTuple):
     tail: int
 
 
+def is_utf8(text: bytes) -> bool:
+    """Whether ``text`` is valid UTF-8 (orjson refuses a chunk that is not)."""
+    try:
+        text.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     """The template of ``data``, a chunk parsed as ``chunk``, if it is a common one: one
     choice, ``index`` 0 written first, then its non-empty ``text`` (completions) or
     ``delta.content`` (chat), a null ``finish_reason``, no ``token_ids``, nothing after
     the choices but a null ``usage``, and no ``usage`` at all unless null.
 
-    A later chunk that starts with the template's prefix and ends with its suffix, with
-    neither a quote nor a trailing backslash between them, is then this chunk with
-    another text: JSON escapes a quote inside a string, so the string the prefix opens
-    ends where the suffix starts, and every other byte, hence every other field, is this
-    chunk's (checked here by parsing the choice's bytes). Such a chunk is never an error
-    object, a finish, a usage chunk or a second choice.
+    A later chunk that starts with the template's prefix and ends with its suffix, with a
+    plain text between them (UTF-8 without a quote, a backslash or a control character,
+    :data:`NOT_PLAIN`: a JSON string as it is), is then this chunk with another text:
+    the string the prefix opens ends where the suffix starts, and every other byte,
+    hence every other field, is this chunk's (checked here by parsing the choice's
+    bytes). Such a chunk is valid JSON, and never an error object, a finish, a usage
+    chunk or a second choice.
     """
     choices = chunk.get("choices")
     if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
