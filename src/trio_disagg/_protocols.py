@@ -157,7 +157,9 @@ class LLMEngineOutput:
 
     Attributes:
         token_ids: the token ids this item produced (not cumulative).
-        text: their detokenized text, if the engine has it.
+        text: their detokenized text, if the engine has it. For an output whose
+            :attr:`choices` include a :class:`RawChoice`, it is the join of the choices'
+            texts, made (parsing them) when first read.
         finish_reason: set on the stream's last item: why it ended.
         disaggregated_params: a prefill worker's handoff payload (any JSON value): what
             the decode worker needs to find the KV (S10); the SGLang bootstrap triple
