@@ -281,6 +281,14 @@ def test_usage_in_every_chunk_takes_the_parsed_path_and_null_usage_does_not() ->
     assert_same_as_parsed(every(None), Read([every(None)], raw=True))
 
 
+def test_null_token_ids_in_every_chunk_take_the_fast_path() -> None:
+    stream = (b"".join(chunk(False, text_choice(f"t{i}", token_ids=None)) for i in range(4))
+              + finish(False) + DONE)
+    fast = Read([stream], raw=True)
+    assert len(fast.raw) == 3
+    assert_same_as_parsed(stream, fast)
+
+
 def test_a_created_that_changes_costs_one_parsed_chunk() -> None:
     stream = (b"".join(chunk(False, text_choice(f"a{i}"), created=1000) for i in range(3))
               + b"".join(chunk(False, text_choice(f"b{i}"), created=1001) for i in range(3))
@@ -426,7 +434,7 @@ def normalised(events: list[bytes]) -> list[Any]:
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-async def test_the_client_gets_the_same_chunks_with_and_without_the_fast_path(
+async def test_B8_the_client_gets_the_same_chunks_with_and_without_the_fast_path(
     chat: bool, monkeypatch: pytest.MonkeyPatch, parses: list[bytes]
 ) -> None:
     texts = [f" w{i}" for i in range(8)] + TRICKY
@@ -452,7 +460,7 @@ async def test_the_client_gets_the_same_chunks_with_and_without_the_fast_path(
         assert parses == []
 
 
-async def test_tool_calls_and_tokens_counted_when_the_worker_reports_no_usage(
+async def test_B8_tool_calls_and_tokens_counted_when_the_worker_reports_no_usage(
     monkeypatch: pytest.MonkeyPatch, parses: list[bytes]
 ) -> None:
     tool = delta_choice({"tool_calls": [{"index": 0, "id": "c", "type": "function",
