@@ -338,6 +338,22 @@ def test_nothing_after_the_finish_is_carried() -> None:
 # --- through the server ----------------------------------------------------------------------
 
 
+class Reads(httpx.AsyncByteStream):
+    """A response body that comes in reads of ``size`` bytes."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self._parts = [data[at:at + size] for at in range(0, len(data), size)]
+
+    def __aiter__(self) -> Reads:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self._parts:
+            raise StopAsyncIteration
+        return self._parts.pop(0)
+
+
 class Relayed:
     """A decode engine: the mock decode runs first (it pulls the KV; its tokens are thrown
     away), then a vLLM adapter relays :attr:`stream` as its worker's answer, in reads of
@@ -353,11 +369,8 @@ class Relayed:
         self.read_size = 1 << 20
 
     async def _answer(self, request: httpx.Request) -> httpx.Response:
-        async def parts() -> AsyncIterator[bytes]:
-            for at in range(0, len(self.stream), self.read_size):
-                yield self.stream[at:at + self.read_size]
-
-        return httpx.Response(200, content=parts(),
+        await trio.lowlevel.checkpoint()
+        return httpx.Response(200, stream=Reads(self.stream, self.read_size),
                               headers={"content-type": "text/event-stream"})
 
     async def generate(  # noqa: ASYNC128 (the wrapped engines call task_status.started())
