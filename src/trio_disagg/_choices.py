@@ -17,10 +17,14 @@ class RawChoice(Mapping[str, Any]):
 
     It is a read-only mapping: any mapping access parses the bytes, once (orjson), so a
     consumer that needs the choice's fields (a non-streamed answer's collector, an
-    in-process user) reads it as it would the dict. The HTTP adapters make one only for
-    a chunk whose choice is ``choices[0]`` with ``index`` 0, a null ``finish_reason``,
-    no ``token_ids`` and non-empty text or ``delta.content``, and whose other top-level
-    fields are the stream's usual ones (``usage`` null or absent).
+    in-process user) reads it as it would the dict.
+
+    It stands for a streamed choice with ``index`` 0, a null ``finish_reason``, no
+    ``token_ids`` and non-empty ``text`` or ``delta.content``: the server writes its
+    bytes as they are into a chunk of its own envelope (but for the role a first chat
+    delta gets) and counts it as one completion token, without reading it. The HTTP
+    adapters make one only of such a choice (engines ``SseReader``); an engine of your
+    own that makes one keeps to the same.
 
     Args:
         raw: the JSON bytes of one choice object, ``{`` to ``}``.

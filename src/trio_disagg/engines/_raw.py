@@ -77,6 +77,10 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
         tail = 15
     else:
         return None
-    if orjson.loads(data[start:len(data) - tail]) != choice:
+    try:
+        same = orjson.loads(data[start:len(data) - tail]) == choice
+    except orjson.JSONDecodeError:  # a "choices" key found before the chunk's own
+        same = False
+    if not same:
         return None  # the bytes are not this chunk's one choice: no template
     return Template(data[:text_at], data[end:], start, tail)
