@@ -257,7 +257,8 @@ def test_anything_unusual_is_parsed() -> None:
                                               "total_tokens": 2}),
         chunk(False, text_choice("a"), system_fingerprint="fp"),  # more after choices
         # a "choices" key before the chunk's own
-        chunk(False, text_choice("a"), created={"choices": [{"index": 0, "text": "x"}]}),
+        event(orjson.dumps({**envelope(False), "meta": {"choices": [{"index": 0, "text": "x"}]},
+                            "choices": [text_choice("a")]})),
         # the template's bytes around other fields than a text: their quotes tell
         chunk(False, {"index": 0, "text": "x", "token_ids": [5, 6], "s": "",
                       "logprobs": None, "finish_reason": None, "stop_reason": None}),
