@@ -5,7 +5,7 @@ the worker's error objects. The per-token part of the relay (docs/performance.md
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -14,7 +14,9 @@ from .._protocols import (
     FinishReason,
     LLMEngineOutput,
     PromptTokensDetails,
+    RawChoice,
 )
+from ._raw import NOT_PLAIN, Template, is_utf8, learn_template
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -84,7 +86,9 @@ class Burst:
 
     Their token ids and text are joined; each worker choice is kept, in order, to be
     relayed as its own chunk (B8); the last usage reported wins. All are of one choice
-    index (the router asks a worker for ``n`` = 1).
+    index (the router asks a worker for ``n`` = 1). A choice the fast path carried as
+    bytes (a :class:`~trio_disagg.RawChoice`, :class:`SseReader`) adds no text
+    here: the output's text is then made from its choices when read.
     """
 
     __slots__ = ("choices", "index", "texts", "token_ids", "usage")
@@ -125,8 +129,12 @@ class Burst:
         texts, choices = self.texts, self.choices
         if not texts and not choices and not self.token_ids:
             return None
+        # With a RawChoice among the choices, the text is left to be made from all of
+        # them when read (LLMEngineOutput.text): the streaming relay never reads it.
+        text = ("".join(texts) if texts and not any(type(c) is RawChoice for c in choices)
+                else None)
         output = LLMEngineOutput(
-            token_ids=self.token_ids, text="".join(texts) if texts else None,
+            token_ids=self.token_ids, text=text,
             completion_usage=self.usage, index=self.index, choices=choices or None)
         self.token_ids, self.texts, self.choices = [], [], []
         self.usage = None
@@ -138,6 +146,20 @@ class SseReader:
     docs/performance.md): :meth:`feed` splits what a read brought into its events at once,
     parses each chunk (orjson) and reads it through the response's :class:`ChunkParser`.
 
+    The common chunk is not parsed at all (the fast path, :attr:`raw_choices`): once a
+    plain content chunk was parsed (one choice, ``index`` 0, non-empty text or chat
+    ``delta.content`` written first, a null ``finish_reason``, no ``token_ids``, no
+    ``usage``), its bytes around the text are the stream's template
+    (:func:`._raw.learn_template`); a later chunk that is the template around another
+    plain text (UTF-8 without a quote, a backslash or a control character: a JSON string
+    as it is, so the chunk is valid JSON) goes into the burst as a
+    :class:`~trio_disagg.RawChoice` of its choice's bytes, for the server to relay as
+    sent (B8), with no parse. Anything else (the first chunk, a finish, usage, an error
+    object, a second choice, logprobs that change, a text with an escape or a control
+    character or not UTF-8) is parsed as before, and a
+    parsed plain content chunk learns the template again (a ``created`` that ticks over
+    costs one parsed chunk).
+
     Attributes:
         burst: the outputs of the reads fed so far that are not sent yet (the caller
             takes them, one item per read).
@@ -146,11 +168,16 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_parser", "_pending", "burst", "done", "final")
+    __slots__ = ("_parser", "_pending", "_template", "burst", "done", "final")
+
+    #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
+    raw_choices: ClassVar[bool] = True
 
     def __init__(self, parser: ChunkParser) -> None:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
+        #: The learned bytes of the stream's common chunk.
+        self._template: Template | None = None
         self.burst = Burst()
         self.final: LLMEngineOutput | None = None
         self.done = False
@@ -166,8 +193,19 @@ class SseReader:
         if self._pending:
             part = self._pending + part
         parser, burst = self._parser, self.burst
-        add = parser.add
+        add, append = parser.add, burst.choices.append  # the burst's list, until taken
+        template = self._template
+        if template is not None:
+            prefix, suffix, start, tail = template
+            at, after = len(prefix), len(suffix)
         for data in self._data_of(part):
+            if (template is not None and data.startswith(prefix) and data.endswith(suffix)
+                    and (text := data[at:len(data) - after])
+                    and len(text.translate(None, NOT_PLAIN)) == len(text)
+                    and (text.isascii() or is_utf8(text))):
+                # The common chunk: the template around a plain text. No parse.
+                append(RawChoice(data[start:len(data) - tail]))
+                continue
             if data == b"[DONE]":
                 self.done = True
                 return None
@@ -180,7 +218,15 @@ class SseReader:
             if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
                 return f"reported an error: {error_text(chunk)}"
             if self.final is None:
+                known = len(burst.choices)
                 self.final = add(chunk, burst)
+                if self.final is not None:  # nothing after the finish is relayed
+                    self._template = template = None
+                elif (len(burst.choices) > known and self.raw_choices
+                        and (learned := learn_template(data, chunk)) is not None):
+                    self._template = template = learned
+                    prefix, suffix, start, tail = template
+                    at, after = len(prefix), len(suffix)
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
         return None

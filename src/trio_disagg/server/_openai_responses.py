@@ -2,7 +2,8 @@
 
 Response chunks are built by :class:`ChunkEncoder` from prebuilt byte strings, so a token
 costs one ``orjson.dumps`` of its text (docs/design.md P4), and a worker's own choice, relayed
-as sent (B8), one ``orjson.dumps`` of that choice. :class:`ChoiceCollector` collects a
+as sent (B8), one ``orjson.dumps`` of that choice, or none when it came as its bytes (a
+:class:`~trio_disagg.RawChoice`). :class:`ChoiceCollector` collects a
 worker's streamed choices into one answer for a client that did not stream.
 """
 
@@ -17,6 +18,7 @@ from .._protocols import (
     CompletionUsage,
     FinishKind,
     FinishReason,
+    RawChoice,
 )
 from ._openai_errors import ApiError
 
@@ -101,8 +103,8 @@ class ChunkEncoder:
             and :meth:`usage` builds the final usage chunk.
     """
 
-    __slots__ = ("_chat", "_choice_end", "_choices_head", "_end", "_first", "_head", "_mid",
-                 "_null_end", "_usage_head")
+    __slots__ = ("_between", "_chat", "_choice_end", "_choices_head", "_end", "_first", "_head",
+                 "_mid", "_null_end", "_usage_head")
 
     def __init__(
         self, *, chat: bool, response_id: str, model: str, created: int, include_usage: bool
@@ -117,11 +119,13 @@ class ChunkEncoder:
         self._head = head + b',"choices":[{"index":0,'
         self._choices_head = head + b',"choices":['
         self._choice_end = b"]" + usage_null + b"}\n\n"
+        self._between = self._choice_end + self._choices_head  # between two choice chunks
         self._usage_head = head + b',"choices":[]'
         self._mid = b',"logprobs":null,"finish_reason":'
         self._end = b"}" + self._choice_end
         self._null_end = self._mid + b"null" + self._end
-        self._first = True
+        # The next chat chunk is the first (it gets the role); only chat reads it.
+        self._first = chat
 
     def token(self, text: str) -> bytes:
         """A chunk carrying ``text`` and no finish reason."""
@@ -148,7 +152,8 @@ class ChunkEncoder:
 
     def choice(self, choice: Mapping[str, Any], finish_reason: str | None = None) -> bytes:
         """A chunk carrying the worker's own choice as it sent it (B8), in this response's
-        envelope: one ``orjson.dumps`` of the choice.
+        envelope: one ``orjson.dumps`` of the choice, or its own bytes for a
+        :class:`~trio_disagg.RawChoice` that needs nothing set.
 
         What the router owns is set on the way: ``index`` 0 (one choice per response), and
         for chat ``"role": "assistant"`` in the first delta if it has none, and a
@@ -160,6 +165,11 @@ class ChunkEncoder:
             finish_reason: the OpenAI finish reason to set when the choice has none (a
                 terminal whose reason the adapter knew but the choice did not carry).
         """
+        if type(choice) is RawChoice:
+            if finish_reason is None and not self._first:
+                # Its index is 0 and it has no finish (the reader checked its bytes).
+                return self._choices_head + choice.raw + self._choice_end
+            choice = dict(choice)  # a first chat delta gets its role: read it
         fixed: dict[str, Any] | None = None
         if choice.get("index") != 0:
             fixed = dict(choice)
@@ -181,6 +191,19 @@ class ChunkEncoder:
                     fixed["delta"] = {"role": "assistant", **delta}
         return (self._choices_head + _dumps(choice if fixed is None else fixed)
                 + self._choice_end)
+
+    def choices(self, choices: list[Mapping[str, Any]]) -> list[bytes]:
+        """A chunk for each choice (:meth:`choice`), without a call per
+        :class:`~trio_disagg.RawChoice` once the role went out (the relay's per-token
+        path, docs/performance.md)."""
+        if self._first:
+            return list(map(self.choice, choices))
+        raws = [choice.raw for choice in choices if type(choice) is RawChoice]
+        if len(raws) == len(choices):  # the common burst: one join
+            return [self._choices_head + self._between.join(raws) + self._choice_end]
+        head, end = self._choices_head, self._choice_end
+        return [head + choice.raw + end if type(choice) is RawChoice else self.choice(choice)
+                for choice in choices]
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage chunk (``choices`` empty)."""
@@ -232,7 +255,10 @@ def has_content(choice: Mapping[str, Any]) -> bool:
 def counted_tokens(choice: Mapping[str, Any]) -> int:
     """Tokens a worker's choice adds to the count used when the worker reports no usage
     and sent no token ids: one for a chunk that carries part of the answer (a streamed
-    chunk is one token), else none."""
+    chunk is one token), else none. A :class:`~trio_disagg.RawChoice` is one,
+    unread: the reader made it only of a choice with text."""
+    if type(choice) is RawChoice:
+        return 1
     return 1 if has_content(choice) else 0
 
 

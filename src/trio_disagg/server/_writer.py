@@ -70,7 +70,7 @@ class SseSink:
 
     def choices(self, choices: list[Choice]) -> None:
         """Each of a burst's worker choices as its own event (B8)."""
-        self.parts += map(self.encoder.choice, choices)
+        self.parts += self.encoder.choices(choices)
 
     async def flush(self) -> None:
         responder = self.responder

@@ -1,0 +1,86 @@
+"""The relay's fast path on bytes (docs/performance.md): a worker's common chunk, whose
+choice the router relays as sent (B8) without parsing it, recognised by its bytes."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import orjson
+
+_TEXT_START = b'{"index":0,"text":"'
+_CONTENT_START = b'{"index":0,"delta":{"content":"'
+_BACKSLASH = 0x5C
+#: The bytes a JSON string cannot hold as they are: a quote, a backslash, a control.
+NOT_PLAIN = bytes(range(0x20)) + b'"\\'
+
+
+class Template(NamedTuple):
+    """The bytes a stream's common chunks share, learned from one of them (its text's
+    bytes excepted): a chunk is ``prefix + text + suffix``."""
+
+    #: Up to and with the opening quote of the choice's ``text`` or ``delta.content``.
+    prefix: bytes
+    #: From the closing quote of that string to the end of the chunk.
+    suffix: bytes
+    #: Where the choice (its ``{``) starts in the chunk.
+    start: int
+    #: Bytes after the choice's ``}``: ``]}`` or ``],"usage":null}``.
+    tail: int
+
+
+def is_utf8(text: bytes) -> bool:
+    """Whether ``text`` is valid UTF-8 (orjson refuses a chunk that is not)."""
+    try:
+        text.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
+    """The template of ``data``, a chunk parsed as ``chunk``, if it is a common one: one
+    choice, ``index`` 0 written first, then its non-empty ``text`` (completions) or
+    ``delta.content`` (chat), a null ``finish_reason``, no ``token_ids``, nothing after
+    the choices but a null ``usage``, and no ``usage`` at all unless null.
+
+    A later chunk that starts with the template's prefix and ends with its suffix, with a
+    plain text between them (UTF-8 without a quote, a backslash or a control character,
+    :data:`NOT_PLAIN`: a JSON string as it is), is then this chunk with another text:
+    the string the prefix opens ends where the suffix starts, and every other byte,
+    hence every other field, is this chunk's (checked here by parsing the choice's
+    bytes). Such a chunk is valid JSON, and never an error object, a finish, a usage
+    chunk or a second choice.
+    """
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
+        return None
+    choice = choices[0]
+    if (type(choice) is not dict or choice.get("finish_reason") is not None
+            or choice.get("token_ids") is not None):
+        return None
+    start = data.find(b'"choices":[')
+    if start < 0:
+        return None
+    start += 11
+    if data.startswith(_TEXT_START, start):
+        text_at = start + len(_TEXT_START)
+    elif data.startswith(_CONTENT_START, start):
+        text_at = start + len(_CONTENT_START)
+    else:
+        return None  # another order of fields (SGLang's ``"role":null`` first): parsed
+    end = data.find(b'"', text_at)
+    if end <= text_at or data[end - 1] == _BACKSLASH:
+        return None  # an empty text, or one with a quote: the next chunk learns
+    if data.endswith(b"}]}"):
+        tail = 2
+    elif data.endswith(b'}],"usage":null}'):
+        tail = 15
+    else:
+        return None
+    try:
+        same = orjson.loads(data[start:len(data) - tail]) == choice
+    except orjson.JSONDecodeError:  # a "choices" key found before the chunk's own
+        same = False
+    if not same:
+        return None  # the bytes are not this chunk's one choice: no template
+    return Template(data[:text_at], data[end:], start, tail)

@@ -1,0 +1,541 @@
+"""The relay's fast path on bytes (B8, docs/performance.md): the worker's common chunk is
+neither parsed nor re-encoded, its choice's bytes go to the client as sent, and the client
+sees exactly what the parsed path gives it.
+
+The reader (engines/_chunks.py ``SseReader``) is checked on scripted worker streams; the
+server on a real port, a :class:`~trio_disagg.engines.VllmEngine` decode whose worker is
+an in-memory transport answering a scripted stream (after the in-process mock decode
+pulled the KV), and raw httpx and the ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import openai
+import orjson
+import pytest
+import trio
+
+from trio_disagg import (
+    Annotated,
+    DisaggRouter,
+    HandoffStyle,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    RawChoice,
+    RequestContext,
+    TransferKeeper,
+    WorkerPool,
+    to_wire,
+)
+from trio_disagg.engines import LatencyModel, MockCluster, VllmEngine, mock_cluster
+from trio_disagg.engines._chunks import ChunkParser, SseReader
+from trio_disagg.server import OpenAIApp, create_app, serve
+from trio_disagg.server._openai_responses import ChunkEncoder
+
+MODEL = "mock-model"
+Choice = dict[str, Any]
+
+
+def envelope(chat: bool, created: int = 1000) -> dict[str, Any]:
+    return {"id": "cmpl-w", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": "worker-model"}
+
+
+def text_choice(text: str, **more: Any) -> Choice:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": None,
+            "stop_reason": None, **more}
+
+
+def delta_choice(delta: dict[str, Any], **more: Any) -> Choice:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **more}
+
+
+def event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+def chunk(chat: bool, *choices: Choice, created: int = 1000, **top: Any) -> bytes:
+    return event(orjson.dumps({**envelope(chat, created), "choices": list(choices), **top}))
+
+
+def finish(chat: bool, reason: str = "stop") -> bytes:
+    last = (delta_choice({}, finish_reason=reason) if chat
+            else text_choice("", finish_reason=reason))
+    return chunk(chat, last)
+
+
+def usage(chat: bool, completion: int) -> bytes:
+    return chunk(chat, usage={"prompt_tokens": 5, "completion_tokens": completion,
+                              "total_tokens": 5 + completion})
+
+
+DONE = event(b"[DONE]")
+
+#: Texts the byte checks must not be fooled by: quotes, backslashes, unicode, and the
+#: very patterns the reader looks for.
+TRICKY = ["caf\u00e9 \u2603 \U0001f600", 'say "hi"', "back\\slash\\", '"finish_reason":null',
+          ',"finish_reason":null}]}', '"choices":[{"index":0,', '"token_ids":[1]', "\n\t\u0000",
+          "}]}", "data: [DONE]", "{index:0,text:\u00e9", "\u00a0\u2028"]
+
+
+def completions_stream(texts: list[str], **more: Any) -> bytes:
+    return (b"".join(chunk(False, text_choice(text, **more)) for text in texts)
+            + finish(False, "length") + usage(False, len(texts)) + DONE)
+
+
+def chat_stream(texts: list[str], **more: Any) -> bytes:
+    role = chunk(True, delta_choice({"role": "assistant", "content": ""}))
+    return (role + b"".join(chunk(True, delta_choice({"content": text}, **more))
+                            for text in texts)
+            + finish(True) + usage(True, len(texts)) + DONE)
+
+
+def spaced(stream: bytes) -> bytes:
+    """``stream`` as a worker that writes a space after a choice's separators writes it:
+    the same JSON, other bytes than the router's own encoder writes."""
+    return stream.replace(b',"logprobs":null,"finish_reason":null',
+                          b', "logprobs": null, "finish_reason": null')
+
+
+def plain(text: str) -> bool:
+    """Whether ``text`` is written in JSON as it is (no escape): the fast path's text."""
+    return not any(c in '"\\' or ord(c) < 0x20 for c in text)
+
+
+def reads_of(stream: bytes) -> Iterator[list[bytes]]:
+    """The stream in one read, an event per read, and cut in odd places."""
+    yield [stream]
+    yield [e + b"\n\n" for e in stream[:-2].split(b"\n\n")]
+    yield [stream[i:i + 37] for i in range(0, len(stream), 37)]
+
+
+class ParsingReader(SseReader):
+    """The reader with the fast path off: every chunk parsed."""
+
+    raw_choices = False
+
+
+class Read:
+    """What the reader made of a stream: the outputs, in order, and the final one."""
+
+    def __init__(self, reads: list[bytes], *, raw: bool) -> None:
+        reader = (SseReader if raw else ParsingReader)(ChunkParser())
+        self.outputs: list[LLMEngineOutput] = []
+        for part in reads:
+            assert reader.feed(part) is None
+            if (output := reader.burst.take()) is not None:
+                self.outputs.append(output)
+        assert reader.done and reader.final is not None
+        self.final = reader.final
+
+    @property
+    def choices(self) -> list[Any]:
+        return [c for output in self.outputs for c in output.choices or ()]
+
+    @property
+    def raw(self) -> list[RawChoice]:
+        return [c for c in self.choices if type(c) is RawChoice]
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The bytes of every RawChoice parsed, in order."""
+    parsed: list[bytes] = []
+    real = RawChoice._parse
+
+    def counted(self: RawChoice) -> dict[str, Any]:
+        if self._parsed is None:
+            parsed.append(self.raw)
+        return real(self)
+
+    monkeypatch.setattr(RawChoice, "_parse", counted)
+    return parsed
+
+
+def assert_same_as_parsed(stream: bytes, fast: Read) -> None:
+    """The fast read equals the parsed one: each choice (as a mapping), each output's
+    text, token ids and usage, and the final output."""
+    slow = Read([stream], raw=False)
+    assert not slow.raw
+    assert [dict(c) for c in fast.choices] == slow.choices
+    assert "".join(o.text or "" for o in fast.outputs) == "".join(
+        o.text or "" for o in slow.outputs)
+    assert [o.token_ids for o in fast.outputs if o.token_ids] == [
+        o.token_ids for o in slow.outputs if o.token_ids]
+    assert fast.final == slow.final and fast.final.choices == slow.final.choices
+
+
+def choice_bytes(stream: bytes) -> list[bytes]:
+    """Each event's ``choices[0]`` bytes, as the worker wrote them (the scripts write one
+    choice per chunk)."""
+    found = []
+    for data in stream[:-2].split(b"\n\n"):
+        start = data.find(b'"choices":[{')
+        if start >= 0:
+            found.append(data[start + 11:data.rindex(b"]")])
+    return found
+
+
+# --- the reader ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_common_chunk_is_carried_as_its_bytes(chat: bool, parses: list[bytes]) -> None:
+    texts = [f" w{i}" for i in range(6)] + TRICKY
+    stream = chat_stream(texts) if chat else completions_stream(texts)
+    for reads in reads_of(stream):
+        fast = Read(reads, raw=True)
+        # every content chunk after the first is carried as sent, byte for byte, but
+        # those whose text has an escape in JSON
+        content = choice_bytes(stream)[chat:chat + len(texts)]
+        assert [c.raw for c in fast.raw] == [
+            sent for sent, text in zip(content, texts, strict=True)
+            if plain(text)][1:]
+        assert parses == []  # nothing read them
+        assert_same_as_parsed(stream, fast)  # reading them now gives the parsed answer
+        parses.clear()
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_an_outputs_text_is_made_when_read(chat: bool, parses: list[bytes]) -> None:
+    texts = ["a", "b\u00e9", 'c"', "d"]
+    stream = chat_stream(texts) if chat else completions_stream(texts)
+    fast = Read([stream], raw=True)
+    (output,) = fast.outputs
+    # "a" taught the template, 'c"' was parsed (a quote), the others were not
+    assert output.choices is not None
+    assert [type(c) for c in output.choices] == [dict, RawChoice, dict, RawChoice]
+    assert parses == []
+    assert output.text == "ab\u00e9c\"d"  # in order, parsed and unparsed alike
+    assert len(parses) == 2
+    # the wire form, equality and repr see the text too
+    assert to_wire(output)["text"] == "ab\u00e9c\"d"
+    assert output == LLMEngineOutput(text="ab\u00e9c\"d")
+
+
+def test_logprobs_and_reasoning_ride_along_in_the_bytes() -> None:
+    logprobs = {"content": [{"token": "x", "logprob": -0.25, "bytes": [120],
+                             "top_logprobs": [{"token": "x", "logprob": -0.25,
+                                               "bytes": [120]}]}]}
+    texts = ["x", "y", "z"]
+    stream = chat_stream(texts, logprobs=logprobs)
+    fast = Read([stream], raw=True)
+    assert len(fast.raw) == 2
+    assert_same_as_parsed(stream, fast)
+    both = (chunk(True, delta_choice({"content": "a", "reasoning_content": "because"}))
+            * 3 + finish(True) + DONE)
+    fast = Read([both], raw=True)
+    assert len(fast.raw) == 2 and fast.raw[0]["delta"]["reasoning_content"] == "because"
+    assert_same_as_parsed(both, fast)
+    completion_lp = {"tokens": ["x"], "token_logprobs": [-0.5], "top_logprobs": [{"x": -0.5}],
+                     "text_offset": [0]}
+    stream = completions_stream(texts, logprobs=completion_lp)
+    fast = Read([stream], raw=True)
+    assert len(fast.raw) == 2
+    assert_same_as_parsed(stream, fast)
+
+
+def test_anything_unusual_is_parsed() -> None:
+    tool = delta_choice({"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": "{}"}}]})
+    second = {**text_choice("b"), "index": 1}
+    unusual = [
+        chunk(True, tool),  # no content first
+        chunk(True, delta_choice({"role": None, "content": "x"})),  # SGLang's delta
+        chunk(True, delta_choice({"content": ""})),  # empty content
+        chunk(False, text_choice("a"), second),  # two choices
+        chunk(False, {**text_choice("a"), "index": 2}),  # another index
+        chunk(False, text_choice("a", token_ids=[5])),  # token ids are counted
+        chunk(False, text_choice("a"), usage={"prompt_tokens": 1, "completion_tokens": 1,
+                                              "total_tokens": 2}),
+        chunk(False, text_choice("a"), system_fingerprint="fp"),  # more after choices
+        # a "choices" key before the chunk's own
+        event(orjson.dumps({**envelope(False), "meta": {"choices": [{"index": 0, "text": "x"}]},
+                            "choices": [text_choice("a")]})),
+        # the template's bytes around other fields than a text: their quotes tell
+        chunk(False, {"index": 0, "text": "x", "token_ids": [5, 6], "s": "",
+                      "logprobs": None, "finish_reason": None, "stop_reason": None}),
+    ]
+    for data in unusual:
+        chat = b"chat.completion.chunk" in data
+        learned = chunk(chat, delta_choice({"content": "x"}) if chat else text_choice("x"))
+        stream = learned + data + learned + (finish(chat) + DONE)
+        fast = Read([stream], raw=True)
+        assert [c.raw for c in fast.raw] == choice_bytes(learned), data
+        assert_same_as_parsed(stream, fast)
+
+
+def test_usage_in_every_chunk_takes_the_parsed_path_and_null_usage_does_not() -> None:
+    def every(usage: Any) -> bytes:
+        return b"".join(chunk(False, text_choice(f"t{i}"), usage=usage) for i in range(4)) + (
+            finish(False) + DONE)
+
+    counts = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert Read([every(counts)], raw=True).raw == []
+    assert len(Read([every(None)], raw=True).raw) == 3
+    assert_same_as_parsed(every(counts), Read([every(counts)], raw=True))
+    assert_same_as_parsed(every(None), Read([every(None)], raw=True))
+
+
+def test_null_token_ids_in_every_chunk_take_the_fast_path() -> None:
+    stream = (b"".join(chunk(False, text_choice(f"t{i}", token_ids=None)) for i in range(4))
+              + finish(False) + DONE)
+    fast = Read([stream], raw=True)
+    assert len(fast.raw) == 3
+    assert_same_as_parsed(stream, fast)
+
+
+def test_a_created_that_changes_costs_one_parsed_chunk() -> None:
+    stream = (b"".join(chunk(False, text_choice(f"a{i}"), created=1000) for i in range(3))
+              + b"".join(chunk(False, text_choice(f"b{i}"), created=1001) for i in range(3))
+              + finish(False) + DONE)
+    fast = Read([stream], raw=True)
+    assert [c["text"] for c in fast.raw] == ["a1", "a2", "b1", "b2"]
+    assert_same_as_parsed(stream, fast)
+
+
+def test_an_error_object_is_never_carried() -> None:
+    learned = chunk(False, text_choice("x"))
+    for error in ({"error": {"message": "boom"}}, {"object": "error", "message": "boom"},
+                  {**envelope(False), "error": "boom", "choices": [text_choice("y")]},
+                  {**envelope(False), "object": "error", "message": "boom",
+                   "choices": [text_choice("y")]}):
+        reader = SseReader(ChunkParser())
+        assert reader.feed(learned * 2) is None
+        assert reader.feed(event(orjson.dumps(error))) == "reported an error: boom"
+        output = reader.burst.take()
+        assert output is not None and output.choices is not None
+        assert [type(c) for c in output.choices] == [dict, RawChoice]
+
+
+def test_a_malformed_text_is_never_carried() -> None:
+    """A chunk is carried unparsed only if it is valid JSON: a text with a bad escape, a
+    control character or bytes that are not UTF-8 is parsed, and reported."""
+    learned = chunk(False, text_choice("x"))
+    for text in (b"b\\q", b"a\x01b", b"\xff\xfe", b"tail\\", b"\xc3"):
+        bad = learned.replace(b'"text":"x"', b'"text":"' + text + b'"')
+        reader = SseReader(ChunkParser())
+        problem = reader.feed(learned + bad)
+        assert problem is not None and problem.startswith("sent a malformed chunk"), text
+        output = reader.burst.take()
+        assert output is not None and output.choices is not None
+        assert [type(c) for c in output.choices] == [dict]
+
+
+def test_nothing_after_the_finish_is_carried() -> None:
+    learned = chunk(False, text_choice("x"))
+    stream = learned * 2 + finish(False) + learned + usage(False, 2) + DONE
+    fast = Read([stream], raw=True)
+    assert len(fast.choices) == 2 and len(fast.raw) == 1
+    assert fast.final.completion_usage is not None
+    assert_same_as_parsed(stream, fast)
+
+
+# --- through the server ----------------------------------------------------------------------
+
+
+class Reads(httpx.AsyncByteStream):
+    """A response body that comes in reads of ``size`` bytes."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self._parts = [data[at:at + size] for at in range(0, len(data), size)]
+
+    def __aiter__(self) -> Reads:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self._parts:
+            raise StopAsyncIteration
+        return self._parts.pop(0)
+
+
+class Relayed:
+    """A decode engine: the mock decode runs first (it pulls the KV; its tokens are thrown
+    away), then a vLLM adapter relays :attr:`stream` as its worker's answer, in reads of
+    :attr:`read_size` bytes."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.name: str = engine.name
+        self.handoff_style: HandoffStyle = engine.handoff_style
+        self.bootstrap_host: str | None = engine.bootstrap_host
+        self.bootstrap_port: int | None = engine.bootstrap_port
+        self.stream = b""
+        self.read_size = 1 << 20
+
+    async def _answer(self, request: httpx.Request) -> httpx.Response:
+        await trio.lowlevel.checkpoint()
+        return httpx.Response(200, stream=Reads(self.stream, self.read_size),
+                              headers={"content-type": "text/event-stream"})
+
+    async def generate(  # noqa: ASYNC128 (the wrapped engines call task_status.started())
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Annotated[LLMEngineOutput]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        inner_send, inner_receive = trio.open_memory_channel[Any](math.inf)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(self.engine.generate, request, context, inner_send))
+            with inner_receive:
+                async for _ in inner_receive:
+                    pass
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self._answer))
+        async with client:
+            vllm = VllmEngine("http://worker:1", "decode", client=client)
+            await vllm.generate(request, context, send_channel, task_status=task_status)
+
+
+@asynccontextmanager
+async def running() -> AsyncIterator[tuple[str, Relayed, OpenAIApp, MockCluster]]:
+    cluster = mock_cluster(latency=LatencyModel.zero())
+    decode = Relayed(cluster.decode[0])
+    async with TransferKeeper(drain_window=5.0) as keeper:
+        router = DisaggRouter(WorkerPool([cluster.prefill[0]]), WorkerPool([decode]), keeper)
+        app = create_app(router, models=[MODEL])
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(
+                serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait))
+            yield f"http://127.0.0.1:{port}", decode, app, cluster
+            with trio.fail_after(5):
+                await app.wait_idle()
+                await router.wait_idle()
+                await keeper.wait_idle()
+            assert cluster.counters().held_blocks == 0
+            stop.set()
+
+
+def client_events(body: bytes) -> list[bytes]:
+    assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: [DONE]\n\n") == 1
+    return [e.removeprefix(b"data: ") for e in body[:-2].split(b"\n\n")][:-1]
+
+
+async def relay_twice(path: str, body: dict[str, Any], stream: bytes, monkeypatch:
+                      pytest.MonkeyPatch, read_size: int = 1 << 20) -> list[list[bytes]]:
+    """The client's events for ``stream`` with the fast path on, then off."""
+    answers = []
+    async with running() as (url, decode, _, _), httpx.AsyncClient(
+            base_url=url, timeout=10.0) as http:
+        decode.stream, decode.read_size = stream, read_size
+        for raw in (True, False):
+            monkeypatch.setattr(SseReader, "raw_choices", raw)
+            response = await http.post(path, json=body)
+            assert response.status_code == 200, response.text
+            answers.append(client_events(response.content))
+    return answers
+
+
+def choices_of(events: list[bytes]) -> list[bytes]:
+    """The bytes of each event's ``choices`` array, without the brackets."""
+    return [e[e.index(b'"choices":[') + 11:e.rindex(b"]")] for e in events]
+
+
+def normalised(events: list[bytes]) -> list[Any]:
+    """The parsed events without what differs between two responses (id, created)."""
+    parsed = [orjson.loads(e) for e in events]
+    for e in parsed:
+        e.pop("id"), e.pop("created")
+    return parsed
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_the_client_gets_the_same_chunks_with_and_without_the_fast_path(
+    chat: bool, monkeypatch: pytest.MonkeyPatch, parses: list[bytes]
+) -> None:
+    texts = [f" w{i}" for i in range(8)] + TRICKY
+    body: dict[str, Any] = {"model": MODEL, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat
+                else {"prompt": "hi"})
+    stream = spaced(chat_stream(texts) if chat else completions_stream(texts))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for read_size in (1 << 20, 97):
+        fast, slow = await relay_twice(path, body, stream, monkeypatch, read_size)
+        assert normalised(fast) == normalised(slow)
+        # each choice is the worker's bytes, in the router's envelope (the parsed path
+        # writes them its own way); those with an escaped text are parsed
+        sent = choice_bytes(stream)[chat + 1:chat + len(texts)]
+        carried = [i for i, text in enumerate(texts[1:]) if plain(text)]
+        assert len(carried) == len(texts) - 1 - 7
+        fast_choices, slow_choices = choices_of(fast[1:-2]), choices_of(slow[1:-2])
+        assert [fast_choices[i] for i in carried] == [sent[i] for i in carried]
+        assert not {slow_choices[i] for i in carried} & set(sent)
+        assert orjson.loads(fast[-1])["usage"]["completion_tokens"] == len(texts)
+        # the client got them with no parse past the first chunk
+        assert parses == []
+
+
+async def test_B8_tool_calls_and_tokens_counted_when_the_worker_reports_no_usage(
+    monkeypatch: pytest.MonkeyPatch, parses: list[bytes]
+) -> None:
+    tool = delta_choice({"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": ""}}]})
+    texts = ["a", "b", "c"]
+    stream = (chunk(True, delta_choice({"role": "assistant", "content": ""}))
+              + b"".join(chunk(True, delta_choice({"content": t})) for t in texts)
+              + chunk(True, tool) + b"".join(chunk(True, delta_choice({"content": t}))
+                                             for t in texts)
+              + finish(True, "tool_calls") + DONE)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    fast, slow = await relay_twice("/v1/chat/completions", body, stream, monkeypatch)
+    assert normalised(fast) == normalised(slow)
+    assert orjson.loads(fast[-1])["usage"]["completion_tokens"] == 7
+    assert parses == []
+
+
+async def test_a_client_that_does_not_stream_gets_the_same_answer(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = [f" w{i}" for i in range(5)] + TRICKY
+    stream = chat_stream(texts)
+    async with running() as (url, decode, _, _):
+        decode.stream = stream
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=10.0)
+        answers = []
+        for raw in (True, False):
+            monkeypatch.setattr(SseReader, "raw_choices", raw)
+            answer = await trio.to_thread.run_sync(partial(
+                client.chat.completions.create, model=MODEL,
+                messages=[{"role": "user", "content": "hi"}]))
+            answers.append(answer)
+        fast, slow = answers
+        assert fast.choices[0].message.content == "".join(texts)
+        assert fast.choices == slow.choices and fast.usage == slow.usage
+
+
+# --- the encoder ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_encoder_writes_raw_and_parsed_choices_alike(chat: bool) -> None:
+    """Whatever mix a burst brings, a RawChoice is written as the dict it parses to would
+    be (a first chat delta gets its role), in order."""
+    made: list[Mapping[str, Any]] = [
+        delta_choice({"content": t}) if chat else text_choice(t) for t in "abcd"]
+    raw = [RawChoice(orjson.dumps(c)) for c in made]
+    mixes: list[list[Mapping[str, Any]]] = [
+        list(raw), [made[0], raw[1], made[2], raw[3]], [raw[0], *made[1:]]]
+
+    def encoder() -> ChunkEncoder:
+        return ChunkEncoder(chat=chat, response_id="r", model=MODEL, created=1,
+                            include_usage=True)
+
+    expected = b"".join(encoder().choices(made))
+    assert expected.count(b'"role":"assistant"') == chat
+    for mix in mixes:
+        assert b"".join(encoder().choices(mix)) == expected
+        split = encoder()
+        assert b"".join(split.choices(mix[:1]) + split.choices(mix[1:])) == expected
