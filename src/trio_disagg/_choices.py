@@ -63,15 +63,3 @@ class RawChoice(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"RawChoice({self.raw!r})"
-
-
-def choice_text(choice: Mapping[str, Any]) -> str | None:
-    """An OpenAI choice's text: its ``text``, else its ``delta``'s or ``message``'s
-    ``content``; None if it has none that is a string."""
-    text: Any
-    if "text" in choice:
-        text = choice["text"]
-    else:
-        part = choice.get("delta") if "delta" in choice else choice.get("message")
-        text = part.get("content") if isinstance(part, Mapping) else None
-    return text if type(text) is str else None

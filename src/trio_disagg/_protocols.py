@@ -20,7 +20,6 @@ import orjson
 
 # The worker's choice kept as bytes (the relay's fast path) and its text, beside the output.
 from ._choices import RawChoice as RawChoice
-from ._choices import choice_text
 from ._errors import WireFormatError
 
 # The strict converter lives in _strict_json; its names stay importable from here.
@@ -157,9 +156,7 @@ class LLMEngineOutput:
 
     Attributes:
         token_ids: the token ids this item produced (not cumulative).
-        text: their detokenized text, if the engine has it. For an output whose
-            :attr:`choices` include a :class:`RawChoice`, it is the join of the choices'
-            texts, made (parsing them) when first read.
+        text: their detokenized text, if the engine has it.
         finish_reason: set on the stream's last item: why it ended.
         disaggregated_params: a prefill worker's handoff payload (any JSON value): what
             the decode worker needs to find the KV (S10); the SGLang bootstrap triple
@@ -189,27 +186,6 @@ class LLMEngineOutput:
     def length(cls) -> LLMEngineOutput:
         """An empty output that finished on ``length``: a prefill's usual last output."""
         return cls(finish_reason=FinishReason.LENGTH)
-
-
-# ``text`` of an output whose choices include a RawChoice is made when it is first read:
-# the join of its choices' texts (the streaming relay never reads it, so a token's choice
-# is not parsed for it; anyone else, the wire form, ``==`` and ``repr`` included, sees the
-# text as if it had been read at once). The attrs slot keeps the stored value.
-_text_slot: Any = LLMEngineOutput.__dict__["text"]
-
-
-def _output_text(output: LLMEngineOutput) -> str | None:
-    text = _text_slot.__get__(output, LLMEngineOutput)
-    if text is None:
-        choices = output.choices
-        if choices and any(type(choice) is RawChoice for choice in choices):
-            text = "".join(filter(None, map(choice_text, choices))) or None
-            _text_slot.__set__(output, text)
-    return text  # type: ignore[no-any-return]
-
-
-LLMEngineOutput.text = property(  # type: ignore[assignment,misc]
-    _output_text, _text_slot.__set__, doc="Their detokenized text, if the engine has it.")
 
 
 @attrs.define(slots=True, kw_only=True)

@@ -16,7 +16,7 @@ from .._protocols import (
     PromptTokensDetails,
     RawChoice,
 )
-from ._raw import NOT_PLAIN, Template, is_utf8, learn_template
+from ._raw import NOT_PLAIN, Template, learn_template, utf8_text
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -87,8 +87,8 @@ class Burst:
     Their token ids and text are joined; each worker choice is kept, in order, to be
     relayed as its own chunk (B8); the last usage reported wins. All are of one choice
     index (the router asks a worker for ``n`` = 1). A choice the fast path carried as
-    bytes (a :class:`~trio_disagg.RawChoice`, :class:`SseReader`) adds no text
-    here: the output's text is then made from its choices when read.
+    bytes (a :class:`~trio_disagg.RawChoice`, :class:`SseReader`) adds its text too,
+    taken from those bytes.
     """
 
     __slots__ = ("choices", "index", "texts", "token_ids", "usage")
@@ -129,12 +129,8 @@ class Burst:
         texts, choices = self.texts, self.choices
         if not texts and not choices and not self.token_ids:
             return None
-        # With a RawChoice among the choices, the text is left to be made from all of
-        # them when read (LLMEngineOutput.text): the streaming relay never reads it.
-        text = ("".join(texts) if texts and not any(type(c) is RawChoice for c in choices)
-                else None)
         output = LLMEngineOutput(
-            token_ids=self.token_ids, text=text,
+            token_ids=self.token_ids, text="".join(texts) if texts else None,
             completion_usage=self.usage, index=self.index, choices=choices or None)
         self.token_ids, self.texts, self.choices = [], [], []
         self.usage = None
@@ -193,7 +189,8 @@ class SseReader:
         if self._pending:
             part = self._pending + part
         parser, burst = self._parser, self.burst
-        add, append = parser.add, burst.choices.append  # the burst's list, until taken
+        # The burst's lists, until the caller takes the burst (after this read).
+        add, append, append_text = parser.add, burst.choices.append, burst.texts.append
         template = self._template
         if template is not None:
             prefix, suffix, start, tail = template
@@ -202,9 +199,11 @@ class SseReader:
             if (template is not None and data.startswith(prefix) and data.endswith(suffix)
                     and (text := data[at:len(data) - after])
                     and len(text.translate(None, NOT_PLAIN)) == len(text)
-                    and (text.isascii() or is_utf8(text))):
-                # The common chunk: the template around a plain text. No parse.
+                    and (plain := utf8_text(text)) is not None):
+                # The common chunk: the template around a plain text (its bytes are its
+                # value: no escape). No parse.
                 append(RawChoice(data[start:len(data) - tail]))
+                append_text(plain)
                 continue
             if data == b"[DONE]":
                 self.done = True

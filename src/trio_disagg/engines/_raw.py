@@ -28,13 +28,13 @@ class Template(NamedTuple):
     tail: int
 
 
-def is_utf8(text: bytes) -> bool:
-    """Whether ``text`` is valid UTF-8 (orjson refuses a chunk that is not)."""
+def utf8_text(text: bytes) -> str | None:
+    """``text`` decoded, if it is valid UTF-8 (orjson refuses a chunk that is not); else
+    None. For a plain JSON string's bytes (no escape), that is the string's value."""
     try:
-        text.decode()
+        return text.decode()
     except UnicodeDecodeError:
-        return False
-    return True
+        return None
 
 
 def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
