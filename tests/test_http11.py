@@ -3,6 +3,7 @@ keep-alive, pipelining, 100-continue, and the answers it gives by itself (400, 4
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -11,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 import trio
+import trio.testing
 
 from trio_disagg import _http11
 
@@ -157,3 +159,54 @@ async def test_a_client_that_stops_reading_loses_its_connection_after_the_write_
             data = await read_all(s)
     assert data.startswith(b"HTTP/1.1 200")
     assert len(data) < len(big)  # cut off, not delivered whole
+
+
+class _ListenerOutOfFiles:
+    """A listener whose first accept fails for want of file descriptors."""
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+        self.accepts = 0
+
+    async def __aenter__(self) -> _ListenerOutOfFiles:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def accept(self) -> object:
+        self.accepts += 1
+        if self.accepts == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        if self.accepts == 2:
+            return self.stream
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_accept_waits_and_retries_when_out_of_file_descriptors(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EMFILE and its kin are a lack of capacity, not a crash: the server logs, waits
+    ACCEPT_RETRY_DELAY seconds and accepts again."""
+    server = _http11.Server(_never_called_app)
+    handled: list[object] = []
+    accepted = trio.Event()
+
+    async def handle(stream: object) -> None:
+        handled.append(stream)
+        accepted.set()
+
+    server.handle = handle  # type: ignore[method-assign]
+    listener = _ListenerOutOfFiles(stream=object())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.accept, listener, nursery)  # type: ignore[arg-type]
+        await accepted.wait()
+        assert trio.current_time() == pytest.approx(_http11.ACCEPT_RETRY_DELAY)
+        nursery.cancel_scope.cancel()
+    assert handled == [listener.stream]
+    assert "accept failed" in caplog.text
+
+
+async def _never_called_app(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("no request was made")

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from ._connection import KEEP_ALIVE_TIMEOUT
 from ._exchange import BODY_TIMEOUT, WRITE_TIMEOUT
-from ._server import ON_DISCONNECT, WHOLE_SENDS, App, serve_http
+from ._server import (
+    ACCEPT_RETRY_DELAY,
+    ON_DISCONNECT,
+    WHOLE_SENDS,
+    App,
+    Server,
+    serve_http,
+)
 
-__all__ = ["BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "ON_DISCONNECT", "WHOLE_SENDS",
-           "WRITE_TIMEOUT", "App", "serve_http"]
+__all__ = ["ACCEPT_RETRY_DELAY", "BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "ON_DISCONNECT",
+           "WHOLE_SENDS", "WRITE_TIMEOUT", "App", "Server", "serve_http"]

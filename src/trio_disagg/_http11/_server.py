@@ -3,7 +3,9 @@ time per connection with the ASGI app, and the graceful shutdown (B3)."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -29,6 +31,11 @@ WHOLE_SENDS = "trio_disagg.whole_sends"
 #: connection breaks) while this request is served; at once if it is already gone.
 ON_DISCONNECT = "trio_disagg.on_disconnect"
 
+#: accept() errors that mean no capacity for now (file descriptors, memory): wait this
+#: many seconds and accept again, as trio's serve_listeners does.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_DELAY = 0.1
+
 
 class Server:
     def __init__(self, app: App, *, head_with_body: bool = True) -> None:
@@ -45,10 +52,28 @@ class Server:
             with conn.scope:
                 await self._serve(conn)
         finally:
-            # The stream is closed by trio's serve_listeners as this handler returns.
+            # Closed at once: a socket's close needs no wait (a forced aclose would cost
+            # a cancel scope and a raised Cancelled a connection).
+            stream.socket.close()
             self.connections.discard(conn)
             if not self.connections:
                 self.idle_event.set()
+
+    async def accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Accept connections on ``listener`` until cancelled, each handled in
+        ``nursery``."""
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    logger.error("accept failed: %s; accepting again in %g s",
+                                 os.strerror(exc.errno), ACCEPT_RETRY_DELAY)
+                    await trio.sleep(ACCEPT_RETRY_DELAY)
+                else:
+                    nursery.start_soon(self.handle, stream)
 
     async def _serve(self, conn: Connection) -> None:
         while not self.shutting_down:
@@ -151,8 +176,9 @@ async def serve_http(
 
         async def accept() -> None:
             with accepting:
-                await trio.serve_listeners(server.handle, listeners,
-                                           handler_nursery=nursery)
+                async with trio.open_nursery() as accepters:
+                    for listener in listeners:
+                        accepters.start_soon(server.accept, listener, nursery)
 
         nursery.start_soon(accept)
         task_status.started(bound)
