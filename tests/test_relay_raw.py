@@ -21,11 +21,11 @@ import openai
 import orjson
 import pytest
 import trio
+from engine_support import StandIn
 
 from trio_disagg import (
     Annotated,
     DisaggRouter,
-    HandoffStyle,
     LLMEngineOutput,
     PreprocessedRequest,
     RawChoice,
@@ -356,17 +356,13 @@ class Reads(httpx.AsyncByteStream):
         return self._parts.pop(0)
 
 
-class Relayed:
+class Relayed(StandIn):
     """A decode engine: the mock decode runs first (it pulls the KV; its tokens are thrown
     away), then a vLLM adapter relays :attr:`stream` as its worker's answer, in reads of
     :attr:`read_size` bytes."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.name: str = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = engine.bootstrap_host
-        self.bootstrap_port: int | None = engine.bootstrap_port
+        super().__init__(engine)
         self.stream = b""
         self.read_size = 1 << 20
 

@@ -23,6 +23,7 @@ import openai
 import orjson
 import pytest
 import trio
+from engine_support import StandIn
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -32,7 +33,6 @@ from trio_disagg import (
     DisaggRouter,
     FinishKind,
     FinishReason,
-    HandoffStyle,
     LLMEngineOutput,
     PreprocessedRequest,
     PromptTokensDetails,
@@ -68,16 +68,12 @@ def out(choice: Choice, finish: FinishReason | None = None,
         text=text or None, finish_reason=finish, completion_usage=usage, choices=[choice]))
 
 
-class Scripted:
+class Scripted(StandIn):
     """A decode engine: the mock decode runs first (it pulls the KV; its tokens are
     thrown away), then :attr:`script` is sent as the worker's stream."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.name: str = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = engine.bootstrap_host
-        self.bootstrap_port: int | None = engine.bootstrap_port
+        super().__init__(engine)
         self.script: list[Item] | None = None
         self.requests: list[PreprocessedRequest] = []
 
@@ -102,16 +98,12 @@ class Scripted:
                 await send_channel.send(item)
 
 
-class AnswersWith:
+class AnswersWith(StandIn):
     """A prefill engine wrapper: the mock prefill's terminal answer (S7) gets ``choice``,
     as an HTTP adapter reads a non-streamed answer's ``choices[0]``."""
 
     def __init__(self, engine: Any, choice: Choice) -> None:
-        self.engine = engine
-        self.name: str = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = engine.bootstrap_host
-        self.bootstrap_port: int | None = engine.bootstrap_port
+        super().__init__(engine)
         self.choice = choice
 
     async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())

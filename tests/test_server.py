@@ -24,6 +24,7 @@ import openai
 import orjson
 import pytest
 import trio
+from engine_support import StandIn
 from hypercorn.config import Config as HyperConfig
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -59,15 +60,11 @@ T = TypeVar("T")
 Item = Annotated[LLMEngineOutput]
 
 
-class Watched:
+class Watched(StandIn):
     """An engine wrapper recording the requests it saw and the cancellations it took."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.name: str = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = engine.bootstrap_host
-        self.bootstrap_port: int | None = engine.bootstrap_port
+        super().__init__(engine)
         self.requests: list[PreprocessedRequest] = []
         self.cancelled = 0
         self.was_cancelled = trio.Event()

@@ -36,6 +36,7 @@ from e2e_support import (
     wait_until,
     warm,
 )
+from engine_support import StandIn
 from protocol_support import (
     Cluster,
     Item,
@@ -80,17 +81,13 @@ from trio_disagg.workers import (
 )
 
 
-class HeldPrefill:
+class HeldPrefill(StandIn):
     """A prefill engine whose outputs after the first (the bootstrap handoff) are read to
     the end, then held until :attr:`release` is set: the prefill outcome arrives when the
     test says, e.g. after the decode's last token."""
 
     def __init__(self, engine: SglangEngine) -> None:
-        self.engine = engine
-        self.name = engine.name
-        self.handoff_style: HandoffStyle = engine.handoff_style
-        self.bootstrap_host: str | None = engine.bootstrap_host
-        self.bootstrap_port: int | None = engine.bootstrap_port
+        super().__init__(engine)
         self.held = trio.Event()
         self.release = trio.Event()
 
