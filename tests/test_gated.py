@@ -236,3 +236,41 @@ async def test_G9_stop_ends_the_stream_of_a_kept_leg_at_once(
         assert got == []
         assert request.ends == 1 and request.first_outputs == 0
         assert not request.decode_ctx.is_stopped
+
+
+async def test_one_reader_at_a_time(autojump_clock: trio.testing.MockClock) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        request = Request(prefill.task)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request.outputs.receive)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trio.BusyResourceError):
+                await request.outputs.receive()
+            with pytest.raises(trio.BusyResourceError):
+                request.outputs.receive_nowait()
+            request.decode_send.send_nowait(token(1))
+        request.decode_send.send_nowait(finished(2))
+        assert (await request.outputs.receive()).data == finished(2).data  # free again
+
+
+async def test_G9_a_read_waiting_when_the_request_is_abandoned_ends_the_channel(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reader in another task than the request's, waiting when the request's nursery
+    is cancelled: its read ends the channel, as a memory channel whose sender closed."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        request = Request(prefill.task)
+        got: list[Item] = []
+
+        async def read() -> None:
+            got.extend(await request.rest())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            request.outputs.abandon()
+        assert got == [] and request.ends == 1

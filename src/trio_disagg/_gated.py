@@ -77,12 +77,16 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     client went away) closes both without stopping anything: the decode leg lives in the
     request's nursery, or belongs to the keeper (G9). The prefill is never touched.
 
+    Any task may read it, one at a time (a second concurrent reader gets
+    ``trio.BusyResourceError``, as with a trio stream): the gate's state is the stream's.
+    A read waiting while the request is abandoned (:meth:`abandon`) ends the channel.
+
     Made by :meth:`Gatekeeper.outputs`.
     """
 
     __slots__ = ("_decode", "_decode_context", "_ended", "_final", "_finished", "_gate",
-                 "_held", "_on_end", "_passing", "_prefill", "_state", "_stopped",
-                 "_waiting", "_watcher")
+                 "_held", "_on_end", "_passing", "_prefill", "_reading", "_state",
+                 "_stopped", "_waiting", "_watcher")
 
     def __init__(
         self,
@@ -96,11 +100,12 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._decode = decode_outputs
         self._decode_context = decode_context
         self._on_end = on_end
-        self._state = _OPEN
+        self._state: int = _OPEN
         self._final: Item | None = None  # the item the gate ends the stream with itself
         self._held: Item | None = None  # a terminal (or _END) held for the prefill (G5)
         self._waiting: trio.CancelScope | None = None  # a receive's wait, interruptible
         self._stopped = False
+        self._reading = False  # a receive is in progress (one reader at a time)
         #: Prefill succeeded and the first output seen: the hot path (G7).
         self._passing = False
         self._watcher: Callable[[], None] | None = None
@@ -118,14 +123,25 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         Raises:
             trio.EndOfChannel: the stream ended (after its last item, or with none).
             trio.ClosedResourceError: this channel was closed.
+            trio.BusyResourceError: another task is reading it (one reader at a time:
+                the gate's state is the stream's).
         """
         if self._state:
             raise trio.ClosedResourceError if self._state == _CLOSED else trio.EndOfChannel
         if self._final is None:
+            if self._reading:
+                raise trio.BusyResourceError("another task is reading this stream")
+            self._reading = True
             try:
                 item = await (self._pass() if self._passing else self._gated())
             except DeadlineExceeded as exc:
                 item = self._fail(exc)
+            except trio.ClosedResourceError:
+                if self._abandoned():  # while this read waited
+                    raise trio.EndOfChannel from None
+                raise
+            finally:
+                self._reading = False
             if self._final is None:  # (else the prefill's outcome won meanwhile)
                 return self._deliver(item)
         self._state = _ENDED
@@ -147,6 +163,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._state = _ENDED
             self._end()
             return self._final
+        if self._reading:
+            raise trio.BusyResourceError("another task is reading this stream")
         if not self._passing:
             raise trio.WouldBlock
         try:
@@ -212,6 +230,9 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._state = _ENDED
             self._decode.close()
         self._end()
+
+    def _abandoned(self) -> bool:
+        return self._state == _ENDED
 
     async def wait_ended(self) -> None:
         """Return once the stream ended (its bookkeeping done), however it ended."""
