@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
@@ -138,6 +139,11 @@ class Connection:
             data = await self.stream.receive_some(READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             data = b""
+        return await self._take(data)
+
+    async def _take(self, data: bytes) -> bool:
+        """Parse what one read brought (``b""``: the client went away); False if the
+        connection is done."""
         if not data:
             self.gone()
             return False
@@ -164,16 +170,28 @@ class Connection:
         while not self.requests:
             if self.closed or self.closing:
                 return None
-            waiting_for_start = self.parsing is None
-            timeout = KEEP_ALIVE_TIMEOUT if waiting_for_start else HEADERS_TIMEOUT
-            with trio.move_on_after(timeout) as waited:
-                alive = await self.read_once()
-            if waited.cancelled_caught:
-                if not waiting_for_start:
-                    await self.refuse(408, b"request headers not received in time")
-                return None
+            try:
+                # What the client already sent (a new connection's request usually is
+                # there): one system call, with no cancel scope for the wait below.
+                data: bytes | None = os.read(self.fileno, READ_SIZE)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data is not None:
+                alive = await self._take(data)
+            else:
+                waiting_for_start = self.parsing is None
+                timeout = KEEP_ALIVE_TIMEOUT if waiting_for_start else HEADERS_TIMEOUT
+                with trio.move_on_after(timeout) as waited:
+                    alive = await self.read_once()
+                if waited.cancelled_caught:
+                    if not waiting_for_start:
+                        await self.refuse(408, b"request headers not received in time")
+                    return None
             if not alive:
                 return None
+        await trio.lowlevel.checkpoint_if_cancelled()
         return self.requests.popleft()
 
     async def read_while_serving(self, request: Request) -> None:
