@@ -192,6 +192,27 @@ def texts(items: list[Item]) -> list[str]:
     return [item.data.text or "" for item in items if item.data is not None]
 
 
+def tokens(items: list[Item]) -> list[str]:
+    """The text of each chunk the decode worker streamed (one token each from the mock
+    workers): an item is what one socket read brought, so it may carry several, its
+    ``choices``."""
+    found: list[str] = []
+    for item in items:
+        data = item.data
+        if data is None:
+            continue
+        if not data.choices:
+            found.append(data.text or "")
+            continue
+        for choice in data.choices:
+            text = choice.get("text")
+            if text is None:
+                part = choice.get("delta") or choice.get("message") or {}
+                text = part.get("content")
+            found.append(text or "")
+    return found
+
+
 def metric_samples(text: str) -> dict[str, float]:
     return {sample.name: sample.value for family in text_string_to_metric_families(text)
             for sample in family.samples}

@@ -180,22 +180,22 @@ async def test_closing_before_the_end_stops_the_decode_leg(
         prefill.succeed()
 
 
-async def test_G9_leaving_on_cancellation_stops_nothing(
+async def test_G9_a_reader_leaving_on_its_own_timeout_stops_only_the_decode_leg(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The client went away (its scope cancelled): the channel closes, nothing is stopped:
-    the decode leg is its nursery's to cancel, or its owner's, and the prefill the
-    keeper's."""
+    """A reader whose own timeout ends its ``with`` block left: the decode leg is stopped
+    (a stalled one would otherwise hold the request's nursery for good), never the
+    client's context, and the prefill runs on in the keeper."""
     async with TransferKeeper() as keeper:
         prefill = Prefill(keeper)
         request = Request(prefill.task)
         with trio.move_on_after(1):
             with request.outputs:
                 await request.outputs.receive()
-        assert not request.decode_ctx.is_stopped and not request.client.is_stopped
+        assert request.decode_ctx.is_stopped and not request.client.is_stopped
         with pytest.raises(trio.BrokenResourceError):
             request.decode_send.send_nowait(token(1))
-        assert request.ends == 1
+        assert request.ends == 1 and not prefill.task.done
         prefill.succeed()
 
 
@@ -274,3 +274,69 @@ async def test_G9_a_read_waiting_when_the_request_is_abandoned_ends_the_channel(
             await trio.testing.wait_all_tasks_blocked()
             request.outputs.abandon()
         assert got == [] and request.ends == 1
+
+
+async def test_B2_a_readers_own_timeouts_do_not_restart_the_decode_idle_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The decode is idle since the first wait for its next output: a reader that waits a
+    second at a time, and carries on, still gets the decode-idle error at 5 s."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        prefill.succeed()
+        request = Request(prefill.task, idle_timeout=5)
+        items: list[Item] = []
+        with trio.fail_after(100):
+            while True:
+                with trio.move_on_after(1):
+                    try:
+                        items.append(await request.outputs.receive())
+                    except trio.EndOfChannel:
+                        break
+        assert trio.current_time() == pytest.approx(5)
+        assert len(items) == 1 and isinstance(items[0].exception, DeadlineExceeded)
+
+
+async def test_B2_a_readers_own_timeouts_do_not_restart_the_terminal_hold(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        client = RequestContext("r-1")
+        gate = Gatekeeper(prefill.task, client, terminal_hold_timeout=5)
+        send, receive = trio.open_memory_channel[Item](math.inf)
+        send.send_nowait(finished(1))
+        outputs = gate.outputs(receive)
+        items: list[Item] = []
+        with trio.fail_after(100):
+            while True:
+                with trio.move_on_after(1):
+                    try:
+                        items.append(await outputs.receive())
+                    except trio.EndOfChannel:
+                        break
+        assert trio.current_time() == pytest.approx(5)
+        assert len(items) == 1 and isinstance(items[0].exception, DeadlineExceeded)
+        assert items[0].exception.what == "terminal hold"
+        prefill.succeed()
+
+
+async def test_B5_a_whole_decode_stream_ends_the_request_before_it_is_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A decode leg that ended on its own after the prefill succeeded leaves nothing to
+    gate: the request ends then (as a forwarder done with its last item did), and the
+    reader still reads every item."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task)
+        request.decode_send.send_nowait(token(1))
+        request.decode_send.send_nowait(finished(2))
+        request.decode_send.close()
+        request.outputs.decode_ended()
+        assert request.ends == 0  # the prefill is pending: the terminal is still held
+        prefill.succeed()
+        await prefill.task.wait_done()
+        assert request.ends == 1
+        assert [item.data for item in await request.rest()] == [token(1).data,
+                                                               finished(2).data]

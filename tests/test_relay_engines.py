@@ -19,7 +19,7 @@ import orjson
 import pytest
 import trio
 from e2e_support import PROTOCOLS, ProtocolName, cluster_factory
-from protocol_support import completion, run, texts
+from protocol_support import completion, run, tokens
 
 from trio_disagg import (
     BootstrapInfo,
@@ -440,7 +440,7 @@ async def test_through_the_router_min_tokens_and_choices(protocol: ProtocolName)
         request = completion("rt-eos", max_tokens=6, min_tokens=2, fault="eos_first_token")
         _, items = await run(cluster, request)
         assert not any(item.is_error for item in items)
-        assert len(texts(items)) >= 2  # not ended on the prefill's token
+        assert len(tokens(items)) >= 2  # not ended on the prefill's token
         body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 3}
         chat = PreprocessedRequest(request_id="rt-tool", model=MODEL, body=body,
                                    max_tokens=3)

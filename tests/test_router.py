@@ -743,6 +743,69 @@ async def test_B5_the_gate_runs_in_the_readers_task(
         h.assert_clean()
 
 
+async def test_G6_a_late_prefill_failure_reaches_a_reader_that_was_not_reading(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Bootstrap: the prefill fails after its handoff while the reader is busy elsewhere:
+    its reads still end with the prefill's error, not a bare end of stream (the
+    request's end must not drop what the gate owes the reader)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(
+                nursery, make_request(fault="prefill_fail_after_handoff", max_tokens=50),
+                RequestContext("r"))
+            with stream.outputs:
+                await stream.prefill.wait_done()  # fails while nobody reads
+                await trio.testing.wait_all_tasks_blocked()
+                rest = [item async for item in stream.outputs]
+        assert stream.prefill.failed
+        assert rest and rest[-1].is_error
+        assert isinstance(rest[-1].exception, PrefillError)
+        await h.settle()
+        h.assert_clean()
+
+
+@pytest.mark.parametrize("style", [SEQ, BOOT, HandoffStyle.CONTEXT_FIRST])
+async def test_B5_a_reader_that_breaks_out_without_closing_ends_its_request(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A stream shorter than the channel's buffer, left after its first item without
+    closing: the decode leg put all of it in the channel, so the request ends and its
+    nursery exits."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(nursery, make_request(max_tokens=4),
+                                               RequestContext("r"))
+                async for _ in stream.outputs:
+                    break
+        await h.settle()
+        h.assert_clean()
+
+
+async def test_B2_a_reader_that_leaves_on_its_own_timeout_stops_a_stalled_decode(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The reader's own timeout ends its ``with`` block while the decode stalls: the
+    decode leg is stopped, so the request's nursery exits, well before the decode-idle
+    deadline would have been noticed by anyone."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(
+                nursery, make_request(fault="decode_stall_at:3", max_tokens=20),
+                RequestContext("r"))
+            with trio.move_on_after(2), stream.outputs:
+                async for _ in stream.outputs:
+                    pass
+        assert trio.current_time() - start < 5
+        await h.settle()
+        h.assert_clean()
+
+
 async def test_S12_selection_is_returned_and_the_request_left_as_it_was(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -46,6 +46,7 @@ from protocol_support import (
     open_cluster,
     run,
     texts,
+    tokens,
 )
 
 from trio_disagg import (
@@ -230,7 +231,7 @@ async def test_S5_bootstrap_handoff_with_cached_tokens_from_the_prefill() -> Non
         stream, items = await run(cluster, request)
         assert stream.style == "bootstrap"
         assert all(not item.is_error for item in items)
-        assert len(texts(items)) == 5 and all(texts(items))
+        assert len(tokens(items)) == 5 and all(tokens(items))
         last = items[-1].data
         assert last is not None and last.finish_reason is not None
         assert last.finish_reason.kind is FinishKind.LENGTH
@@ -275,7 +276,7 @@ async def test_S5_chat_handoff() -> None:
         stream, items = await run(cluster, PreprocessedRequest(
             request_id="chat-1", model=MODEL, body=body, max_tokens=4))
         assert stream.style == "bootstrap"
-        assert len(texts(items)) == 4 and all(texts(items))
+        assert len(tokens(items)) == 4 and all(tokens(items))
         assert cluster.prefill.seen[0].path == "/v1/chat/completions"
         assert cluster.decode.seen[0].path == "/v1/chat/completions"
         details = stream.prompt_tokens_details
@@ -642,7 +643,7 @@ async def test_fifty_concurrent_requests_get_fifty_rooms() -> None:
             async with trio.open_nursery() as nursery:
                 for i in range(50):
                     nursery.start_soon(one, i)
-        assert all(len(texts(items)) == 8 for items in results.values())
+        assert all(len(tokens(items)) == 8 for items in results.values())
         assert all(not any(item.is_error for item in items) for items in results.values())
         rooms = {seen.body["bootstrap_room"] for seen in cluster.decode.seen}
         assert len(rooms) == 50

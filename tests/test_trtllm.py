@@ -45,7 +45,7 @@ from protocol_support import (
     open_cluster,
     refusal,
     run,
-    texts,
+    tokens,
 )
 
 from trio_disagg import (
@@ -167,7 +167,7 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         stream, items = await run(cluster, request)
         assert stream.style == "context_first"
         assert all(not item.is_error for item in items)
-        assert len(texts(items)) == 5 and all(texts(items))
+        assert len(tokens(items)) == 5 and all(tokens(items))
         last = items[-1].data
         assert last is not None and last.finish_reason is not None
         assert last.finish_reason.kind is FinishKind.LENGTH
@@ -212,7 +212,7 @@ async def test_chat_handoff_sends_the_prompt_token_ids() -> None:
                 "max_completion_tokens": 4}
         stream, items = await run(cluster, PreprocessedRequest(
             request_id="chat-1", model=MODEL, body=body, max_tokens=4))
-        assert len(texts(items)) == 4 and all(texts(items))
+        assert len(tokens(items)) == 4 and all(tokens(items))
         (seen_generation,) = cluster.decode.seen
         assert seen_generation.path == "/v1/chat/completions"
         assert seen_generation.body["messages"] == body["messages"]
@@ -479,7 +479,7 @@ async def test_twenty_concurrent_requests_get_twenty_ctx_request_ids() -> None:
             async with trio.open_nursery() as nursery:
                 for i in range(20):
                     nursery.start_soon(one, i)
-        assert all(len(texts(items)) == 8 for items in results.values())
+        assert all(len(tokens(items)) == 8 for items in results.values())
         assert all(not any(item.is_error for item in items) for items in results.values())
         ids = {seen.body["disaggregated_params"]["ctx_request_id"] for seen in cluster.decode.seen}
         assert ids == set(range(1, 21))

@@ -44,6 +44,7 @@ from protocol_support import (
     refusal,
     run,
     texts,
+    tokens,
 )
 
 from trio_disagg import (
@@ -161,7 +162,7 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         stream, items = await run(cluster, request)
         assert stream.style == "sequential"
         assert all(not item.is_error for item in items)
-        assert len(texts(items)) == 5 and all(texts(items))
+        assert len(tokens(items)) == 5 and all(tokens(items))
         last = items[-1].data
         assert last is not None and last.finish_reason is not None
         assert last.finish_reason.kind is FinishKind.LENGTH
@@ -210,7 +211,7 @@ async def test_chat_handoff() -> None:
         stream, items = await run(cluster, PreprocessedRequest(
             request_id="chat-1", model=MODEL, body=body, max_tokens=4))
         assert stream.style == "sequential"
-        assert len(texts(items)) == 4 and all(texts(items))
+        assert len(tokens(items)) == 4 and all(tokens(items))
         (seen_prefill,) = cluster.prefill.seen
         assert seen_prefill.path == "/v1/chat/completions"
         assert (seen_prefill.body["max_tokens"], seen_prefill.body["max_completion_tokens"]) \
@@ -445,7 +446,7 @@ async def test_twenty_concurrent_requests() -> None:
             async with trio.open_nursery() as nursery:
                 for i in range(20):
                     nursery.start_soon(one, i)
-        assert all(len(texts(items)) == 8 for items in results.values())
+        assert all(len(tokens(items)) == 8 for items in results.values())
         assert all(not any(item.is_error for item in items) for items in results.values())
         await cluster.settled()
         counters = cluster.prefill.kv.counters()

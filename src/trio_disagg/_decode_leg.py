@@ -148,8 +148,11 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         finally:
             if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
                 owner.decode_cancelled()
-            if (owner.outputs is not None and not owner.holds_transfer
-                    and trio.current_effective_deadline() == -math.inf):
+            if trio.current_effective_deadline() != -math.inf:  # ended on its own
+                owner.decode_leg_ended = True
+                if owner.outputs is not None:
+                    owner.outputs.decode_ended()
+            elif owner.outputs is not None and not owner.holds_transfer:
                 # The request's nursery was cancelled (the client went away): its stream
                 # ends now, whether or not its reader closes it.
                 owner.outputs.abandon()

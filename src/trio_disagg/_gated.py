@@ -72,10 +72,11 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     A gate made from a :class:`Terminal` (S7) gives the prefill's answer alone.
 
     Cancelling a :meth:`receive` loses nothing: a held terminal stays held for the next
-    call. Closing the channel before its end (the reader left) closes the decode leg's
-    channel and stops ``decode_context``; leaving a ``with`` block on ``Cancelled`` (the
-    client went away) closes both without stopping anything: the decode leg lives in the
-    request's nursery, or belongs to the keeper (G9). The prefill is never touched.
+    call, and the B2 deadlines are absolute, not restarted by the next call. Closing the
+    channel before its end (the reader left, whyever: ``close()``, a ``with`` block left
+    on an exception or ``Cancelled``) closes the decode leg's channel and stops
+    ``decode_context``; a leg that is part of a KV transfer gets None there, and its
+    handoff owner ends it (G9). The prefill is never touched.
 
     Any task may read it, one at a time (a second concurrent reader gets
     ``trio.BusyResourceError``, as with a trio stream): the gate's state is the stream's.
@@ -84,9 +85,10 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     Made by :meth:`Gatekeeper.outputs`.
     """
 
-    __slots__ = ("_decode", "_decode_context", "_ended", "_final", "_finished", "_gate",
-                 "_held", "_on_end", "_passing", "_prefill", "_reading", "_state",
-                 "_stopped", "_waiting", "_watcher")
+    __slots__ = ("_decode", "_decode_context", "_decode_ended", "_ended", "_final",
+                 "_finished", "_gate", "_held", "_hold_at", "_idle_at", "_on_end",
+                 "_passing", "_prefill", "_reading", "_state", "_stopped", "_waiting",
+                 "_watcher")
 
     def __init__(
         self,
@@ -105,11 +107,15 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._held: Item | None = None  # a terminal (or _END) held for the prefill (G5)
         self._waiting: trio.CancelScope | None = None  # a receive's wait, interruptible
         self._stopped = False
+        #: When the decode-idle wait (B2) and the terminal hold (G5) end, once begun.
+        self._idle_at: float | None = None
+        self._hold_at: float | None = None
         self._reading = False  # a receive is in progress (one reader at a time)
         #: Prefill succeeded and the first output seen: the hot path (G7).
         self._passing = False
         self._watcher: Callable[[], None] | None = None
         self._finished = False  # the bookkeeping of the stream's end is done
+        self._decode_ended = False  # the decode leg ended on its own
         self._ended: trio.Event | None = None  # made only for wait_ended()
         if not self._prefill.done:
             self._watcher = self._prefill_ended
@@ -203,33 +209,49 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._close(stop=not isinstance(exc, trio.Cancelled))
+        self._close()
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         # No checkpoint: closing is synchronous, and a block left on Cancelled must not
         # raise a second one.
-        self._close(stop=not isinstance(exc, trio.Cancelled))
+        self._close()
 
-    def _close(self, *, stop: bool) -> None:
+    def _close(self, *, stop: bool = True) -> None:
         if self._state == _CLOSED:
             return
         early = self._state == _OPEN
         self._state = _CLOSED
         self._decode.close()
         if early and stop and self._decode_context is not None:
-            self._decode_context.stop_generating()  # nobody reads the decode leg any more
+            # Nobody reads the decode leg any more, whyever the reader left (its own
+            # timeout too: a stalled leg would otherwise hold the request's nursery).
+            self._decode_context.stop_generating()
         self._end()
 
     def abandon(self) -> None:
         """The request is over (its nursery was cancelled: the client went away), whether
         or not its reader closes this channel: the decode leg's channel is closed (its
-        next send fails) and nothing is stopped, as when a ``with`` block is left on
-        ``Cancelled``; a later receive ends the channel. Idempotent."""
-        if self._state == _OPEN:
+        next send fails) and nothing is stopped; a later receive gives what the gate
+        still owes (its error, G6) or ends the channel. Idempotent."""
+        if self._state == _OPEN and self._final is None:
             self._state = _ENDED
+        if self._state != _CLOSED:
             self._decode.close()
         self._end()
+
+    def decode_ended(self) -> None:
+        """The decode leg ended on its own: its whole stream is in the channel. Once the
+        prefill has succeeded too, nothing is left to gate and the request ends (its
+        ``on_end``), while the reader may still read what the channel holds, as a
+        forwarder that has put the last item in a buffer is done (B5)."""
+        self._decode_ended = True
+        self._complete_if_whole()
+
+    def _complete_if_whole(self) -> None:
+        if (self._decode_ended and self._prefill.succeeded and self._final is None
+                and self._gate._prefill_answer() is None):
+            self._end()
 
     def _abandoned(self) -> bool:
         return self._state == _ENDED
@@ -258,12 +280,15 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     async def _pass(self) -> Item | None:
         """G7, the hot path: the next decode output; None at the stream's end."""
         try:
-            return self._decode.receive_nowait()
+            item = self._decode.receive_nowait()
         except trio.WouldBlock:
-            pass  # awaited outside the except clause: a parked wait keeps no exception
+            item = _AGAIN  # awaited outside the clause: a parked wait keeps no exception
         except trio.EndOfChannel:
             return None
-        return await self._wait()
+        if item is _AGAIN:
+            return await self._wait()
+        self._idle_at = None
+        return item
 
     async def _wait(self) -> Item | None:
         """Wait for the next decode output, at most the decode-idle deadline (B2); a stop
@@ -274,14 +299,20 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                 return await self._decode.receive()
             except trio.EndOfChannel:
                 return None
-        with trio.move_on_after(timeout) as wait:
+        # The deadline is absolute and outlives a wait the reader's own timeout cut: the
+        # decode is idle since the first wait for this output, not since the last (B2).
+        if self._idle_at is None:
+            self._idle_at = trio.current_time() + timeout
+        with trio.CancelScope(deadline=self._idle_at) as wait:
             self._waiting = wait
             try:
-                return await self._decode.receive()
+                item: Item | None = await self._decode.receive()
             except trio.EndOfChannel:
-                return None
+                item = None
             finally:
                 self._waiting = None
+            self._idle_at = None
+            return item
         if self._stopped:
             return None if self._passing else _AGAIN  # (the gate's loop looks again)
         if self._final is not None:  # the prefill's watcher ended the stream
@@ -312,6 +343,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                 item = await self._wait()
                 if item is _AGAIN:
                     continue
+            else:
+                self._idle_at = None
             self._gate._first_output()
             if item is not None and is_decode_failure(item):
                 return item  # G4: does not wait for the prefill
@@ -327,7 +360,9 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._held = _END if item is None else item  # kept if this wait is cancelled
         prefill = self._prefill
         if not prefill.done:
-            with trio.move_on_after(self._gate.terminal_hold_timeout):
+            if self._hold_at is None:  # absolute: a cut wait does not restart it (B2)
+                self._hold_at = trio.current_time() + self._gate.terminal_hold_timeout
+            with trio.move_on_at(self._hold_at):
                 await prefill.wait_done()
         self._held = None
         if not prefill.done:
@@ -348,6 +383,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                 self._end()  # the request is over: its last item waits for the reader
                 if self._waiting is not None:
                     self._waiting.cancel()
+            else:
+                self._complete_if_whole()
 
     def _conclude(self) -> Item:
         """The item the prefill's outcome ends the stream with: its error (G5, G6) or its

@@ -135,6 +135,8 @@ class HandoffOwner:
     refusal: BaseException | None = None
     #: The client's end of the decode stream, once a decode accepted the request.
     outputs: GatedOutputs | None = None
+    #: The decode leg ended on its own (its whole stream is in its channel).
+    decode_leg_ended: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_worker is not None:

@@ -355,6 +355,8 @@ class DisaggRouter:
             owner.forward_ended(self.deadlines.decode_idle, failed=gate.failure is not None)
 
         outputs = owner.outputs = gate.outputs(decode_receive, leg_context, stream_ended)
+        if owner.decode_leg_ended:  # a short stream, whole in the channel already
+            outputs.decode_ended()
         if owner.holds_transfer:
             # The client's stop or kill ends its stream at once; the kept leg goes on to
             # fetch its KV (G9). (Not when the gatekeeper itself stopped the client.)
@@ -406,11 +408,12 @@ class DisaggRouter:
 
 async def _abandon_when_cancelled(outputs: GatedOutputs) -> None:
     """Wait for the stream's end; if the request's nursery is cancelled first (the client
-    went away), end the stream's bookkeeping even if its reader never closes it."""
+    went away), end the stream even if its reader never closes it."""
     try:
         await outputs.wait_ended()
-    finally:
+    except BaseException:
         outputs.abandon()
+        raise
 
 
 def _select(

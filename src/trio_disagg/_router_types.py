@@ -74,11 +74,14 @@ class RequestStream:
     cancel window, and staged KV that no decode took is consumed (B1, B10, G9). Closing
     ``outputs`` early ends the request as a client that left does, and stops its decode
     leg; the prefill leg is not affected (G9). A caller that stops reading without
-    closing ``outputs`` or cancelling the nursery holds the request: the decode leg waits
-    on its full channel, and no deadline ends that wait (a slow reader is not an idle
-    decode, B2), so the nursery does not exit. Bound a reader that may stall with a
-    cancel scope of its own (the HTTP server closes the connection of a client that
-    reads nothing for 10 s).
+    closing ``outputs`` or cancelling the nursery holds the request until its decode leg
+    has put the whole stream in the channel (a short stream ends then); a longer one
+    waits on its full channel, and no deadline ends that wait (a slow reader is not an
+    idle decode, B2), so the nursery does not exit. The decode-idle deadline counts while
+    the reader waits for an output: a decode that stalls while nobody reads is noticed at
+    the next read. Bound a reader that may stall with a cancel scope of its own around
+    ``with stream.outputs:`` (leaving it stops the decode leg; the HTTP server closes the
+    connection of a client that reads nothing for 10 s).
 
     Attributes:
         outputs: the client's stream of items; the last one is a terminal, an error,
