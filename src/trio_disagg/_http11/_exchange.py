@@ -82,8 +82,8 @@ class Exchange:
             if not self.conn.head_with_body:
                 head, self.head = self.head, None
                 await self._write(head)  # at once, as uvicorn does: the client sees 2xx
-            # (Else recorded, to go out with the first body: no schedule point, and no
-            # cancellation of a start that took effect.)
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()  # recorded: not undone
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -159,9 +159,7 @@ class Exchange:
             await trio.lowlevel.checkpoint()
             return
         if sent == len(data):
-            # Written whole: not a schedule point (the writer yields when it waits for
-            # its next output; a yield per write cost 3.6 us), and no Cancelled after a
-            # send that took effect.
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT, shield=True):
             try:
