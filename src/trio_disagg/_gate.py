@@ -243,45 +243,35 @@ class Gatekeeper:
         not affected (G9).
         """
         gated = self.outputs(decode_outputs, decode_context)
+        prefill = self.prefill
         with send_channel:
             try:
                 with gated:
-                    async for item in gated:
-                        if not await self._send_unless_prefill_ends(send_channel, item):
-                            # The item never reached the receiver: the prefill's outcome
-                            # goes in its place (B4, G6).
-                            await send_channel.send(gated._conclude())
-                            break
+                    # One race for the whole wait for the prefill (not a scope per item):
+                    # its failure, or its own answer (S7), cancels whatever the loop is
+                    # doing, a wait for the decode or a send to a slow receiver (B4, G6).
+                    with trio.CancelScope() as race:
+                        def on_prefill_end() -> None:
+                            if prefill.failed or self._prefill_answer() is not None:
+                                race.cancel()
+
+                        if not prefill.done:
+                            gated._raced = True
+                            prefill._on_done(on_prefill_end)
+                        try:
+                            async for item in gated:
+                                await send_channel.send(item)
+                        finally:
+                            prefill._forget_on_done(on_prefill_end)
+                    if race.cancelled_caught:
+                        # What the loop held never reached the receiver: the prefill's
+                        # outcome goes in its place.
+                        await send_channel.send(gated._conclude())
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 # The client closed its end: nobody is listening, so stop the decode leg
                 # and end quietly. The prefill is not ours to stop (G9).
                 if decode_context is not None:
                     decode_context.stop_generating()
-
-    async def _send_unless_prefill_ends(
-        self, send_channel: trio.MemorySendChannel[Item], item: Item
-    ) -> bool:
-        """Send ``item``; False if the prefill failed (or answered, S7) first."""
-        prefill = self.prefill
-        try:
-            send_channel.send_nowait(item)
-            return True
-        except trio.WouldBlock:
-            pass  # awaited outside the except clause: a parked send keeps no exception
-        if prefill.done:  # nothing left to race: the prefill's outcome is known
-            await send_channel.send(item)
-            return True
-        with trio.CancelScope() as race:
-            def on_prefill_end() -> None:
-                if prefill.failed or self._prefill_answer() is not None:
-                    race.cancel()
-
-            prefill._on_done(on_prefill_end)
-            try:
-                await send_channel.send(item)
-            finally:
-                prefill._forget_on_done(on_prefill_end)
-        return not race.cancelled_caught
 
 
 def _as_task(prefill: PrefillTask[Any] | PrefillCompletion, name: str) -> PrefillTask[Any]:

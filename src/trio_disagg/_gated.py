@@ -87,8 +87,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     __slots__ = ("_decode", "_decode_context", "_decode_ended", "_ended", "_final",
                  "_finished", "_gate", "_held", "_hold_at", "_idle_at", "_on_end",
-                 "_passing", "_prefill", "_reading", "_state", "_stopped", "_waiting",
-                 "_watcher")
+                 "_passing", "_prefill", "_raced", "_reading", "_state", "_stopped",
+                 "_waiting", "_watcher")
 
     def __init__(
         self,
@@ -111,6 +111,9 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._idle_at: float | None = None
         self._hold_at: float | None = None
         self._reading = False  # a receive is in progress (one reader at a time)
+        #: A forwarder's cancel scope races the whole stream against the prefill
+        #: (:meth:`Gatekeeper.forward`): a wait needs no scope of its own for it.
+        self._raced = False
         #: Prefill succeeded and the first output seen: the hot path (G7).
         self._passing = False
         self._watcher: Callable[[], None] | None = None
@@ -294,7 +297,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         """Wait for the next decode output, at most the decode-idle deadline (B2); a stop
         or the prefill's end interrupts the wait (None, or :data:`_AGAIN`)."""
         timeout = self._gate.idle_timeout
-        if timeout == math.inf and self._passing:  # nothing can interrupt it: no scope
+        if timeout == math.inf and (self._passing or self._raced):
+            # Nothing of ours interrupts it (or a forwarder's one race does): no scope.
             try:
                 return await self._decode.receive()
             except trio.EndOfChannel:
