@@ -243,35 +243,39 @@ class Gatekeeper:
         not affected (G9).
         """
         gated = self.outputs(decode_outputs, decode_context)
-        prefill = self.prefill
         with send_channel:
             try:
                 with gated:
-                    # One race for the whole wait for the prefill (not a scope per item):
-                    # its failure, or its own answer (S7), cancels whatever the loop is
-                    # doing, a wait for the decode or a send to a slow receiver (B4, G6).
-                    with trio.CancelScope() as race:
-                        def on_prefill_end() -> None:
-                            if prefill.failed or self._prefill_answer() is not None:
-                                race.cancel()
-
-                        if not prefill.done:
-                            gated._raced = True
-                            prefill._on_done(on_prefill_end)
-                        try:
-                            async for item in gated:
-                                await send_channel.send(item)
-                        finally:
-                            prefill._forget_on_done(on_prefill_end)
-                    if race.cancelled_caught:
-                        # What the loop held never reached the receiver: the prefill's
-                        # outcome goes in its place.
-                        await send_channel.send(gated._conclude())
+                    await self._push(gated, send_channel)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 # The client closed its end: nobody is listening, so stop the decode leg
                 # and end quietly. The prefill is not ours to stop (G9).
                 if decode_context is not None:
                     decode_context.stop_generating()
+
+    async def _push(self, gated: GatedOutputs, send_channel: trio.MemorySendChannel[Item]
+                    ) -> None:
+        """:meth:`forward`'s loop. One race for the whole wait for the prefill, not a
+        scope per item: its failure, or its own answer (S7), cancels whatever the loop is
+        doing, a wait for the decode or a send to a slow receiver (B4, G6)."""
+        prefill = self.prefill
+        with trio.CancelScope() as race:
+            def on_prefill_end() -> None:
+                if prefill.failed or self._prefill_answer() is not None:
+                    race.cancel()
+
+            if not prefill.done:
+                gated._raced = True
+                prefill._on_done(on_prefill_end)
+            try:
+                async for item in gated:
+                    await send_channel.send(item)
+            finally:
+                prefill._forget_on_done(on_prefill_end)
+        if race.cancelled_caught:
+            # What the loop held never reached the receiver: the prefill's outcome goes
+            # in its place.
+            await send_channel.send(gated._conclude())
 
 
 def _as_task(prefill: PrefillTask[Any] | PrefillCompletion, name: str) -> PrefillTask[Any]:
