@@ -6,6 +6,7 @@ checked on both paths in tests/test_gate_properties.py.)"""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -82,6 +83,33 @@ class Request:
     async def rest(self) -> list[Item]:
         with trio.fail_after(100):
             return [item async for item in self.outputs]
+
+    async def rest_in_another_task(self, meanwhile: Callable[[], object]) -> list[Item]:
+        """What a reader in a task of its own gets when ``meanwhile()`` is called while it
+        waits."""
+        got: list[Item] = []
+
+        async def read() -> None:
+            got.extend(await self.rest())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            meanwhile()
+        return got
+
+
+async def read_a_second_at_a_time(outputs: GatedOutputs) -> list[Item]:
+    """Read to the end, each read under a 1 s timeout of the reader's own, carrying on
+    after each that expires."""
+    items: list[Item] = []
+    with trio.fail_after(100):
+        while True:
+            with trio.move_on_after(1):
+                try:
+                    items.append(await outputs.receive())
+                except trio.EndOfChannel:
+                    return items
 
 
 async def test_G6_a_prefill_failure_stops_both_contexts_before_the_next_read(
@@ -224,16 +252,7 @@ async def test_G9_stop_ends_the_stream_of_a_kept_leg_at_once(
         prefill = Prefill(keeper)
         prefill.succeed()
         request = Request(prefill.task, on_first_output=True)
-        got: list[Item] = []
-
-        async def read() -> None:
-            got.extend(await request.rest())
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read)
-            await trio.testing.wait_all_tasks_blocked()
-            request.outputs.stop()
-        assert got == []
+        assert await request.rest_in_another_task(request.outputs.stop) == []
         assert request.ends == 1 and request.first_outputs == 0
         assert not request.decode_ctx.is_stopped
 
@@ -264,16 +283,8 @@ async def test_G9_a_read_waiting_when_the_request_is_abandoned_ends_the_channel(
         prefill = Prefill(keeper)
         prefill.succeed()
         request = Request(prefill.task)
-        got: list[Item] = []
-
-        async def read() -> None:
-            got.extend(await request.rest())
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read)
-            await trio.testing.wait_all_tasks_blocked()
-            request.outputs.abandon()
-        assert got == [] and request.ends == 1
+        assert await request.rest_in_another_task(request.outputs.abandon) == []
+        assert request.ends == 1
 
 
 async def test_B2_a_readers_own_timeouts_do_not_restart_the_decode_idle_deadline(
@@ -285,14 +296,7 @@ async def test_B2_a_readers_own_timeouts_do_not_restart_the_decode_idle_deadline
         prefill = Prefill(keeper)
         prefill.succeed()
         request = Request(prefill.task, idle_timeout=5)
-        items: list[Item] = []
-        with trio.fail_after(100):
-            while True:
-                with trio.move_on_after(1):
-                    try:
-                        items.append(await request.outputs.receive())
-                    except trio.EndOfChannel:
-                        break
+        items = await read_a_second_at_a_time(request.outputs)
         assert trio.current_time() == pytest.approx(5)
         assert len(items) == 1 and isinstance(items[0].exception, DeadlineExceeded)
 
@@ -306,15 +310,7 @@ async def test_B2_a_readers_own_timeouts_do_not_restart_the_terminal_hold(
         gate = Gatekeeper(prefill.task, client, terminal_hold_timeout=5)
         send, receive = trio.open_memory_channel[Item](math.inf)
         send.send_nowait(finished(1))
-        outputs = gate.outputs(receive)
-        items: list[Item] = []
-        with trio.fail_after(100):
-            while True:
-                with trio.move_on_after(1):
-                    try:
-                        items.append(await outputs.receive())
-                    except trio.EndOfChannel:
-                        break
+        items = await read_a_second_at_a_time(gate.outputs(receive))
         assert trio.current_time() == pytest.approx(5)
         assert len(items) == 1 and isinstance(items[0].exception, DeadlineExceeded)
         assert items[0].exception.what == "terminal hold"
