@@ -10,6 +10,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
+from e2e_support import wait_until
 
 from trio_disagg import (
     Annotated,
@@ -802,6 +803,29 @@ async def test_B2_a_reader_that_leaves_on_its_own_timeout_stops_a_stalled_decode
                 async for _ in stream.outputs:
                     pass
         assert trio.current_time() - start < 5
+        await h.settle()
+        h.assert_clean()
+
+
+@pytest.mark.parametrize("style", [BOOT, HandoffStyle.CONTEXT_FIRST])
+async def test_G9_C4_a_stop_after_a_kept_leg_produced_reaches_the_leg_though_unread(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """The kept leg's first output waits unread in the channel (it fetched its KV) when
+    the client stops its context: the stop reaches the leg (C4), which ends its stream
+    with a cancelled finish, and no cleanup decode is made for KV already taken."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        context = RequestContext("r")
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=200), context)
+            with stream.outputs:
+                await wait_until(lambda: stream.outputs.statistics().current_buffer_used > 0)
+                context.stop_generating()
+                items = [item async for item in stream.outputs]
+        assert tokens_of(items)
+        assert finish_of(items[-1]) is FinishKind.CANCELLED
+        assert h.router.counters.staged_kv_cleanups == 0
         await h.settle()
         h.assert_clean()
 

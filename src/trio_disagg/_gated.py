@@ -272,8 +272,13 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         """End the stream at once, with no item of the gate's own: its next (or pending)
         receive ends the channel. The router calls it for a client that stopped its
         context while its decode leg, part of the KV transfer, may not hear of it yet
-        (G9)."""
+        (G9). A leg whose first output already waits in the channel has fetched its KV:
+        then the first-output hook is called instead (the router links the leg's context
+        to the client's, C4, and the stop reaches the leg), and the stream goes on."""
         if self._state == _OPEN and self._final is None:
+            if self._decode.statistics().current_buffer_used:
+                self._gate._first_output()
+                return
             self._stopped = True
             if self._waiting is not None:
                 self._waiting.cancel()
