@@ -256,6 +256,15 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                 and self._gate._prefill_answer() is None):
             self._end()
 
+    def _note_output_waiting(self) -> bool:
+        """Call the first-output hook if it is pending and an output waits unread: the
+        leg has fetched its KV, whether or not the reader took that output (G9). True if
+        it was called."""
+        if self._gate._on_first_output is None or not self._decode.statistics().current_buffer_used:
+            return False
+        self._gate._first_output()
+        return True
+
     def _abandoned(self) -> bool:
         return self._state == _ENDED
 
@@ -276,8 +285,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         then the first-output hook is called instead (the router links the leg's context
         to the client's, C4, and the stop reaches the leg), and the stream goes on."""
         if self._state == _OPEN and self._final is None:
-            if self._decode.statistics().current_buffer_used:
-                self._gate._first_output()
+            if self._note_output_waiting():
                 return
             self._stopped = True
             if self._waiting is not None:
