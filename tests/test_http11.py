@@ -210,3 +210,77 @@ async def test_accept_waits_and_retries_when_out_of_file_descriptors(
 
 async def _never_called_app(scope: Any, receive: Any, send: Any) -> None:
     raise AssertionError("no request was made")
+
+
+class StreamingApp:
+    """Streams ``parts`` body parts, each once ``go`` is set for it: the test decides
+    when the response goes on."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+        self.go = trio.Semaphore(0)
+        self.sent = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(self.parts):
+            await self.go.acquire()
+            await send({"type": "http.response.body", "body": b"data: %d\n\n" % i,
+                        "more_body": i < self.parts - 1})
+            self.sent += 1
+
+
+async def test_bytes_that_are_not_http_during_a_response_never_tear_it() -> None:
+    """Garbage from the client while its response streams: the response goes on whole,
+    the 400 the server owes comes after its end, and the server serves on (a refusal
+    written into the stream tore it, and one written beside a blocked write crashed the
+    server)."""
+    app = StreamingApp(parts=3)
+    with trio.fail_after(10):
+        async with serving(app) as port:
+            async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                await s.send_all(post(b"/stream", b""))
+                app.go.release()
+                head = await s.receive_some(65536)
+                assert head.startswith(b"HTTP/1.1 200 OK")
+                await s.send_all(b"\x00\r\n\r\n")  # not HTTP
+                await trio.testing.wait_all_tasks_blocked()
+                app.go.release()
+                app.go.release()
+                data = head + await read_all(s)
+            end = data.index(b"\r\n0\r\n\r\n")  # the chunked body's end
+            assert b"data: 2" in data[:end] and b"HTTP/1.1 400" not in data[:end]
+            assert data[end:].count(b"HTTP/1.1 400 Bad Request") == 1
+            async with await trio.open_tcp_stream("127.0.0.1", port) as again:
+                await again.send_all(b"GET /x HTTP/1.1\r\nhost: x\r\n\r\n")
+                for _ in range(app.parts):
+                    app.go.release()
+                assert (await again.receive_some(65536)).startswith(b"HTTP/1.1 200 OK")
+
+
+async def test_headers_trickled_in_still_get_a_408_from_their_first_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that sends its headers a few bytes at a time, each well within the
+    timeout, gets its 408 HEADERS_TIMEOUT after the first byte: a read does not restart
+    the clock (a slow-headers client would otherwise hold the connection for ever)."""
+    monkeypatch.setattr(_http11._connection, "HEADERS_TIMEOUT", 0.5)
+    head = b"POST /x HTTP/1.1\r\nhost: x\r\nx-padding: " + b"a" * 200
+    with trio.fail_after(10):
+        async with serving(EchoApp()) as port, \
+                await trio.open_tcp_stream("127.0.0.1", port) as s:
+            start = trio.current_time()
+            for i in range(0, len(head), 8):
+                try:
+                    await s.send_all(head[i:i + 8])
+                except trio.BrokenResourceError:
+                    break  # the server answered and closed
+                with trio.move_on_after(0.1):
+                    data = await s.receive_some(65536)
+                    break
+            else:
+                data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert trio.current_time() - start < 1.5

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from http import HTTPStatus
 
 import httptools
 import trio
@@ -22,8 +24,8 @@ MAX_HEAD_BYTES = 64 * 1024
 #: before the server stops reading from the client.
 MAX_BUFFERED_BYTES = 1024 * 1024
 
-REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 408: b"Request Timeout",
-           431: b"Request Header Fields Too Large", 500: b"Internal Server Error"}
+#: The reason phrase of every status an answer may have (``HTTP/1.1 415 Unsupported ...``).
+REASONS = {int(status): status.phrase.encode("ascii") for status in HTTPStatus}
 
 #: The OpenAI-style error code of each answer the server gives by itself.
 CODES = {400: b"malformed_request", 408: b"request_timeout",
@@ -61,6 +63,13 @@ class Connection:
         self.buffered = 0
         self.closed = False  # the client went away (or the connection broke)
         self.closing = False  # the server closes it after the current response
+        #: An answer the server owes the client by itself (a malformed request, headers
+        #: too large): written once the response in progress and the requests parsed
+        #: before it are answered, never into the middle of a response.
+        self.refusal: tuple[int, bytes] | None = None
+        #: When the headers of the request being parsed must be in (HEADERS_TIMEOUT from
+        #: its first byte: a client trickling bytes does not restart it).
+        self.head_deadline = math.inf
         self.idle = True
         self.changed = trio.Event()
         #: Called once when the client goes away while a request is served (the app's
@@ -79,6 +88,7 @@ class Connection:
     def on_message_begin(self) -> None:
         self.parsing = Request()
         self.head_bytes = 0
+        self.head_deadline = trio.current_time() + HEADERS_TIMEOUT
 
     def on_url(self, url: bytes) -> None:
         assert self.parsing is not None
@@ -98,6 +108,9 @@ class Connection:
         request.version = parser.get_http_version()
         request.keep_alive = parser.should_keep_alive()
         request.expect_continue = (b"expect", b"100-continue") in request.headers
+        if self.head_bytes > MAX_HEAD_BYTES:  # (a head that came whole in one read too)
+            self._refuse_later(431, b"request headers too large")
+            return
         self.requests.append(request)
 
     def on_body(self, body: bytes) -> None:
@@ -134,41 +147,52 @@ class Connection:
             self.on_gone = callback
 
     async def read_once(self) -> bool:
-        """Read what the client sent into the parser; False if it went away."""
+        """Read what the client sent into the parser; False if the connection is done."""
         try:
             data = await self.stream.receive_some(READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             data = b""
-        return await self._take(data)
+        return self._take(data)
 
-    async def _take(self, data: bytes) -> bool:
+    def _take(self, data: bytes) -> bool:
         """Parse what one read brought (``b""``: the client went away); False if the
-        connection is done."""
+        connection is done (gone, or owed a refusal: nothing more is read)."""
         if not data:
             self.gone()
             return False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.closing = True
-            await self.refuse(400, b"upgrades are not supported")
-            return False
+            self._refuse_later(400, b"upgrades are not supported")
         except httptools.HttpParserError:
-            self.closing = True
-            await self.refuse(400, b"malformed HTTP request")
-            return False
-        if self.parsing is not None and self.head_bytes > MAX_HEAD_BYTES \
-                and not self.requests:
-            self.closing = True
-            await self.refuse(431, b"request headers too large")
+            self._refuse_later(400, b"malformed HTTP request")
+        if self.parsing is not None and self.head_bytes > MAX_HEAD_BYTES:
+            self._refuse_later(431, b"request headers too large")
+        if self.refusal is not None:
             return False
         self._wake()
         return True
 
+    def _refuse_later(self, status: int, message: bytes) -> None:
+        if self.refusal is None:
+            self.refusal = (status, message)
+        self.closing = True
+
     async def next_request(self) -> Request | None:
-        """The next request whose head is in, or None when the connection is done."""
+        """The next request whose head is in, or None when the connection is done.
+
+        Requests parsed before a refusal the server owes are answered first; then the
+        refusal is written and the connection closes. An idle connection waits at most
+        KEEP_ALIVE_TIMEOUT seconds for a request to start, a started head at most
+        HEADERS_TIMEOUT seconds from its first byte (then 408)."""
+        idle_deadline = trio.current_time() + KEEP_ALIVE_TIMEOUT
         while not self.requests:
-            if self.closed or self.closing:
+            if self.closed:
+                return None
+            if self.closing:
+                refusal, self.refusal = self.refusal, None
+                if refusal is not None:
+                    await self.refuse(*refusal)
                 return None
             try:
                 # What the client already sent (a new connection's request usually is
@@ -179,18 +203,15 @@ class Connection:
             except OSError:
                 data = b""
             if data is not None:
-                alive = await self._take(data)
-            else:
-                waiting_for_start = self.parsing is None
-                timeout = KEEP_ALIVE_TIMEOUT if waiting_for_start else HEADERS_TIMEOUT
-                with trio.move_on_after(timeout) as waited:
-                    alive = await self.read_once()
-                if waited.cancelled_caught:
-                    if not waiting_for_start:
-                        await self.refuse(408, b"request headers not received in time")
-                    return None
-            if not alive:
-                return None
+                self._take(data)
+                continue
+            head_started = self.parsing is not None
+            with trio.move_on_at(self.head_deadline if head_started else idle_deadline):
+                await self.read_once()
+                continue
+            if head_started:
+                await self.refuse(408, b"request headers not received in time")
+            return None
         await trio.lowlevel.checkpoint_if_cancelled()
         return self.requests.popleft()
 

@@ -51,6 +51,10 @@ class Server:
         try:
             with conn.scope:
                 await self._serve(conn)
+        except Exception:
+            # One connection's failure (a bug, an unforeseen socket state) closes that
+            # connection, never the server and the others.
+            logger.exception("the connection from %s failed", conn.client)
         finally:
             # Closed at once: a socket's close needs no wait (a forced aclose would cost
             # a cancel scope and a raised Cancelled a connection).
