@@ -137,6 +137,29 @@ async def test_T1_many_observers_see_the_same_outcome(
     assert repr(task) == "<PrefillTask 'r-1' succeeded>"
 
 
+async def test_T1_an_observer_leaving_leaves_the_others_waiting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    drain = Drain("v")
+    results: list[str] = []
+
+    async def observe(task: PrefillTask[str]) -> None:
+        results.append(await task.result())
+
+    async with TransferKeeper() as keeper, trio.open_nursery() as nursery:
+        task = keeper.start(drain, name="r-1")
+        nursery.start_soon(observe, task)
+        with trio.move_on_after(1) as leaving:  # the second of three leaves first
+            async with trio.open_nursery() as middle:
+                middle.start_soon(observe, task)
+                await trio.sleep_forever()
+        nursery.start_soon(observe, task)
+        await trio.testing.wait_all_tasks_blocked()
+        assert leaving.cancelled_caught
+        drain.finish()
+    assert results == ["v", "v"]
+
+
 # --- T2 ---------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 from e2e_support import wait_until
+from engine_support import StandIn
 
 from trio_disagg import (
     Annotated,
@@ -893,3 +894,51 @@ async def test_B1_B2_an_answer_on_its_way_at_the_prefill_deadline_is_consumed(
         h.assert_clean()  # nothing held, well before the 1000 s lease
         assert h.router.counters.staged_kv_cleanups == cleanups
         assert h.cluster.counters().served == cleanups
+
+
+class TrailingPrefill(StandIn):
+    """A sequential prefill worker whose answer (the handoff, staging KV) comes at once,
+    but whose stream ends only ``trail`` seconds later."""
+
+    def __init__(self, engine: Any, trail: float) -> None:
+        super().__init__(engine)
+        self.trail = trail
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            await self.engine.generate(request, context, send_channel.clone(),
+                                      task_status=task_status)
+            await trio.sleep(self.trail)
+
+
+@pytest.mark.parametrize(("trail", "outcome"), [(0.5, "answered"), (10.0, "deadline")])
+async def test_B1_B2_a_sequential_prefill_deadline_bounds_its_whole_stream(
+    autojump_clock: trio.abc.Clock, trail: float, outcome: str
+) -> None:
+    """The decode needs a sequential prefill's whole stream (S6), so the prefill deadline
+    (2 s) bounds all of it, not only its first output: a stream that trails on past the
+    deadline fails the request at the deadline (and its grace), and the KV its first
+    output staged is consumed (B1), not left to the 1000 s lease."""
+    cluster = mock_cluster(style=SEQ, latency=LATENCY, kv_ttl=1000.0)
+    cluster.prefill[0] = TrailingPrefill(cluster.prefill[0], trail)  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, cluster=cluster,
+                        deadlines=Deadlines(prefill=2, handoff=5, decode_idle=5))
+        start = trio.current_time()
+        if outcome == "answered":
+            _, items = await h.run(make_request())
+            assert finish_of(items[-1]) is FinishKind.LENGTH
+        else:
+            with pytest.raises(PrefillDeadlineExceeded, match="prefill deadline of 2 s"):
+                await h.run(make_request())
+            assert trio.current_time() - start == pytest.approx(2.2, abs=0.05)
+        await h.settle()
+        h.assert_clean()  # nothing held, well before the 1000 s lease
+        assert h.router.counters.staged_kv_cleanups == (outcome == "deadline")

@@ -94,7 +94,8 @@ class HandoffOwner:
         state: the :class:`HandoffState`.
         request: the routed request (with ``bootstrap_info`` in the bootstrap style).
         window: the prefill engine's cancel window (B10).
-        prefill_scope: cancelled to end the prefill leg on purpose (B6, B10).
+        prefill_scope: the prefill leg's scope, its deadline the transfer deadline (B2);
+            the owner cancels it to end the leg on purpose (B6, B10).
         leg: the decode leg kept in the keeper for the transfer, once spawned.
         task: the prefill leg's task in the keeper, once started.
     """

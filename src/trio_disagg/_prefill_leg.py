@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ._context import RequestContext
-from ._engine import DecodeEngine, PrefillEngine
+from ._engine import DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import PrefillCancelled, PrefillDeadlineExceeded, PrefillError, WorkerError
 from ._handoff import HandoffOwner, HandoffState
 from ._health import retry_reason
@@ -47,10 +48,13 @@ async def prefill_leg(
         PrefillError: the prefill failed; a :class:`PrefillCancelled` when the router ended
             it (B6, B10), a :class:`PrefillDeadlineExceeded` when it ran out of time (B2).
     """
+    # One scope for the transfer deadline (B2) and the router's stop (B6, B10), told
+    # apart by the owner's state (P3: a scope less per request).
+    scope = owner.prefill_scope
+    scope.deadline = min(scope.deadline, trio.current_time() + router.deadlines.transfer)
     try:
-        with trio.move_on_after(router.deadlines.transfer) as transfer_scope:
-            with owner.prefill_scope:
-                completion = await _run_prefill(router, owner, context)
+        with scope:
+            completion = await _run_prefill(router, owner, context)
     except PrefillError as error:
         owner.prefill_failed()
         if owner.state is HandoffState.RELEASED:  # the router stopped it (B6, B10)
@@ -62,10 +66,10 @@ async def prefill_leg(
     finally:
         if owner.request.bootstrap_info is not None:
             rooms.discard(owner.request.bootstrap_info.room)
-    if owner.prefill_scope.cancelled_caught:
+    if scope.cancelled_caught and owner.state is HandoffState.RELEASED:
         owner.prefill_failed()
         raise _cancelled(owner)
-    if transfer_scope.cancelled_caught:
+    if scope.cancelled_caught:
         context.kill()
         owner.prefill_failed()
         raise PrefillDeadlineExceeded("transfer", router.deadlines.transfer)
@@ -123,54 +127,120 @@ def _prefill_replacement(
 async def _prefill_attempt(
     router: DisaggRouter, owner: HandoffOwner, context: RequestContext, deadline: float
 ) -> PrefillCompletion:
-    """One prefill attempt on ``owner.prefill_worker``.
-
-    ``deadline`` bounds the wait for the first output (the handoff), and for a
-    bootstrap prefill also its answer (which comes after the KV transfer). The engine
-    runs outside it, so an answer already on its way when the deadline expires can
-    still be read, and its staged KV consumed (B1).
+    """One prefill attempt on ``owner.prefill_worker``, within ``deadline`` (on the trio
+    clock): a bootstrap prefill (:func:`_read_while_running`) or a sequential one
+    (:func:`_read_answer`).
 
     Raises:
         _Retryable: the worker refused before it answered anything (B9).
+        PrefillError: the prefill failed, or missed its deadline.
     """
     worker = owner.prefill_leg_worker
+    attempt = (_read_while_running if worker.engine.handoff_style is HandoffStyle.BOOTSTRAP
+               else _read_answer)
     with router.prefill.lease(worker):
-        send, receive = trio.open_memory_channel[Item](router.channel_buffer)
         refusal: list[WorkerError] = []
-        first: Item | None = None
-        completion: PrefillCompletion | None = None
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_run_engine, worker.engine, owner.request, context,
-                                   send, refusal)
-                first = await _first_prefill_output(router, owner, receive, refusal, deadline)
-                # A bootstrap prefill answers once its KV reached the decode, and an
-                # adapter may hand off the room before that: its deadline bounds the
-                # answer, so a stalled bootstrap prefill is a prefill deadline too.
-                if first is not None and _is_bootstrap(first):
-                    with trio.move_on_after(router.deadlines.prefill):
-                        completion = await consume_prefill_stream(
-                            receive, tracker=owner.tracker, first=first)
-                elif first is not None:  # the first output was the answer: nothing to bound
-                    completion = await consume_prefill_stream(
-                        receive, tracker=owner.tracker, first=first)
-                if completion is None:
-                    nursery.cancel_scope.cancel()
-        except* PrefillError as group:
-            leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
-            router.prefill.record_failure(worker, leaf.__cause__ or leaf)
-            reason = retry_reason(refusal[0]) if refusal and first is None else None
+            completion = await attempt(router, owner, context, deadline, refusal)
+        except PrefillError as error:
+            router.prefill.record_failure(worker, error.__cause__ or error)
+            reason = retry_reason(refusal[0]) if refusal else None
             if reason is not None:
-                raise _Retryable(leaf, reason) from None
-            raise leaf from leaf.__cause__
-        finally:
-            if owner.prefill_scope.cancel_called:
-                _stage_arrived(owner, first, receive)
+                raise _Retryable(error, reason) from None
+            raise
         if completion is None:
             router.prefill.record_failure(worker)
             raise PrefillDeadlineExceeded("prefill", router.deadlines.prefill)
         router.prefill.record_success(worker)
         return completion
+
+
+async def _read_answer(
+    router: DisaggRouter,
+    owner: HandoffOwner,
+    context: RequestContext,
+    deadline: float,
+    refusal: list[WorkerError],
+) -> PrefillCompletion | None:
+    """A sequential prefill: run the engine in this task to its answer, then classify
+    it (S1-S10); None if the answer missed ``deadline``.
+
+    A sequential prefill's stream is its answer (one output, or a few), and the decode
+    is dispatched only once all of it is read (S6), so ``deadline`` bounds the whole
+    stream, and the channel buffers all of it: no second task reads it meanwhile
+    (docs/performance.md, P3). An answer that ends within a short grace after the
+    deadline is still read, and KV it staged is consumed (B1); then the engine is
+    cancelled.
+
+    Raises:
+        PrefillError: the worker refused (``refusal`` holds its
+            :class:`~trio_disagg.WorkerError`), or the stream failed (S1, S2, S8, S9, T4).
+    """
+    worker = owner.prefill_leg_worker
+    send, receive = trio.open_memory_channel[Item](math.inf)
+    with receive:
+        try:
+            with trio.move_on_at(deadline + _late_grace(router)), send:
+                await worker.engine.generate(owner.request, context, send)
+        except WorkerError as exc:
+            if not receive.statistics().current_buffer_used:  # refused, answering nothing
+                refusal.append(exc)
+            raise PrefillError(_naming(worker, exc)) from exc
+        finally:
+            stopped = owner.prefill_scope.cancel_called
+            if stopped:
+                _stage_arrived(owner, None, receive)
+        if trio.current_time() >= deadline:  # late, or cut at the grace's end
+            if not stopped:
+                _stage_arrived(owner, None, receive)
+            return None
+        return await consume_prefill_stream(receive, tracker=owner.tracker)
+
+
+async def _read_while_running(
+    router: DisaggRouter,
+    owner: HandoffOwner,
+    context: RequestContext,
+    deadline: float,
+    refusal: list[WorkerError],
+) -> PrefillCompletion | None:
+    """A bootstrap prefill: its first output (the handoff) comes at once and its answer
+    only once its KV reached the decode, so the engine runs in a task of its own while
+    this one reads; None if the first output missed ``deadline``.
+
+    ``deadline`` bounds the wait for the first output, and a second prefill deadline
+    from then bounds the answer: a stalled bootstrap prefill is a prefill deadline too.
+    The engine runs outside both, so an answer already on its way when the first
+    expires can still be read, and its staged KV consumed (B1).
+
+    Raises:
+        PrefillError: as :func:`_read_answer`.
+    """
+    worker = owner.prefill_leg_worker
+    send, receive = trio.open_memory_channel[Item](router.channel_buffer)
+    first: Item | None = None
+    completion: PrefillCompletion | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_run_engine, worker.engine, owner.request, context,
+                               send, refusal)
+            first = await _first_prefill_output(router, owner, receive, refusal, deadline)
+            if first is not None and _is_bootstrap(first):
+                with trio.move_on_after(router.deadlines.prefill):
+                    completion = await consume_prefill_stream(
+                        receive, tracker=owner.tracker, first=first)
+            elif first is not None:  # the first output was the answer: nothing to bound
+                completion = await consume_prefill_stream(
+                    receive, tracker=owner.tracker, first=first)
+            if completion is None:
+                nursery.cancel_scope.cancel()
+    except* PrefillError as group:
+        leaf = _single(group)  # keep the cause: a worker's 4xx reaches the client
+        raise leaf from leaf.__cause__
+    finally:
+        if owner.prefill_scope.cancel_called:
+            _stage_arrived(owner, first, receive)
+    return completion
 
 
 async def _first_prefill_output(
@@ -190,7 +260,7 @@ async def _first_prefill_output(
     worker = owner.prefill_leg_worker
     with trio.move_on_at(deadline):
         return await _receive_first(worker, receive, refusal)
-    with trio.move_on_after(min(LATE_ANSWER_GRACE, 0.1 * router.deadlines.prefill)):
+    with trio.move_on_after(_late_grace(router)):
         with contextlib.suppress(PrefillError):
             late = await _receive_first(worker, receive, refusal)
             completion = await consume_prefill_stream(receive, first=late)
@@ -199,11 +269,17 @@ async def _first_prefill_output(
     return None
 
 
+def _late_grace(router: DisaggRouter) -> float:
+    """Seconds to read an answer already on its way when the prefill deadline expired."""
+    return min(LATE_ANSWER_GRACE, 0.1 * router.deadlines.prefill)
+
+
 def _stage_arrived(
     owner: HandoffOwner, first: Item | None, receive: trio.MemoryReceiveChannel[Item]
 ) -> None:
-    """The router ended the prefill (B6, B10): a handoff that had already arrived is
-    still consumed (B1). Never raises (it runs in a ``finally``)."""
+    """A prefill that will not be handed to a decode (the router ended it, B6, B10, or
+    it missed its deadline, B2): a handoff that had already arrived is still consumed
+    (B1). Never raises (it runs in a ``finally``)."""
     if first is None:
         try:
             first = receive.receive_nowait()

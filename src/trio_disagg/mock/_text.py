@@ -37,6 +37,11 @@ def _seed64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
+#: Every token id, made once: a token an output holds is one of these, not an int of its
+#: own (ids past 256 are not cached by Python; docs/performance.md, P3).
+_TOKEN_IDS: tuple[int, ...] = tuple(range(VOCAB_SIZE))
+
+
 class TokenStream:
     """A deterministic pseudo-random token sequence for one request.
 
@@ -54,7 +59,7 @@ class TokenStream:
     def next_id(self) -> int:
         """The next token id, in ``range(VOCAB_SIZE)``."""
         self._state = (self._state * 6364136223846793005 + 1442695040888963407) & _MASK64
-        return self._state >> (64 - _VOCAB_BITS)
+        return _TOKEN_IDS[self._state >> (64 - _VOCAB_BITS)]
 
     def next_unit(self) -> float:
         """The next number in [0, 1), for seeded choices such as an early EOS."""
