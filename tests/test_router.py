@@ -896,12 +896,17 @@ async def test_B1_B2_an_answer_on_its_way_at_the_prefill_deadline_is_consumed(
         assert h.cluster.counters().served == cleanups
 
 
-class TrailingPrefill(StandIn):
-    """A sequential prefill worker whose answer (the handoff, staging KV) comes at once,
-    but whose stream ends only ``trail`` seconds later."""
+class AfterAnswer(StandIn):
+    """A sequential prefill worker that answers (sends its handoff, staging KV) and then
+    does ``after``: ``"trail"`` keeps its stream open ``trail`` seconds, ignoring a
+    stop; ``"worker_error"`` raises a 503 (a contract breach: a refusal after started),
+    ``"crash"`` a bug, ``"error_item"`` sends an error item (T4), ``"flood"`` sends
+    outputs without end. ``"late_refusal"`` answers nothing, and refuses (503) after
+    ``trail`` seconds."""
 
-    def __init__(self, engine: Any, trail: float) -> None:
+    def __init__(self, engine: Any, after: str, trail: float = 10.0) -> None:
         super().__init__(engine)
+        self.after = after
         self.trail = trail
 
     async def generate(
@@ -913,9 +918,34 @@ class TrailingPrefill(StandIn):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         with send_channel:
+            if self.after == "late_refusal":
+                await trio.sleep(self.trail)
+                raise WorkerError("prefill worker went away", status=503)
             await self.engine.generate(request, context, send_channel.clone(),
-                                      task_status=task_status)
-            await trio.sleep(self.trail)
+                                       task_status=task_status)
+            if self.after == "trail":
+                await trio.sleep(self.trail)
+            elif self.after == "worker_error":
+                raise WorkerError("prefill worker went away", status=503)
+            elif self.after == "crash":
+                raise RuntimeError("engine bug after the handoff")
+            elif self.after == "error_item":
+                await send_channel.send(Annotated.from_error("late failure"))
+            elif self.after == "flood":
+                while True:
+                    await send_channel.send(Annotated(data=LLMEngineOutput()))
+
+
+def after_answer(keeper: TransferKeeper, after: str, style: HandoffStyle = SEQ,
+                 window: CancelWindow | None = None, trail: float = 10.0) -> Harness:
+    cluster = mock_cluster(style=style, latency=LATENCY, kv_ttl=1000.0)
+    cluster.prefill[0] = AfterAnswer(  # type: ignore[call-overload]
+        cluster.prefill[0], after, trail)
+    windows = {cluster.prefill[0].name: window} if window else None
+    router = DisaggRouter(WorkerPool(cluster.prefill, cancel_windows=windows),
+                          WorkerPool(cluster.decode), keeper,
+                          deadlines=Deadlines(prefill=2, handoff=5, decode_idle=5))
+    return Harness(cluster, keeper, router)
 
 
 @pytest.mark.parametrize(("trail", "outcome"), [(0.5, "answered"), (10.0, "deadline")])
@@ -926,11 +956,8 @@ async def test_B1_B2_a_sequential_prefill_deadline_bounds_its_whole_stream(
     (2 s) bounds all of it, not only its first output: a stream that trails on past the
     deadline fails the request at the deadline (and its grace), and the KV its first
     output staged is consumed (B1), not left to the 1000 s lease."""
-    cluster = mock_cluster(style=SEQ, latency=LATENCY, kv_ttl=1000.0)
-    cluster.prefill[0] = TrailingPrefill(cluster.prefill[0], trail)  # type: ignore[call-overload]
     async with TransferKeeper() as keeper:
-        h = harness_for(keeper, cluster=cluster,
-                        deadlines=Deadlines(prefill=2, handoff=5, decode_idle=5))
+        h = after_answer(keeper, "trail", trail=trail)
         start = trio.current_time()
         if outcome == "answered":
             _, items = await h.run(make_request())
@@ -942,3 +969,53 @@ async def test_B1_B2_a_sequential_prefill_deadline_bounds_its_whole_stream(
         await h.settle()
         h.assert_clean()  # nothing held, well before the 1000 s lease
         assert h.router.counters.staged_kv_cleanups == (outcome == "deadline")
+
+
+@pytest.mark.parametrize("after", ["worker_error", "crash", "error_item", "flood"])
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST])
+async def test_B1_T4_a_sequential_prefill_failing_after_its_answer_strands_nothing(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, after: str
+) -> None:
+    """Whatever fails a sequential prefill after its handoff arrived (a refusal or a crash
+    it should not raise, a later error item, outputs without end), the request gets a
+    PrefillError and the KV the handoff staged is consumed (B1), not left to the lease."""
+    async with TransferKeeper() as keeper:
+        h = after_answer(keeper, after, style)
+        with pytest.raises(PrefillError) as caught:
+            await h.run(make_request())
+        if after == "flood":
+            assert "more than 64 outputs" in str(caught.value)
+        await h.settle()
+        h.assert_clean()
+        assert h.router.counters.staged_kv_cleanups == 1
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST])
+async def test_B10_a_stopped_prefill_that_answered_and_trails_on_is_not_a_failure(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """The client leaves inside the cancel window while the handoff waits unread and the
+    engine, ignoring the stop, keeps its stream open: the router ended that prefill on
+    purpose (B10), so it is neither a failure nor a transfer deadline, and its KV is
+    consumed (B1)."""
+    async with TransferKeeper() as keeper:
+        h = after_answer(keeper, "trail", style, CancelWindow.BEFORE_HANDOFF)
+        with trio.move_on_after(0.2):  # the handoff arrives at about 0.1 s
+            await h.run(make_request(words=10))
+        await h.settle()
+        h.assert_clean()
+        assert keeper.failed_total == 0
+        assert h.router.counters.staged_kv_cleanups == 1
+
+
+async def test_B2_a_refusal_after_the_prefill_deadline_is_the_deadline(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A worker that refuses within the late-answer grace (at 2.05 s; deadline 2 s) is
+    late all the same: the prefill deadline, not the refusal, and no retry (B9)."""
+    async with TransferKeeper() as keeper:
+        h = after_answer(keeper, "late_refusal", trail=2.05)
+        with pytest.raises(PrefillDeadlineExceeded):
+            await h.run(make_request())
+        await h.settle()
+        h.assert_clean()

@@ -118,6 +118,8 @@ class HandoffOwner:
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER
     prefill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    #: The owner ended the prefill on purpose (B6, B10), whatever the state became after.
+    prefill_stopped: bool = False
     leg: TransferLeg | None = None
     task: PrefillTask[PrefillCompletion] | None = None
     #: The prefill leg's own context (C5), once started.
@@ -280,6 +282,7 @@ class HandoffOwner:
         """End the prefill leg (and a paired decode leg) now: its KV will never be taken,
         so nothing is stranded by ending it (B6, B10)."""
         self.state = HandoffState.RELEASED
+        self.prefill_stopped = True
         counters = self.router.counters
         if why == "window":
             counters.prefills_cancelled += 1

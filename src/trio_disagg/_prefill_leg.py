@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -31,6 +30,10 @@ if TYPE_CHECKING:
     from ._router import DisaggRouter
 
 logger = logging.getLogger("trio_disagg.router")
+
+#: Outputs a sequential prefill's stream may hold: it answers with one, or a few (its
+#: handoff, a usage); an engine that sends more is cut at the prefill deadline.
+SEQUENTIAL_PREFILL_OUTPUTS = 64
 
 #: Seconds (at most; 10% of the prefill deadline if less) to read a prefill answer that
 #: was already on its way when the prefill deadline expired, so its KV is consumed (B1).
@@ -57,7 +60,7 @@ async def prefill_leg(
             completion = await _run_prefill(router, owner, context)
     except PrefillError as error:
         owner.prefill_failed()
-        if owner.state is HandoffState.RELEASED:  # the router stopped it (B6, B10)
+        if owner.prefill_stopped:  # the router stopped it (B6, B10)
             raise _cancelled(owner) from error
         raise
     except BaseException:
@@ -66,7 +69,7 @@ async def prefill_leg(
     finally:
         if owner.request.bootstrap_info is not None:
             rooms.discard(owner.request.bootstrap_info.room)
-    if scope.cancelled_caught and owner.state is HandoffState.RELEASED:
+    if scope.cancelled_caught and owner.prefill_stopped:
         owner.prefill_failed()
         raise _cancelled(owner)
     if scope.cancelled_caught:
@@ -167,34 +170,54 @@ async def _read_answer(
 
     A sequential prefill's stream is its answer (one output, or a few), and the decode
     is dispatched only once all of it is read (S6), so ``deadline`` bounds the whole
-    stream, and the channel buffers all of it: no second task reads it meanwhile
-    (docs/performance.md, P3). An answer that ends within a short grace after the
-    deadline is still read, and KV it staged is consumed (B1); then the engine is
-    cancelled.
+    stream, and the channel buffers it (up to :data:`SEQUENTIAL_PREFILL_OUTPUTS`): no
+    second task reads it meanwhile (docs/performance.md, P3). An answer that ends within
+    a short grace after the deadline is still read; then the engine is cancelled.
+    However the prefill fails, a handoff that had arrived is consumed (B1).
 
     Raises:
         PrefillError: the worker refused (``refusal`` holds its
-            :class:`~trio_disagg.WorkerError`), or the stream failed (S1, S2, S8, S9, T4).
+            :class:`~trio_disagg.WorkerError`), the stream failed (S1, S2, S8, S9, T4),
+            or it sent more outputs than a prefill answers with.
     """
     worker = owner.prefill_leg_worker
-    send, receive = trio.open_memory_channel[Item](math.inf)
+    send, receive = trio.open_memory_channel[Item](SEQUENTIAL_PREFILL_OUTPUTS)
+    first: Item | None = None
     with receive:
         try:
-            with trio.move_on_at(deadline + _late_grace(router)), send:
+            with trio.move_on_at(deadline + _late_grace(router)) as bound, send:
                 await worker.engine.generate(owner.request, context, send)
+            if (bound.cancelled_caught and receive.statistics().current_buffer_used
+                    >= SEQUENTIAL_PREFILL_OUTPUTS):  # and it was blocked sending more
+                raise PrefillError(_naming(worker, RuntimeError(
+                    f"sent more than {SEQUENTIAL_PREFILL_OUTPUTS} outputs for one prefill")))
+            first = _first_arrived(receive)
+            if trio.current_time() >= deadline:  # late, or cut at the grace's end
+                _stage_arrived(owner, first, receive)
+                return None
+            return await consume_prefill_stream(receive, tracker=owner.tracker, first=first)
         except WorkerError as exc:
-            if not receive.statistics().current_buffer_used:  # refused, answering nothing
+            first = _first_arrived(receive)
+            _stage_arrived(owner, first, receive)
+            if trio.current_time() >= deadline:  # refused in the grace: late all the same
+                return None
+            if first is None:  # refused, answering nothing (B9)
                 refusal.append(exc)
             raise PrefillError(_naming(worker, exc)) from exc
-        finally:
-            stopped = owner.prefill_scope.cancel_called
-            if stopped:
-                _stage_arrived(owner, None, receive)
-        if trio.current_time() >= deadline:  # late, or cut at the grace's end
-            if not stopped:
-                _stage_arrived(owner, None, receive)
-            return None
-        return await consume_prefill_stream(receive, tracker=owner.tracker)
+        except BaseException:
+            # Stopped (B6, B10), out of time (B2), a failed stream (T4), a crash: the
+            # handoff that arrived is consumed all the same.
+            _stage_arrived(owner, first if first is not None else _first_arrived(receive),
+                           receive)
+            raise
+
+
+def _first_arrived(receive: trio.MemoryReceiveChannel[Item]) -> Item | None:
+    """The first buffered output, if one arrived."""
+    try:
+        return receive.receive_nowait()
+    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+        return None
 
 
 async def _read_while_running(

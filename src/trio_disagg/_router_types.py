@@ -35,10 +35,11 @@ class Deadlines:
     """Every bounded wait of a request, in seconds (rule B2 in docs/semantics.md).
 
     Attributes:
-        prefill: from the prefill's dispatch until its first output, the handoff,
-            retries on other workers included (B9). A bootstrap prefill's answer, which
-            comes after the KV transfer, then gets as long again, counted from that first
-            output. On expiry the request fails with a
+        prefill: from the prefill's dispatch until the handoff, retries on other
+            workers included (B9): for a sequential prefill, the end of its stream (its
+            answer, which the decode needs whole, S6); for a bootstrap prefill, its
+            first output, and its answer, which comes after the KV transfer, then gets
+            as long again, counted from that first output. On expiry the request fails with a
             :class:`~trio_disagg.PrefillDeadlineExceeded`; an answer already on its way
             is still read, within ``min(1 s, 10% of it)``, so its staged KV is consumed
             (B1).

@@ -27,17 +27,20 @@ class Stopper:
     prefill stopped inside its cancel window, B10, B1).
     """
 
-    __slots__ = ("_context", "_kill_scope", "armed", "scope", "stop_grace")
+    __slots__ = ("_kill_scope", "_killed", "armed", "scope", "stop_grace")
 
     def __init__(self, context: RequestContext, *, stop_grace: float = 0.0) -> None:
         self.scope = trio.CancelScope()
         self._kill_scope: trio.CancelScope | None = None
-        self._context = context
+        # The context is not kept: it holds this object (its callback), and a cycle
+        # between them would outlive the request until a full garbage collection.
+        self._killed = False
         self.armed = True
         self.stop_grace = stop_grace
         context.on_stop(self)
 
     def __call__(self, killed: bool) -> None:
+        self._killed = self._killed or killed
         if killed or (self.armed and not self.stop_grace):
             self.scope.cancel()
         elif self.armed:
@@ -54,7 +57,7 @@ class Stopper:
 
     async def send_cancelled(self, send: SendChannel) -> None:
         self._kill_scope = trio.CancelScope()
-        if self._context.is_killed:
+        if self._killed:
             self._kill_scope.cancel()
         with self._kill_scope:
             await send.send(Annotated(data=LLMEngineOutput(finish_reason=FinishReason.CANCELLED)))

@@ -24,15 +24,18 @@ class Stopper:
     request, nothing per token): a stop or a kill cancels :attr:`scope`; after a stop,
     :meth:`send_cancelled` sends the ``cancelled`` finish unless a kill comes first."""
 
-    __slots__ = ("_context", "_kill_scope", "scope")
+    __slots__ = ("_kill_scope", "_killed", "scope")
 
     def __init__(self, context: RequestContext) -> None:
         self.scope = trio.CancelScope()
         self._kill_scope: trio.CancelScope | None = None
-        self._context = context
+        # The context is not kept: it holds this object (its callback), and a cycle
+        # between them would outlive the request until a full garbage collection.
+        self._killed = False
         context.on_stop(self)
 
     def __call__(self, killed: bool) -> None:
+        self._killed = self._killed or killed
         self.scope.cancel()
         if killed and self._kill_scope is not None:
             self._kill_scope.cancel()
@@ -41,7 +44,7 @@ class Stopper:
         """Send the ``cancelled`` finish of a stopped request; a kill (before or during
         the send) drops it."""
         self._kill_scope = trio.CancelScope()
-        if self._context.is_killed:
+        if self._killed:
             self._kill_scope.cancel()
         with self._kill_scope:
             await send.send(item)
