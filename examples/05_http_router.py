@@ -234,7 +234,13 @@ async def steps(client: openai.OpenAI, http: httpx.AsyncClient, router: td.Disag
     start = trio.current_time()
     print(f"   client: {await in_thread(partial(hang_up_during_prefill, client))}")
     await settled(router, keeper)
-    m = await metrics(http, prefill_url)
+    # The router closed the prefill's connection; the worker counts the abort once it
+    # sees the close, a moment later, in its own process.
+    with trio.fail_after(5):
+        for _ in range(1000):  # poll its /metrics, as a scraper would
+            if (m := await metrics(http, prefill_url))["requests_aborted_total"] >= 1:
+                break
+            await trio.sleep(0.005)
     print(f"   {(trio.current_time() - start) * 1000:.0f} ms later: prefill worker "
           f"aborted requests={m['requests_aborted_total']:.0f}, {kv_line(m)}")
     print(f"   the router cancelled the prefill inside its cancel window "
