@@ -52,7 +52,7 @@ async def prefill_leg(
             it (B6, B10), a :class:`PrefillDeadlineExceeded` when it ran out of time (B2).
     """
     # One scope for the transfer deadline (B2) and the router's stop (B6, B10), told
-    # apart by the owner's state (P3: a scope less per request).
+    # apart by the owner's flag (P3: a scope less per request).
     scope = owner.prefill_scope
     scope.deadline = min(scope.deadline, trio.current_time() + router.deadlines.transfer)
     try:
@@ -183,32 +183,33 @@ async def _read_answer(
     worker = owner.prefill_leg_worker
     send, receive = trio.open_memory_channel[Item](SEQUENTIAL_PREFILL_OUTPUTS)
     first: Item | None = None
+    refused: WorkerError | None = None
     with receive:
         try:
-            with trio.move_on_at(deadline + _late_grace(router)) as bound, send:
-                await worker.engine.generate(owner.request, context, send)
-            if (bound.cancelled_caught and receive.statistics().current_buffer_used
-                    >= SEQUENTIAL_PREFILL_OUTPUTS):  # and it was blocked sending more
+            try:
+                with trio.move_on_at(deadline + _late_grace(router)) as bound, send:
+                    await worker.engine.generate(owner.request, context, send)
+            except WorkerError as exc:
+                refused = exc
+            finally:
+                # (blocked sending one more, if the grace's end cut it)
+                flooded = receive.statistics().current_buffer_used >= SEQUENTIAL_PREFILL_OUTPUTS
+                first = _first_arrived(receive)
+            if bound.cancelled_caught and flooded:
                 raise PrefillError(_naming(worker, RuntimeError(
                     f"sent more than {SEQUENTIAL_PREFILL_OUTPUTS} outputs for one prefill")))
-            first = _first_arrived(receive)
-            if trio.current_time() >= deadline:  # late, or cut at the grace's end
-                _stage_arrived(owner, first, receive)
+            if trio.current_time() >= deadline:  # late (a refusal too), or cut at the grace
+                _stage_arrived(owner, first)
                 return None
+            if refused is not None:
+                if first is None:  # refused, answering nothing (B9)
+                    refusal.append(refused)
+                raise PrefillError(_naming(worker, refused)) from refused
             return await consume_prefill_stream(receive, tracker=owner.tracker, first=first)
-        except WorkerError as exc:
-            first = _first_arrived(receive)
-            _stage_arrived(owner, first, receive)
-            if trio.current_time() >= deadline:  # refused in the grace: late all the same
-                return None
-            if first is None:  # refused, answering nothing (B9)
-                refusal.append(exc)
-            raise PrefillError(_naming(worker, exc)) from exc
         except BaseException:
-            # Stopped (B6, B10), out of time (B2), a failed stream (T4), a crash: the
-            # handoff that arrived is consumed all the same.
-            _stage_arrived(owner, first if first is not None else _first_arrived(receive),
-                           receive)
+            # Stopped (B6, B10), out of time (B2), refused or crashed after it answered, a
+            # failed stream (T4): the handoff that arrived is consumed all the same.
+            _stage_arrived(owner, first)
             raise
 
 
@@ -262,7 +263,7 @@ async def _read_while_running(
         raise leaf from leaf.__cause__
     finally:
         if owner.prefill_scope.cancel_called:
-            _stage_arrived(owner, first, receive)
+            _stage_arrived(owner, first if first is not None else _first_arrived(receive))
     return completion
 
 
@@ -297,17 +298,12 @@ def _late_grace(router: DisaggRouter) -> float:
     return min(LATE_ANSWER_GRACE, 0.1 * router.deadlines.prefill)
 
 
-def _stage_arrived(
-    owner: HandoffOwner, first: Item | None, receive: trio.MemoryReceiveChannel[Item]
-) -> None:
-    """A prefill that will not be handed to a decode (the router ended it, B6, B10, or
-    it missed its deadline, B2): a handoff that had already arrived is still consumed
-    (B1). Never raises (it runs in a ``finally``)."""
+def _stage_arrived(owner: HandoffOwner, first: Item | None) -> None:
+    """A prefill that will not be handed to a decode (the router ended it, B6, B10; it
+    failed or missed its deadline, B2, T4): a handoff that had arrived as its ``first``
+    output is still consumed (B1). Never raises (it runs in ``finally`` blocks)."""
     if first is None:
-        try:
-            first = receive.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            return
+        return
     try:
         completion = classify_first_output(first)
     except PrefillError:
