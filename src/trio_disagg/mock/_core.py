@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from . import _pacing as pacing
 from ._faults import Fault, FaultKind
 from ._kv import BootstrapRoom, KVBlockPool, KVState, StagedKV
 from ._latency import LatencyModel
@@ -85,7 +86,7 @@ class TokenPlan:
 
 
 async def generate_tokens(plan: TokenPlan, sink: TokenSink) -> None:
-    """The token loop: per token one sleep if the latency is not 0, one
+    """The token loop: per token one wait on the mock's clock if the latency is not 0, one
     :meth:`TokenSink.token`. Nothing else."""
     tokens = TokenStream(plan.seed, plan.request_id)
     itl = plan.itl
@@ -100,7 +101,7 @@ async def generate_tokens(plan: TokenPlan, sink: TokenSink) -> None:
                 await trio.sleep_forever()
             return
         if itl > 0:
-            await trio.sleep(itl)
+            await pacing.sleep(itl)
         token = tokens.next_id()
         if i == last:
             finish = final
@@ -202,7 +203,7 @@ class Decode:
             if kind is FaultKind.DECODE_STALL:
                 await trio.sleep_forever()  # queued: the KV waits, unpulled
             if self.queue_seconds is not None:
-                await trio.sleep(self.queue_seconds)  # queued, then the pull
+                await pacing.sleep(self.queue_seconds)  # queued, then the pull
             if kind is FaultKind.DECODE_FAIL_BEFORE_FIRST_TOKEN:
                 if source is not None:
                     pending = False
@@ -234,7 +235,7 @@ class Decode:
         self.cached = cached = (prefix.lookup(hashes, self.prompt_tokens)
                                 if prefix is not None else 0)
         if (delay := self.latency.time_to_first_token(self.prompt_tokens - cached)) > 0:
-            await trio.sleep(delay)
+            await pacing.sleep(delay)
         if prefix is not None:
             prefix.insert(hashes)
 
@@ -350,7 +351,7 @@ class Prefill:
         """The prefill computation: ``latency.time_to_first_token`` of the tokens the
         prefix cache missed; then the prompt's blocks are held in the cache."""
         if (delay := self.latency.time_to_first_token(self.prompt_tokens - self.cached)) > 0:
-            await trio.sleep(delay)
+            await pacing.sleep(delay)
         self.computed = True
         if self.prefix is not None:
             self.prefix.insert(self._hashes)

@@ -18,6 +18,7 @@ from .._protocols import (
     PreprocessedRequest,
 )
 from . import _channel as channel
+from . import _pacing as pacing
 from ._core import Decode, fault_message
 from ._faults import Fault, FaultKind, FaultPlan
 from ._kv import (
@@ -289,7 +290,7 @@ class _Pull:
             self.abandon()
             return error
         if self.delay > 0:
-            await trio.sleep(self.delay)
+            await pacing.sleep(self.delay)
         self.complete()
         return None
 
