@@ -33,6 +33,7 @@ from trio_disagg import (
     WorkerPool,
 )
 from trio_disagg.engines import LatencyModel, MockCluster, MockPrefillEngine, mock_cluster
+from trio_disagg.mock._pacing import sleep as mock_sleep
 
 Item = Annotated[LLMEngineOutput]
 
@@ -260,7 +261,9 @@ class RefusingDecode:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         with send_channel:
-            await trio.sleep(self.delay)
+            # On the mock engines' clock, so that its refusal and a mock prefill's failure
+            # due at the same instant are woken together: a tie.
+            await mock_sleep(self.delay)
             raise WorkerError(f"{self.name} refused request {request.request_id!r}",
                               status=503, worker=self.name)
 

@@ -122,7 +122,7 @@ class HandoffOwner:
     prefill_stopped: bool = False
     leg: TransferLeg | None = None
     task: PrefillTask[PrefillCompletion] | None = None
-    #: The prefill leg's own context (C5), once started.
+    #: The prefill leg's own context (C5), while the leg runs.
     prefill_context: RequestContext | None = None
     #: The request side may still dispatch a decode (it has not given up, nor succeeded).
     request_open: bool = True

@@ -69,6 +69,9 @@ async def prefill_leg(
     finally:
         if owner.request.bootstrap_info is not None:
             rooms.discard(owner.request.bootstrap_info.room)
+        # Nothing stops an ended prefill: let go of its context (and the engine's stop
+        # callbacks on it) for the rest of the stream (P3).
+        owner.prefill_context = None
     if scope.cancelled_caught and owner.prefill_stopped:
         owner.prefill_failed()
         raise _cancelled(owner)

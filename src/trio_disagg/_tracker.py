@@ -77,7 +77,9 @@ class RequestTracker:
         # Flags, not the times: outside a trio run the times are None (S3 first call wins).
         self._prefill_recorded = False
         self._decode_recorded = False
-        self._permit = trio.Semaphore(1)
+        # Made by the prefill phase, dropped once the decode phase began (P3: a semaphore
+        # and its parking lot are 336 bytes a stream in flight).
+        self._permit: trio.Semaphore | None = None
 
     def enter_prefill(self) -> PhasePermit:
         """Enter the prefill phase and take the phase-transition permit (S11).
@@ -88,6 +90,8 @@ class RequestTracker:
         Raises:
             RuntimeError: if the permit is already held (one prefill per request).
         """
+        if self._permit is None:
+            self._permit = trio.Semaphore(1)
         try:
             self._permit.acquire_nowait()
         except trio.WouldBlock:
@@ -100,8 +104,13 @@ class RequestTracker:
 
         Waits until then; cancelling the wait leaves the phase as it was.
         """
+        if self._permit is None:  # no prefill phase
+            await trio.lowlevel.checkpoint()
+            self.phase = Phase.DECODE
+            return
         async with self._permit:
             self.phase = Phase.DECODE
+        self._permit = None  # free again, as a new one would be
 
     def finish(self) -> None:
         """Mark the request done; the first call records ``finished_at``."""

@@ -20,7 +20,7 @@ from .._protocols import (
 from . import _channel as channel
 from . import _pacing as pacing
 from ._core import Decode, fault_message
-from ._faults import Fault, FaultKind, FaultPlan
+from ._faults import FaultKind, FaultPlan
 from ._kv import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BOOTSTRAP_TIMEOUT,
@@ -142,34 +142,30 @@ class MockDecodeEngine:
             fault = channel.pick_fault(request, "decode", self.fault_plan, self.name)
             stopper = channel.Stopper(context)
             task_status.started()
+            # (One coroutine, not two: its frame is held for the whole stream, P3.)
+            body = request.body
+            run = Decode(worker=self.name, request_id=request.request_id, seed=self.seed,
+                         latency=self.latency, body=body,
+                         prompt_tokens=count_prompt_tokens(body),
+                         max_tokens=resolve_max_tokens(request.max_tokens, body,
+                                                       self.default_max_tokens),
+                         fault=fault, eos_rate=self.eos_rate, prefix=self.prefix)
+            # Where the KV comes from: a room, a staged key, or nowhere (no handoff).
+            source = _Pull.resolve(self.registry, request, self.latency, run.prompt_tokens,
+                                   self.bootstrap_timeout)
+            sink = _DecodeSink(send_channel, run)
             try:
-                await self._run(request, send_channel, fault, stopper)
+                with stopper.scope:
+                    await run.run(source, sink)
+                    return
+                await stopper.send_cancelled(send_channel, channel.cancelled_item(
+                    channel.usage(run.prompt_tokens, sink.produced, run.cached)))
             except trio.BrokenResourceError:
                 # the receiver is gone: an abort. send() only half-checkpointed.
                 await trio.lowlevel.checkpoint()
-
-    async def _run(self, request: PreprocessedRequest, send: channel.SendChannel,
-                   fault: Fault | None, stopper: channel.Stopper) -> None:
-        body = request.body
-        run = Decode(worker=self.name, request_id=request.request_id, seed=self.seed,
-                     latency=self.latency, body=body,
-                     prompt_tokens=count_prompt_tokens(body),
-                     max_tokens=resolve_max_tokens(request.max_tokens, body,
-                                                   self.default_max_tokens),
-                     fault=fault, eos_rate=self.eos_rate, prefix=self.prefix)
-        # Where the KV comes from: a room, a staged key, or nowhere (no handoff).
-        source = _Pull.resolve(self.registry, request, self.latency, run.prompt_tokens,
-                               self.bootstrap_timeout)
-        sink = _DecodeSink(send, run)
-        try:
-            with stopper.scope:
-                await run.run(source, sink)
-                return
-            await stopper.send_cancelled(send, channel.cancelled_item(
-                channel.usage(run.prompt_tokens, sink.produced, run.cached)))
-        finally:
-            if isinstance(source, _Pull):
-                source.abandon()
+            finally:
+                if isinstance(source, _Pull):
+                    source.abandon()
 
 
 class _DecodeSink:
