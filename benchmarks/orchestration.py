@@ -502,7 +502,7 @@ def main() -> None:
                         help="P3: gc.freeze() after the warm-up; with --gc-threshold 50000 "
                         "this is what `trio-disagg serve` does once it listens")
     parser.add_argument("--channel-buffer", type=int, default=None,
-                        help="P3: the router's channel_buffer (default: its own, 16)")
+                        help="P3: the router's channel_buffer (default: its own, 4)")
     parser.add_argument("--only", choices=["p2", "p3"], help="run only one of the two")
     parser.add_argument("--quick", action="store_true",
                         help="a short run (a few seconds) that only checks the script works; "

@@ -44,8 +44,9 @@ from ._router_types import RequestStream as RequestStream
 from ._router_types import RouterCounters as RouterCounters
 
 #: Items a decode leg may run ahead of its reader (one item per socket read of an HTTP
-#: engine: a burst of tokens).
-CHANNEL_BUFFER = 16
+#: engine: a burst of tokens). Four reads ahead keep the client's writer busy (P4a and
+#: P4b measured the same at 4 and 16) and hold 12 items fewer per slow reader (P3).
+CHANNEL_BUFFER = 4
 
 
 class DisaggRouter:
