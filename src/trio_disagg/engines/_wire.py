@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httptools
 import trio
 
+from ._reads import receive_some
 from ._transport import (
     ConnectError,
     PoolTimeout,
@@ -123,8 +124,9 @@ class WorkerResponse:
         assert connection is not None
         timeout = self._client.read_timeout
         try:
+            data: bytes | bytearray
             if timeout is None:  # no cancel scope per read: the caller's deadlines bound it
-                data = await connection.stream.receive_some(READ_SIZE)
+                data = await receive_some(connection.stream, connection.socket, READ_SIZE)
             else:
                 with trio.move_on_after(timeout) as waited:
                     data = await connection.stream.receive_some(READ_SIZE)
