@@ -29,6 +29,7 @@ from trio_disagg import (
     LLMEngineOutput,
     PreprocessedRequest,
     RawChoice,
+    RawChoices,
     RequestContext,
     TransferKeeper,
     WorkerPool,
@@ -337,14 +338,107 @@ def test_nothing_after_the_finish_is_carried() -> None:
     assert_same_as_parsed(stream, fast)
 
 
+# --- a read of common chunks: one run ------------------------------------------------------
+
+
+def content(chat: bool, text: str, **more: Any) -> Choice:
+    return delta_choice({"content": text}, **more) if chat else text_choice(text, **more)
+
+
+def run_reads(chat: bool, texts: list[str]) -> list[bytes]:
+    """A stream in three reads: a chunk that teaches the template, the common chunks of
+    ``texts``, and the finish with ``[DONE]``."""
+    return [chunk(chat, content(chat, "first")),
+            b"".join(chunk(chat, content(chat, text)) for text in texts),
+            finish(chat) + DONE]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_read_of_common_chunks_is_one_run_of_their_bytes(
+    chat: bool, parses: list[bytes]
+) -> None:
+    texts = [f" w{i}" for i in range(8)] + [text for text in TRICKY if plain(text)]
+    reads = run_reads(chat, texts)
+    fast = Read(reads, raw=True)
+    run = fast.outputs[1].choices
+    assert type(run) is RawChoices and len(run) == len(texts)
+    assert [choice.raw for choice in run] == choice_bytes(reads[1])  # as sent
+    assert fast.outputs[1].text == "".join(texts)
+    assert parses == []
+    assert_same_as_parsed(b"".join(reads), fast)
+    # one common chunk per read is a run of one
+    one = Read([reads[0], *(chunk(chat, content(chat, t)) for t in texts), reads[2]],
+               raw=True)
+    assert [len(o.choices or ()) for o in one.outputs[1:]] == [1] * len(texts)
+    assert all(type(o.choices) is RawChoices for o in one.outputs[1:])
+
+
+def test_a_read_with_any_other_chunk_is_read_chunk_by_chunk() -> None:
+    learned, common = chunk(False, text_choice("x")), chunk(False, text_choice("t"))
+    others = [
+        chunk(False, text_choice('q"')),  # an escape
+        chunk(False, text_choice("")),  # shorter than the template's text
+        chunk(False, text_choice("t"), created=1001),  # another prefix
+        chunk(False, text_choice("t", token_ids=[5])),  # another suffix
+        chunk(False, text_choice("t"), usage={"prompt_tokens": 1, "completion_tokens": 1,
+                                              "total_tokens": 2}),
+        usage(False, 3),  # a chunk without choices
+    ]
+    for other in others:
+        read = common + other + common
+        fast = Read([learned, read, finish(False) + DONE], raw=True)
+        assert type(fast.outputs[1].choices) is list, other
+        assert_same_as_parsed(learned + read + finish(False) + DONE, fast)
+    # an event without data (a comment) carries nothing: the run is the chunks around it
+    read = common + b": a comment\n\n" + common
+    fast = Read([learned, read, finish(False) + DONE], raw=True)
+    assert type(fast.outputs[1].choices) is RawChoices and len(fast.outputs[1].choices) == 2
+    assert_same_as_parsed(learned + read + finish(False) + DONE, fast)
+
+
+def test_a_run_is_never_malformed_json() -> None:
+    """Each chunk of a run must be valid JSON on its own: a character split between two
+    chunks, a control character or a bad escape in one of them makes the read's chunks
+    parsed one by one, and the bad one reported."""
+    learned = chunk(False, text_choice("x"))
+
+    def with_text(text: bytes) -> bytes:
+        return learned.replace(b'"text":"x"', b'"text":"' + text + b'"')
+
+    e_acute = "\u00e9".encode()
+    for bad in ([with_text(b"a" + e_acute[:1]), with_text(e_acute[1:] + b"b")],
+                [with_text(b"a\x01b")], [with_text(b"\xff")], [with_text(b"b\\q")]):
+        reader = SseReader(ChunkParser())
+        assert reader.feed(learned) is None
+        reader.burst.take()
+        problem = reader.feed(learned + b"".join(bad) + learned)
+        assert problem is not None and problem.startswith("sent a malformed chunk"), bad
+        output = reader.burst.take()
+        assert output is not None and type(output.choices) is list
+
+
+def test_raw_choices_is_a_sequence_of_raw_choices() -> None:
+    head, tail = b'{"index":0,"text":"', b'","finish_reason":null}'
+    run = RawChoices(head, [b"a", b"b\xc3\xa9"], tail)
+    assert len(run) == 2
+    assert run[0] == RawChoice(head + b"a" + tail)
+    assert run[-1]["text"] == "b\u00e9"
+    assert run[1:] == [RawChoice(head + b"b\xc3\xa9" + tail)]
+    assert [dict(choice) for choice in run] == [
+        {"index": 0, "text": "a", "finish_reason": None},
+        {"index": 0, "text": "b\u00e9", "finish_reason": None}]
+    assert "choices" not in to_wire(LLMEngineOutput(choices=run))  # in process only
+
+
 # --- through the server ----------------------------------------------------------------------
 
 
 class Reads(httpx.AsyncByteStream):
-    """A response body that comes in reads of ``size`` bytes."""
+    """A response body that comes in reads of ``size`` bytes, or in the reads ``parts``."""
 
-    def __init__(self, data: bytes, size: int) -> None:
-        self._parts = [data[at:at + size] for at in range(0, len(data), size)]
+    def __init__(self, data: bytes, size: int, parts: list[bytes] | None = None) -> None:
+        self._parts = (list(parts) if parts is not None
+                       else [data[at:at + size] for at in range(0, len(data), size)])
 
     def __aiter__(self) -> Reads:
         return self
@@ -365,10 +459,12 @@ class Relayed(StandIn):
         super().__init__(engine)
         self.stream = b""
         self.read_size = 1 << 20
+        #: The reads of the answer, if not ``stream`` cut every ``read_size`` bytes.
+        self.reads: list[bytes] | None = None
 
     async def _answer(self, request: httpx.Request) -> httpx.Response:
         await trio.lowlevel.checkpoint()
-        return httpx.Response(200, stream=Reads(self.stream, self.read_size),
+        return httpx.Response(200, stream=Reads(self.stream, self.read_size, self.reads),
                               headers={"content-type": "text/event-stream"})
 
     async def generate(  # noqa: ASYNC128 (the wrapped engines call task_status.started())
@@ -417,12 +513,14 @@ def client_events(body: bytes) -> list[bytes]:
 
 
 async def relay_twice(path: str, body: dict[str, Any], stream: bytes, monkeypatch:
-                      pytest.MonkeyPatch, read_size: int = 1 << 20) -> list[list[bytes]]:
-    """The client's events for ``stream`` with the fast path on, then off."""
+                      pytest.MonkeyPatch, read_size: int = 1 << 20,
+                      reads: list[bytes] | None = None) -> list[list[bytes]]:
+    """The client's events for ``stream`` (in ``reads`` if given) with the fast path on,
+    then off."""
     answers = []
     async with running() as (url, decode, _, _), httpx.AsyncClient(
             base_url=url, timeout=10.0) as http:
-        decode.stream, decode.read_size = stream, read_size
+        decode.stream, decode.read_size, decode.reads = stream, read_size, reads
         for raw in (True, False):
             monkeypatch.setattr(SseReader, "raw_choices", raw)
             response = await http.post(path, json=body)
@@ -490,6 +588,25 @@ async def test_B8_tool_calls_and_tokens_counted_when_the_worker_reports_no_usage
     assert parses == []
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_a_run_reaches_the_client_as_sent_and_counted(
+    chat: bool, monkeypatch: pytest.MonkeyPatch, parses: list[bytes]
+) -> None:
+    texts = [f" w{i}" for i in range(12)] + [text for text in TRICKY if plain(text)]
+    reads = run_reads(chat, texts)
+    body: dict[str, Any] = {"model": MODEL, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat
+                else {"prompt": "hi"})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    fast, slow = await relay_twice(path, body, b"".join(reads), monkeypatch, reads=reads)
+    assert normalised(fast) == normalised(slow)
+    assert choices_of(fast[1:-2]) == choice_bytes(reads[1])  # the worker's bytes
+    # the worker reported no usage: one token a chunk with content
+    assert orjson.loads(fast[-1])["usage"]["completion_tokens"] == 1 + len(texts)
+    assert parses == []
+
+
 async def test_a_client_that_does_not_stream_gets_the_same_answer(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -534,3 +651,25 @@ def test_the_encoder_writes_raw_and_parsed_choices_alike(chat: bool) -> None:
         assert b"".join(encoder().choices(mix)) == expected
         split = encoder()
         assert b"".join(split.choices(mix[:1]) + split.choices(mix[1:])) == expected
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_encoder_writes_a_run_as_its_choices(chat: bool) -> None:
+    """A run is written in one join, as each of its choices would be, also as a chat's
+    first delta (which gets its role)."""
+    head = b'{"index":0,"delta":{"content":"' if chat else b'{"index":0,"text":"'
+    tail = b'"},"logprobs":null,"finish_reason":null}' if chat else b'","logprobs":null}'
+    run = RawChoices(head, [b"a", b"b\xc3\xa9", b"c"], tail)
+
+    def encoder() -> ChunkEncoder:
+        return ChunkEncoder(chat=chat, response_id="r", model=MODEL, created=1,
+                            include_usage=True)
+
+    for first in (True, False):
+        as_run, one_by_one = encoder(), encoder()
+        if not first:
+            for used in (as_run, one_by_one):
+                used.choices([content(chat, "x")])
+        expected = b"".join(one_by_one.choices(list(run)))
+        assert b"".join(as_run.choices(run)) == expected
+        assert expected.count(b'"role":"assistant"') == (chat and first)

@@ -62,6 +62,7 @@ from ._protocols import PrefillResult as PrefillResult
 from ._protocols import PreprocessedRequest as PreprocessedRequest
 from ._protocols import PromptTokensDetails as PromptTokensDetails
 from ._protocols import RawChoice as RawChoice
+from ._protocols import RawChoices as RawChoices
 from ._protocols import RoutingHints as RoutingHints
 from ._protocols import TraceLink as TraceLink
 from ._protocols import converter as converter

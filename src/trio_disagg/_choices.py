@@ -1,11 +1,12 @@
 """A worker's OpenAI choice object as :class:`~trio_disagg.LLMEngineOutput` carries it:
 a dict, or a :class:`RawChoice` of the bytes the worker sent (the relay's fast path,
-docs/performance.md), which parses itself when read."""
+docs/performance.md), which parses itself when read; a run of common choices is one
+:class:`RawChoices`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import orjson
 
@@ -63,3 +64,51 @@ class RawChoice(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"RawChoice({self.raw!r})"
+
+
+class RawChoices(Sequence[Mapping[str, Any]]):
+    """Consecutive streamed choices of one worker that differ only in their text, kept as
+    the bytes they share and the bytes of each text: the relay's fast path for a socket
+    read that brought only common chunks (docs/performance.md). Choice ``i`` is the
+    :class:`RawChoice` of ``head + texts[i] + tail``; the server writes the run with one
+    join and counts it as ``len(run)`` completion tokens, without making those objects.
+
+    Each choice stands for what a :class:`RawChoice` does (``index`` 0, a null
+    ``finish_reason``, no ``token_ids``, a non-empty text); each text is a JSON string's
+    bytes as they are (UTF-8 with no quote, backslash or control character), so the
+    bytes of every choice are valid JSON.
+
+    Args:
+        head: the bytes of a choice up to and with the opening quote of its text.
+        texts: each choice's text, in order (at least one).
+        tail: the bytes of a choice from the closing quote of its text to its ``}``.
+    """
+
+    __slots__ = ("head", "tail", "texts")
+
+    def __init__(self, head: bytes, texts: list[bytes], tail: bytes) -> None:
+        self.head = head
+        self.texts = texts
+        self.tail = tail
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @overload
+    def __getitem__(self, index: int) -> RawChoice: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[RawChoice]: ...
+
+    def __getitem__(self, index: int | slice) -> RawChoice | list[RawChoice]:
+        head, tail = self.head, self.tail
+        if isinstance(index, slice):
+            return [RawChoice(head + text + tail) for text in self.texts[index]]
+        return RawChoice(head + self.texts[index] + tail)
+
+    def __iter__(self) -> Iterator[RawChoice]:
+        head, tail = self.head, self.tail
+        return (RawChoice(head + text + tail) for text in self.texts)
+
+    def __repr__(self) -> str:
+        return f"RawChoices({self.head!r}, {self.texts!r}, {self.tail!r})"

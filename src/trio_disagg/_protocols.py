@@ -10,7 +10,7 @@ readable message on bad input.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar, get_origin
 
 import attrs
@@ -20,6 +20,7 @@ import orjson
 
 # The worker's choice kept as bytes (the relay's fast path) and its text, beside the output.
 from ._choices import RawChoice as RawChoice
+from ._choices import RawChoices as RawChoices
 from ._errors import WireFormatError
 
 # The strict converter lives in _strict_json; its names stay importable from here.
@@ -179,8 +180,11 @@ class LLMEngineOutput:
     #: burst, docs/performance.md), or a whole answer's one (with its ``message`` or
     #: ``text``). The server relays each as sent (B8). A choice the relay's fast path
     #: carried as bytes is a :class:`RawChoice` (a mapping that parses itself when read);
-    #: the others are dicts. In process only: never on the wire.
-    choices: list[Mapping[str, Any]] | None = attrs.field(default=None, eq=False, repr=False)
+    #: the others are dicts. A read that brought only common chunks is one
+    #: :class:`RawChoices` (a sequence of such choices, kept as their shared bytes and
+    #: their texts); otherwise a list. In process only: never on the wire.
+    choices: Sequence[Mapping[str, Any]] | None = attrs.field(
+        default=None, eq=False, repr=False)
 
     @classmethod
     def length(cls) -> LLMEngineOutput:

@@ -15,8 +15,10 @@ from .._protocols import (
     LLMEngineOutput,
     PromptTokensDetails,
     RawChoice,
+    RawChoices,
 )
-from ._raw import NOT_PLAIN, Template, learn_template, utf8_text
+from ._burst import Burst
+from ._raw import NOT_PLAIN, RunReader, Template, learn_template, utf8_text
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -79,64 +81,6 @@ class ChunkParser:
         return parse_usage(chunk)
 
 
-class Burst:
-    """The non-terminal outputs of one socket read, gathered into one item (the relay's hot
-    path, docs/performance.md): one channel send, one trip through the gatekeeper and one
-    write to the client per burst, not per token.
-
-    Their token ids and text are joined; each worker choice is kept, in order, to be
-    relayed as its own chunk (B8); the last usage reported wins. All are of one choice
-    index (the router asks a worker for ``n`` = 1). A choice the fast path carried as
-    bytes (a :class:`~trio_disagg.RawChoice`, :class:`SseReader`) adds its text too,
-    taken from those bytes.
-    """
-
-    __slots__ = ("choices", "index", "texts", "token_ids", "usage")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.texts: list[str] = []
-        self.choices: list[Mapping[str, Any]] = []
-        self.usage: CompletionUsage | None = None
-        self.index: int | None = None
-
-    def add_parts(self, choice: Mapping[str, Any], text: str | None, token_ids: list[int],
-                  usage: CompletionUsage | None) -> None:
-        """Add one chunk, as :func:`openai_chunk` read it."""
-        self.choices.append(choice)
-        if text:
-            self.texts.append(text)
-        if token_ids:
-            self.token_ids += token_ids
-        if usage is not None:
-            self.usage = usage
-
-    def add(self, output: LLMEngineOutput) -> None:
-        """Add one output without a finish reason."""
-        if output.choices:
-            self.choices += output.choices
-        if output.text:
-            self.texts.append(output.text)
-        if output.token_ids:
-            self.token_ids += output.token_ids
-        if output.completion_usage is not None:
-            self.usage = output.completion_usage
-        if output.index is not None:
-            self.index = output.index
-
-    def take(self) -> LLMEngineOutput | None:
-        """The one output of what was added since the last call, or None if nothing was."""
-        texts, choices = self.texts, self.choices
-        if not texts and not choices and not self.token_ids:
-            return None
-        output = LLMEngineOutput(
-            token_ids=self.token_ids, text="".join(texts) if texts else None,
-            completion_usage=self.usage, index=self.index, choices=choices or None)
-        self.token_ids, self.texts, self.choices = [], [], []
-        self.usage = None
-        return output
-
-
 class SseReader:
     """Reads a worker's server-sent events one socket read at a time (the relay's hot path,
     docs/performance.md): :meth:`feed` splits what a read brought into its events at once,
@@ -154,7 +98,9 @@ class SseReader:
     object, a second choice, logprobs that change, a text with an escape or a control
     character or not UTF-8) is parsed as before, and a
     parsed plain content chunk learns the template again (a ``created`` that ticks over
-    costs one parsed chunk).
+    costs one parsed chunk). A read that brought only such chunks is checked at once
+    (:class:`._raw.RunReader`) and goes into the burst as one
+    :class:`~trio_disagg.RawChoices`.
 
     Attributes:
         burst: the outputs of the reads fed so far that are not sent yet (the caller
@@ -164,7 +110,7 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_parser", "_pending", "_template", "burst", "done", "final")
+    __slots__ = ("_parser", "_pending", "_runs", "_template", "burst", "done", "final")
 
     #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
     raw_choices: ClassVar[bool] = True
@@ -174,6 +120,8 @@ class SseReader:
         self._pending = b""  # the start of an event the next read completes
         #: The learned bytes of the stream's common chunk.
         self._template: Template | None = None
+        #: Reads a whole read's chunks as one run of the template, when they are.
+        self._runs: RunReader | None = None
         self.burst = Burst()
         self.final: LLMEngineOutput | None = None
         self.done = False
@@ -188,14 +136,33 @@ class SseReader:
         """
         if self._pending:
             part = self._pending + part
+        chunks = self._data_of(part)
+        while chunks:  # each turn reads one chunk or more
+            runs = self._runs
+            if (runs is not None and (count := runs.leading(chunks))
+                    and (found := runs.texts(chunks[:count])) is not None):
+                # Common chunks, read at once (docs/performance.md).
+                self.burst.add_run(RawChoices(runs.head, found[0], runs.tail), found[1])
+                del chunks[:count]
+                continue
+            problem, chunks = self._one_by_one(chunks)
+            if problem is not None:
+                return problem
+        return None
+
+    def _one_by_one(self, chunks: list[bytes]) -> tuple[str | None, list[bytes]]:
+        """Read ``chunks`` one at a time; return what is wrong (as :meth:`feed`) and the
+        chunks left: those after a chunk that taught the stream a template (for
+        :meth:`feed` to read as a run), else none."""
         parser, burst = self._parser, self.burst
+        burst.spread()
         # The burst's lists, until the caller takes the burst (after this read).
         add, append, append_text = parser.add, burst.choices.append, burst.texts.append
         template = self._template
         if template is not None:
             prefix, suffix, start, tail = template
             at, after = len(prefix), len(suffix)
-        for data in self._data_of(part):
+        for index, data in enumerate(chunks):
             if (template is not None and data.startswith(prefix) and data.endswith(suffix)
                     and (text := data[at:len(data) - after])
                     and len(text.translate(None, NOT_PLAIN)) == len(text)
@@ -207,28 +174,29 @@ class SseReader:
                 continue
             if data == b"[DONE]":
                 self.done = True
-                return None
+                return None, []
             try:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
-                return f"sent a malformed chunk: {data[:200]!r}"
+                return f"sent a malformed chunk: {data[:200]!r}", []
             if type(chunk) is not dict:
-                return f"sent a chunk that is not an object: {data[:200]!r}"
+                return f"sent a chunk that is not an object: {data[:200]!r}", []
             if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
-                return f"reported an error: {error_text(chunk)}"
+                return f"reported an error: {error_text(chunk)}", []
             if self.final is None:
                 known = len(burst.choices)
                 self.final = add(chunk, burst)
                 if self.final is not None:  # nothing after the finish is relayed
                     self._template = template = None
+                    self._runs = None
                 elif (len(burst.choices) > known and self.raw_choices
                         and (learned := learn_template(data, chunk)) is not None):
                     self._template = template = learned
-                    prefix, suffix, start, tail = template
-                    at, after = len(prefix), len(suffix)
+                    self._runs = RunReader(learned)
+                    return None, chunks[index + 1:]  # the chunks after it may be a run
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
-        return None
+        return None, []
 
     def _data_of(self, part: bytes) -> list[bytes]:
         """The data of each event ``part`` completes; what is left of it waits for the

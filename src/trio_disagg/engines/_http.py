@@ -429,7 +429,7 @@ class HttpEngine:
         """Server-sent events -> outputs; the finish is held until the usage chunk.
 
         The hot path of the relay (docs/performance.md): the outputs of what one socket
-        read brought go to the channel as one item (a :class:`~._chunks.Burst`), so a burst
+        read brought go to the channel as one item (a :class:`~._burst.Burst`), so a burst
         of tokens costs one channel send, one trip through the gatekeeper and one write to
         the client.
         """

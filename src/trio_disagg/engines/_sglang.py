@@ -37,8 +37,8 @@ from .._protocols import (
     PreprocessedRequest,
     TraceLink,
 )
+from ._burst import Burst
 from ._chunks import (
-    Burst,
     ChunkParser,
     count,
     make_usage,

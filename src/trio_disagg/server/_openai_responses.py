@@ -9,7 +9,7 @@ worker's streamed choices into one answer for a client that did not stream.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -19,6 +19,7 @@ from .._protocols import (
     FinishKind,
     FinishReason,
     RawChoice,
+    RawChoices,
 )
 from ._openai_errors import ApiError
 
@@ -192,12 +193,16 @@ class ChunkEncoder:
         return (self._choices_head + _dumps(choice if fixed is None else fixed)
                 + self._choice_end)
 
-    def choices(self, choices: list[Mapping[str, Any]]) -> list[bytes]:
+    def choices(self, choices: Sequence[Mapping[str, Any]]) -> list[bytes]:
         """A chunk for each choice (:meth:`choice`), without a call per
-        :class:`~trio_disagg.RawChoice` once the role went out (the relay's per-token
-        path, docs/performance.md)."""
+        :class:`~trio_disagg.RawChoice` once the role went out, and a run
+        (:class:`~trio_disagg.RawChoices`) in one join (the relay's per-token path,
+        docs/performance.md)."""
         if self._first:
             return list(map(self.choice, choices))
+        if type(choices) is RawChoices:
+            head, tail = self._choices_head + choices.head, choices.tail + self._choice_end
+            return [head + (tail + head).join(choices.texts) + tail]
         raws = [choice.raw for choice in choices if type(choice) is RawChoice]
         if len(raws) == len(choices):  # the common burst: one join
             return [self._choices_head + self._between.join(raws) + self._choice_end]

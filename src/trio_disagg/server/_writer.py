@@ -12,12 +12,12 @@ stream.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
 
-from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput
+from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput, RawChoices
 from .._router import RequestStream
 from .._router_types import StreamOutputs
 from ._metrics import outcome_of
@@ -68,7 +68,7 @@ class SseSink:
     def text(self, text: str) -> None:
         self.parts.append(self.encoder.token(text))
 
-    def choices(self, choices: list[Choice]) -> None:
+    def choices(self, choices: Sequence[Choice]) -> None:
         """Each of a burst's worker choices as its own event (B8)."""
         self.parts += self.encoder.choices(choices)
 
@@ -154,7 +154,7 @@ class JsonSink:
             self.texts.clear()
         collector.add(choice)
 
-    def choices(self, choices: list[Choice]) -> None:
+    def choices(self, choices: Sequence[Choice]) -> None:
         for choice in choices:
             self.choice(choice)
 
@@ -268,8 +268,10 @@ class _Tally:
         self.tokens += len(data.token_ids)
         if data.completion_usage is not None:
             self.usage = data.completion_usage
-        if data.choices and not data.token_ids:
-            self.tokens += sum(map(counted_tokens, data.choices))
+        choices = data.choices
+        if choices and not data.token_ids:
+            self.tokens += (len(choices) if type(choices) is RawChoices
+                            else sum(map(counted_tokens, choices)))
 
 
 async def _fail(sink: SseSink | JsonSink, failure: ApiError) -> str:
