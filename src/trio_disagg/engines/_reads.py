@@ -1,5 +1,5 @@
-"""Reading a worker's answer from its socket: one system call first, then trio's wait
-(docs/performance.md, P4b)."""
+"""Reading a worker's answer from its socket: trio's wait for readability first, then one
+system call (docs/performance.md, P4a and P4b)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import trio
 async def receive_some(
     stream: trio.abc.Stream, socket: trio.socket.SocketType | None, max_bytes: int
 ) -> bytes | bytearray:
-    """``stream.receive_some(max_bytes)``, a checkpoint as it is: what ``socket`` (the
-    stream's own, None for TLS) holds, else the next bytes to arrive.
+    """``stream.receive_some(max_bytes)``, a checkpoint as it is: the next bytes of
+    ``socket`` (the stream's own; None for TLS, read through ``stream``), ``b""`` at its
+    end.
 
-    A plain system call first, then trio's wait for readability: on a paced stream the
-    previous read drained the socket, and trio's own first attempt costs more than the
-    system call it wraps.
+    The wait comes first and the read after it, one system call: a worker leg reads only
+    after it sent a request (whose answer is not there yet) or after a read that drained
+    the socket (a paced stream's next token comes later). A read first, as trio's
+    ``receive_some`` does, would be refused most times, and both its refusal and the
+    schedule point after a read that succeeds cost more than the wait. A cancelled wait
+    takes no bytes.
 
     Raises:
         OSError: the connection broke (as ``receive_some`` would, via
@@ -25,15 +29,9 @@ async def receive_some(
     if socket is None:
         return await stream.receive_some(max_bytes)
     fileno = socket.fileno()
-    await trio.lowlevel.checkpoint_if_cancelled()  # never after bytes were taken
-    try:
-        data = os.read(fileno, max_bytes)
-    except BlockingIOError:
-        while True:
-            await trio.lowlevel.wait_readable(socket)
-            try:
-                return os.read(fileno, max_bytes)
-            except BlockingIOError:  # woken with nothing to read after all
-                continue
-    await trio.lowlevel.cancel_shielded_checkpoint()
-    return data
+    while True:
+        await trio.lowlevel.wait_readable(socket)
+        try:
+            return os.read(fileno, max_bytes)
+        except BlockingIOError:  # woken with nothing to read after all
+            continue
