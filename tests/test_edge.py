@@ -290,6 +290,31 @@ async def test_a_refused_client_that_withholds_its_body_still_gets_its_answer(
         assert server.calls == 0
 
 
+@pytest.mark.parametrize("expect", [b"100-continue", b"100-Continue"])
+async def test_a_refused_client_waiting_for_100_continue_gets_its_answer_instead(
+    expect: bytes,
+) -> None:
+    """A client that sent ``Expect: 100-continue`` is not asked for a body the router
+    will not read: its 401 comes first, and the connection closes."""
+    async with edge_server(api_key=KEY) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        with trio.fail_after(5):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                      b"content-type: application/json\r\n"
+                                      b"expect: " + expect + b"\r\n"
+                                      b"content-length: 100\r\n\r\n")
+                answer = b""
+                while data := await stream.receive_some():
+                    answer += data
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+        assert b"100 Continue" not in answer
+        assert b"connection: close" in answer.lower()
+        assert b"invalid_api_key" in answer
+        assert server.calls == 0
+
+
 async def test_protect_metrics_closes_health_and_metrics_too() -> None:
     async with edge_server(api_key=KEY, protect_metrics=True) as server:
         async with server.http() as http:

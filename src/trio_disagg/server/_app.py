@@ -17,7 +17,7 @@ from .._protocols import (
     PreprocessedRequest,
 )
 from .._router import DisaggRouter, RequestStream
-from ._edge import Edge, Refusal, discard_body
+from ._edge import Edge, Refusal, discard_body, expects_continue
 from ._endpoints import InfoEndpoints
 from ._metrics import ServerMetrics, outcome_of
 from ._openai_errors import ApiError, error_for_exception
@@ -171,7 +171,7 @@ class OpenAIApp:
         edge = self.edge
         refusal = edge.authorize(scope)  # before routing: no key, nothing learnt
         if refusal is not None:
-            await self._refuse(receive, responder, refusal)
+            await self._refuse(scope, receive, responder, refusal)
             return
         path = scope["path"]
         route = self._routes.get(path)
@@ -194,17 +194,22 @@ class OpenAIApp:
         generation = scope["path"] in self._generation
         refusal = edge.admit(scope, generation=generation)
         if refusal is not None:
-            await self._refuse(receive, responder, refusal)
+            await self._refuse(scope, receive, responder, refusal)
         elif generation:
             with edge.slot():  # no checkpoint since admit(): the count is exact
                 await handler(scope, receive, responder)
         else:
             await handler(scope, receive, responder)
 
-    async def _refuse(self, receive: Receive, responder: Responder, refusal: Refusal) -> None:
-        """Answer a request the edge refused, its body read and thrown away first."""
+    async def _refuse(self, scope: Scope, receive: Receive, responder: Responder,
+                      refusal: Refusal) -> None:
+        """Answer a request the edge refused, its body read and thrown away first; but a
+        client that waits for ``100 Continue`` before it sends its body gets the answer
+        at once, and no body is asked for (RFC 9110, section 10.1.1): the server then
+        closes the connection, whose body was never sent."""
         self.edge.refused.labels(refusal.reason).inc()
-        await discard_body(receive, self.max_body_bytes)
+        if not expects_continue(scope):
+            await discard_body(receive, self.max_body_bytes)
         await responder.error(refusal.error, extra=refusal.headers)
 
     async def _internal_error(self, responder: Responder) -> None:

@@ -227,6 +227,13 @@ class Edge:
 DISCARD_WINDOW = 5.0
 
 
+def expects_continue(scope: Scope) -> bool:
+    """Whether the client sent ``Expect: 100-continue``: it sends its body only once the
+    server asks for it, which a refusal never does."""
+    return any(name == b"expect" and value.lower() == b"100-continue"
+               for name, value in scope.get("headers", ()))
+
+
 async def discard_body(receive: Receive, limit: int) -> None:
     """Read and throw away a refused request's body, up to ``limit`` bytes, so that the
     client reads the answer rather than a connection reset. Returns at the body's end, at
