@@ -329,6 +329,32 @@ def test_a_malformed_text_is_never_carried() -> None:
         assert [type(c) for c in output.choices] == [dict]
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_key_the_worker_writes_twice_means_its_last_value_on_the_fast_path_too(
+    chat: bool
+) -> None:
+    """JSON keeps the last of two keys: a chunk whose first ``text`` (``content``) or
+    ``index`` a second one overrides teaches no template, so the output's text is the
+    one the chunk means and the client's choice has ``index`` 0, as parsed."""
+    head = orjson.dumps({**envelope(chat), "choices": []})[:-2]
+    texts = (b'{"index":0,"delta":{"content":"%s","content":"kept"},"finish_reason":null}'
+             if chat else b'{"index":0,"text":"%s","text":"kept","finish_reason":null}')
+    index = (b'{"index":0,"delta":{"content":"%s"},"finish_reason":null,"index":1}'
+             if chat else b'{"index":0,"text":"%s","finish_reason":null,"index":1}')
+    encoder = partial(ChunkEncoder, chat=chat, response_id="r", model=MODEL, created=1,
+                      include_usage=False)
+    for shape, text in ((texts, "kept" * 3), (index, "abc")):
+        stream = b"".join(event(head + shape % sent + b"]}") for sent in (b"a", b"b", b"c"))
+        stream += finish(chat) + DONE
+        for reads in reads_of(stream):
+            fast = Read(reads, raw=True)
+            assert fast.raw == []
+            assert "".join(o.text or "" for o in fast.outputs) == text
+            assert_same_as_parsed(stream, fast)
+            chunks = encoder().choices(fast.choices[1:])
+            assert [orjson.loads(e[6:])["choices"][0]["index"] for e in chunks] == [0, 0]
+
+
 def test_nothing_after_the_finish_is_carried() -> None:
     learned = chunk(False, text_choice("x"))
     stream = learned * 2 + finish(False) + learned + usage(False, 2) + DONE

@@ -50,8 +50,9 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     :data:`NOT_PLAIN`: a JSON string as it is), is then this chunk with another text:
     the string the prefix opens ends where the suffix starts, and every other byte,
     hence every other field, is this chunk's (checked here by parsing the choice's
-    bytes). Such a chunk is valid JSON, and never an error object, a finish, a usage
-    chunk or a second choice.
+    bytes with another text: a key written twice, whose last value JSON keeps, cannot
+    make the text or the index another than the bytes say). Such a chunk is valid JSON,
+    and never an error object, a finish, a usage chunk or a second choice.
     """
     choices = chunk.get("choices")
     if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
@@ -64,10 +65,16 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     if start < 0:
         return None
     start += 11
+    if choice.get("index") != 0:
+        return None  # (a second "index" key after the first): the server sets it
+    # The choice with another text: where the bytes put the text, if it is its text.
+    probe = "a" * (len(data) + 1)  # longer than any string the chunk's bytes hold
     if data.startswith(_TEXT_START, start):
         text_at = start + len(_TEXT_START)
-    elif data.startswith(_CONTENT_START, start):
+        expected = {**choice, "text": probe}
+    elif data.startswith(_CONTENT_START, start) and type(delta := choice.get("delta")) is dict:
         text_at = start + len(_CONTENT_START)
+        expected = {**choice, "delta": {**delta, "content": probe}}
     else:
         return None  # another order of fields (SGLang's ``"role":null`` first): parsed
     end = data.find(b'"', text_at)
@@ -79,8 +86,13 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
         tail = 15
     else:
         return None
+    # The choice's bytes with the probe for their text must be the choice with the probe
+    # for its text: then they are this chunk's one choice, and the string the template
+    # opens is the text the choice has, whatever text a later chunk puts there (not one
+    # that a second "text" or "content" key after it overrides).
     try:
-        same = orjson.loads(data[start:len(data) - tail]) == choice
+        same = orjson.loads(
+            data[start:text_at] + probe.encode() + data[end:len(data) - tail]) == expected
     except orjson.JSONDecodeError:  # a "choices" key found before the chunk's own
         same = False
     if not same:
