@@ -124,12 +124,14 @@ class RunReader:
         self._text_of = itemgetter(slice(at, -after))
         self._suffix_of = itemgetter(slice(-after, None))
 
-    def leading(self, chunks: list[bytes]) -> int:
-        """How many chunks, from the first, have the template's prefix and suffix."""
-        count = len(list(takewhile(self.prefix.__eq__, map(self._prefix_of, chunks))))
+    def leading(self, chunks: list[bytes], begin: int = 0) -> int:
+        """How many chunks, from ``chunks[begin]`` on, have the template's prefix and
+        suffix (in time linear in that count, not in ``begin``)."""
+        following = chunks if not begin else map(chunks.__getitem__, range(begin, len(chunks)))
+        count = len(list(takewhile(self.prefix.__eq__, map(self._prefix_of, following))))
         if count:
             count = len(list(takewhile(self.suffix.__eq__,
-                                       map(self._suffix_of, chunks[:count]))))
+                                       map(self._suffix_of, chunks[begin:begin + count]))))
         return count
 
     def texts(self, chunks: list[bytes]) -> tuple[list[bytes], str] | None:
