@@ -163,8 +163,12 @@ VOCABULARY: list[tuple[float, Make]] = [
     (0.5, error), (0.5, malformed)]
 
 
-def framed(rng: random.Random, data: bytes) -> bytes:
-    """One event carrying ``data``, in any of the framings a worker may use."""
+def framed(rng: random.Random, data: bytes, style: float) -> bytes:
+    """One event carrying ``data``, in any of the framings a worker may use (``style``
+    below 0.1: every event's data in two lines, cut at its last comma)."""
+    if style < 0.1:
+        head, comma, tail = data.rpartition(b",")
+        return b"data: " + head + comma + b"\ndata: " + tail + b"\n\n"
     kind = rng.random()
     if kind < 0.8:
         return b"data: " + data + b"\n\n"
@@ -181,21 +185,22 @@ def framed(rng: random.Random, data: bytes) -> bytes:
 def worker_stream(rng: random.Random, chat: bool) -> bytes:
     weights, makers = zip(*VOCABULARY, strict=True)
     events = []
+    style = rng.random()
     if chat:
-        events.append(framed(rng, dumps(chat, {"index": 0, "delta": {
+        events.append(framed(rng, style=style, data=dumps(chat, {"index": 0, "delta": {
             "role": "assistant", "content": ""}, "finish_reason": None})))
     for make in rng.choices(makers, weights, k=rng.randrange(1, 8)):
         # a segment of chunks of one shape (a run, or a template learned from an odd one)
         seed = rng.random()
         for _ in range(rng.choice([1, 1, 2, 3, 6, 12])):
-            events.append(framed(rng, make(random.Random(seed), rng, chat)))
+            events.append(framed(rng, make(random.Random(seed), rng, chat), style))
     if rng.random() < 0.9:
         reason = rng.choice(["stop", "length", "abort", "tool_calls"])
         last = choice_of(chat, rng.choice(["", "end"]), finish_reason=reason)
-        events.append(framed(rng, dumps(chat, last)))
+        events.append(framed(rng, style=style, data=dumps(chat, last)))
         if rng.random() < 0.5:
-            events.append(framed(rng, common(rng, rng, chat)))
-        events.append(framed(rng, dumps(chat, usage={
+            events.append(framed(rng, common(rng, rng, chat), style))
+        events.append(framed(rng, style=style, data=dumps(chat, usage={
             "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12})))
     if rng.random() < 0.9:
         events.append(b"data: [DONE]\n\n")
@@ -219,8 +224,12 @@ def decoded(events: list[bytes]) -> list[Any]:
     """The server's chunks as the client decodes them (Python's json, as the ``openai``
     client: the last of two keys wins), each checked to be strict JSON too (orjson)."""
     found = []
-    for data in b"".join(events).split(b"\n\n")[:-1]:
-        payload = data.removeprefix(b"data: ")
+    for event in b"".join(events).split(b"\n\n")[:-1]:
+        lines = event.split(b"\n")
+        # one data line an event, as a client's event parser reads it (a line end in the
+        # payload would cut it: the rest is a line of another field)
+        assert len(lines) == 1 and event.startswith(b"data: "), event
+        payload = event.removeprefix(b"data: ")
         orjson.loads(payload)
         found.append(json.loads(payload))
     return found

@@ -672,6 +672,37 @@ async def test_B8_a_run_reaches_the_client_as_sent_and_counted(
     assert parses == []
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_a_chunk_the_worker_writes_in_two_data_lines_reaches_the_client_whole(
+    chat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Server-sent events join a chunk's data lines with a line feed, here inside the
+    choice: its bytes cannot go to the client as they are (the line feed would end the
+    client's data line and cut the chunk), so it teaches no template and the ``openai``
+    client reads every chunk, fast path or not."""
+    texts = ["a", "b", "c"]
+    stream = b"".join(event(orjson.dumps({**envelope(chat), "choices": [content(chat, text)]})
+                            .replace(b',"logprobs"', b',\ndata: "logprobs"'))
+                      for text in texts) + finish(chat) + DONE
+    async with running() as (url, decode, _, _):
+        decode.stream = stream
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=10.0)
+
+        def streamed() -> list[str | None]:
+            if chat:
+                return [part.choices[0].delta.content for part in client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)]
+            return [part.choices[0].text for part in client.completions.create(
+                model=MODEL, prompt="hi", stream=True)]
+
+        for raw in (True, False):
+            monkeypatch.setattr(SseReader, "raw_choices", raw)
+            got = await trio.to_thread.run_sync(streamed)
+            assert "".join(text or "" for text in got) == "abc"
+            assert len(got) == 4
+
+
 async def test_a_client_that_does_not_stream_gets_the_same_answer(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,6 +45,9 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     ``delta.content`` (chat), a null ``finish_reason``, no ``token_ids``, nothing after
     the choices but a null ``usage``, and no ``usage`` at all unless null.
 
+    The choice's bytes hold no line feed (a chunk whose data lines were joined with one
+    inside its choice is parsed: its bytes could not go in one ``data:`` line).
+
     A later chunk that starts with the template's prefix and ends with its suffix, with a
     plain text between them (UTF-8 without a quote, a backslash or a control character,
     :data:`NOT_PLAIN`: a JSON string as it is), is then this chunk with another text:
@@ -54,19 +57,11 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     make the text or the index another than the bytes say). Such a chunk is valid JSON,
     and never an error object, a finish, a usage chunk or a second choice.
     """
-    choices = chunk.get("choices")
-    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
-        return None
-    choice = choices[0]
-    if (type(choice) is not dict or choice.get("finish_reason") is not None
-            or choice.get("token_ids") is not None):
-        return None
+    choice = _common_choice(chunk)
     start = data.find(b'"choices":[')
-    if start < 0:
+    if choice is None or start < 0:
         return None
     start += 11
-    if choice.get("index") != 0:
-        return None  # (a second "index" key after the first): the server sets it
     # The choice with another text: where the bytes put the text, if it is its text.
     probe = "a" * (len(data) + 1)  # longer than any string the chunk's bytes hold
     if data.startswith(_TEXT_START, start):
@@ -80,6 +75,9 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     end = data.find(b'"', text_at)
     if end <= text_at or data[end - 1] == _BACKSLASH:
         return None  # an empty text, or one with a quote: the next chunk learns
+    if data.find(b"\n", start) >= 0:
+        # (data lines joined): in the client's one data line, the rest would be cut off
+        return None
     if data.endswith(b"}]}"):
         tail = 2
     elif data.endswith(b'}],"usage":null}'):
@@ -98,6 +96,20 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     if not same:
         return None  # the bytes are not this chunk's one choice: no template
     return Template(data[:text_at], data[end:], start, tail)
+
+
+def _common_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """The one choice of ``chunk`` if it may be a common chunk's: a dict with ``index`` 0
+    (not overridden by a second ``index`` key: the server sets it), a null
+    ``finish_reason`` and no ``token_ids``, in a chunk with no ``usage`` unless null."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
+        return None
+    choice = choices[0]
+    if (type(choice) is not dict or choice.get("finish_reason") is not None
+            or choice.get("token_ids") is not None or choice.get("index") != 0):
+        return None
+    return choice
 
 
 class RunReader:
