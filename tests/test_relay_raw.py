@@ -493,6 +493,15 @@ def test_raw_choices_is_a_sequence_of_raw_choices() -> None:
         {"index": 0, "text": "a", "finish_reason": None},
         {"index": 0, "text": "b\u00e9", "finish_reason": None}]
     assert "choices" not in to_wire(LLMEngineOutput(choices=run))  # in process only
+    # equal to the list it stands for, either way round, and to a run of the same choices
+    as_list = [RawChoice(head + b"a" + tail), {"index": 0, "text": "b\u00e9",
+                                                "finish_reason": None}]
+    assert run == as_list and as_list == run
+    assert run == RawChoices(head, [b"a", b"b\xc3\xa9"], tail)
+    assert run == RawChoices(b'{"index": 0, "text": "', [b"a", b"b\xc3\xa9"],
+                             b'", "finish_reason": null}')  # other bytes, the same JSON
+    assert run != RawChoices(head, [b"a"], tail) and run != as_list[:1]
+    assert run != (1, 2) and run[::-1] == list(reversed(run))
 
 
 # --- through the server ----------------------------------------------------------------------
