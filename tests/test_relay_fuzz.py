@@ -5,13 +5,15 @@ into socket reads, the client gets what it would with every chunk parsed.
 Each stream is made of chunks drawn from a vocabulary of common chunks (texts with quotes,
 backslashes, control characters, multibyte characters split between chunks, bytes that
 are not UTF-8, the template's own bytes) and everything else a worker may send (another
-``created``, other field orders and spacing, extra fields, duplicate keys, usage, token
-ids, a second choice, error objects, comments, malformed chunks, CRLF and CR line ends, a
-finish, ``[DONE]``), cut into reads at random points. The same reads go to a reader with
-the fast path and to one without (``raw_choices = False``), and each read's output is
-compared: the problem reported, the text, token ids, usage, the tokens the server counts,
-each choice as the client decodes the server's chunk for it, and the non-streamed answer
-collected from the choices.
+``created``, other field orders and spacing, extra fields, keys written twice, usage,
+token ids, a second choice, error objects, comments, malformed chunks, CRLF and CR line
+ends, data in two lines, a finish, ``[DONE]``), in segments of one shape (a run, or a
+template taught by an odd chunk), cut into reads at random points. The same reads go to a
+reader with the fast path and to one without (``raw_choices = False``), and each read's
+output is compared: the problem reported, the text, token ids, usage, the tokens the
+server counts, each choice as the client decodes the server's chunk for it (one data line
+an event, strict JSON), and the non-streamed answer collected from the choices. A
+failure names the seed and the reads.
 """
 
 from __future__ import annotations
