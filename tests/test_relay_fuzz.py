@@ -51,7 +51,7 @@ def envelope(chat: bool, created: int = 1000, cid: str = "cmpl-w") -> dict[str, 
             "created": created, "model": "worker-model"}
 
 
-def choice_of(chat: bool, text: Any, **more: Any) -> dict[str, Any]:
+def choice_of(chat: bool, text: Any, /, **more: Any) -> dict[str, Any]:
     if chat:
         return {"index": 0, "delta": {"content": text}, "logprobs": None,
                 "finish_reason": None, **more}
@@ -100,7 +100,9 @@ def reordered(shape: random.Random, rng: random.Random, chat: bool) -> bytes:
 def extra(shape: random.Random, rng: random.Random, chat: bool) -> bytes:
     more: dict[str, Any] = shape.choice([
         {"token_ids": [5]}, {"token_ids": None}, {"stop_reason": "x"}, {"stop_reason": None},
-        {"logprobs": {"content": []}}, {"index": shape.choice([1, 2])}])
+        {"logprobs": {"content": []}}, {"index": shape.choice([1, 2])},
+        # a chat choice with a text too (read first), a completion with a delta too
+        {"text": "T"} if chat else {"delta": {"content": "D"}}])
     top: dict[str, Any] = shape.choice([
         {}, {"system_fingerprint": "fp"}, {"usage": None},
         {"usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}])

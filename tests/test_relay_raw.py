@@ -356,6 +356,19 @@ def test_a_key_the_worker_writes_twice_means_its_last_value_on_the_fast_path_too
             assert [orjson.loads(e[6:])["choices"][0]["index"] for e in chunks] == [0, 0]
 
 
+def test_a_chat_chunk_with_a_text_too_has_the_text_the_parsed_path_reads() -> None:
+    """A chunk's text is its choice's ``text`` when it has one, chat or not: a chat
+    choice that has one besides its ``delta.content`` teaches no template, whose text
+    would be the content."""
+    stream = b"".join(chunk(True, delta_choice({"content": text}, text="T"))
+                      for text in "abc") + finish(True) + DONE
+    for reads in reads_of(stream):
+        fast = Read(reads, raw=True)
+        assert fast.raw == []
+        assert "".join(o.text or "" for o in fast.outputs) == "TTT"
+        assert_same_as_parsed(stream, fast)
+
+
 def test_nothing_after_the_finish_is_carried() -> None:
     learned = chunk(False, text_choice("x"))
     stream = learned * 2 + finish(False) + learned + usage(False, 2) + DONE

@@ -42,8 +42,9 @@ def utf8_text(text: bytes) -> str | None:
 def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     """The template of ``data``, a chunk parsed as ``chunk``, if it is a common one: one
     choice, ``index`` 0 written first, then its non-empty ``text`` (completions) or
-    ``delta.content`` (chat), a null ``finish_reason``, no ``token_ids``, nothing after
-    the choices but a null ``usage``, and no ``usage`` at all unless null.
+    ``delta.content`` (chat, with no ``text``: a chunk's text is its ``text`` if it has
+    one), a null ``finish_reason``, no ``token_ids``, nothing after the choices but a
+    null ``usage``, and no ``usage`` at all unless null.
 
     The choice's bytes hold no line feed (a chunk whose data lines were joined with one
     inside its choice is parsed: its bytes could not go in one ``data:`` line).
@@ -67,7 +68,8 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     if data.startswith(_TEXT_START, start):
         text_at = start + len(_TEXT_START)
         expected = {**choice, "text": probe}
-    elif data.startswith(_CONTENT_START, start) and type(delta := choice.get("delta")) is dict:
+    elif (data.startswith(_CONTENT_START, start) and type(delta := choice.get("delta")) is dict
+            and "text" not in choice):  # (a chunk's text is its choice's "text" if it has one)
         text_at = start + len(_CONTENT_START)
         expected = {**choice, "delta": {**delta, "content": probe}}
     else:
