@@ -35,8 +35,9 @@ from trio_disagg import (
     WorkerPool,
     to_wire,
 )
-from trio_disagg.engines import LatencyModel, MockCluster, VllmEngine, mock_cluster
+from trio_disagg.engines import LatencyModel, MockCluster, VllmEngine, _chunks, mock_cluster
 from trio_disagg.engines._chunks import ChunkParser, SseReader
+from trio_disagg.engines._raw import RunReader, learn_template
 from trio_disagg.server import OpenAIApp, create_app, serve
 from trio_disagg.server._openai_responses import ChunkEncoder
 
@@ -329,6 +330,45 @@ def test_a_malformed_text_is_never_carried() -> None:
         assert [type(c) for c in output.choices] == [dict]
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_key_the_worker_writes_twice_means_its_last_value_on_the_fast_path_too(
+    chat: bool
+) -> None:
+    """JSON keeps the last of two keys: a chunk whose first ``text`` (``content``) or
+    ``index`` a second one overrides teaches no template, so the output's text is the
+    one the chunk means and the client's choice has ``index`` 0, as parsed."""
+    head = orjson.dumps({**envelope(chat), "choices": []})[:-2]
+    texts = (b'{"index":0,"delta":{"content":"%s","content":"kept"},"finish_reason":null}'
+             if chat else b'{"index":0,"text":"%s","text":"kept","finish_reason":null}')
+    index = (b'{"index":0,"delta":{"content":"%s"},"finish_reason":null,"index":1}'
+             if chat else b'{"index":0,"text":"%s","finish_reason":null,"index":1}')
+    encoder = partial(ChunkEncoder, chat=chat, response_id="r", model=MODEL, created=1,
+                      include_usage=False)
+    for shape, text in ((texts, "kept" * 3), (index, "abc")):
+        stream = b"".join(event(head + shape % sent + b"]}") for sent in (b"a", b"b", b"c"))
+        stream += finish(chat) + DONE
+        for reads in reads_of(stream):
+            fast = Read(reads, raw=True)
+            assert fast.raw == []
+            assert "".join(o.text or "" for o in fast.outputs) == text
+            assert_same_as_parsed(stream, fast)
+            chunks = encoder().choices(fast.choices[1:])
+            assert [orjson.loads(e[6:])["choices"][0]["index"] for e in chunks] == [0, 0]
+
+
+def test_a_chat_chunk_with_a_text_too_has_the_text_the_parsed_path_reads() -> None:
+    """A chunk's text is its choice's ``text`` when it has one, chat or not: a chat
+    choice that has one besides its ``delta.content`` teaches no template, whose text
+    would be the content."""
+    stream = b"".join(chunk(True, delta_choice({"content": text}, text="T"))
+                      for text in "abc") + finish(True) + DONE
+    for reads in reads_of(stream):
+        fast = Read(reads, raw=True)
+        assert fast.raw == []
+        assert "".join(o.text or "" for o in fast.outputs) == "TTT"
+        assert_same_as_parsed(stream, fast)
+
+
 def test_nothing_after_the_finish_is_carried() -> None:
     learned = chunk(False, text_choice("x"))
     stream = learned * 2 + finish(False) + learned + usage(False, 2) + DONE
@@ -417,6 +457,44 @@ def test_a_run_is_never_malformed_json() -> None:
         assert output is not None and type(output.choices) is list
 
 
+@pytest.mark.parametrize("every", [1, 2, 7])
+def test_a_read_of_many_chunks_with_escaped_texts_costs_time_linear_in_its_chunks(
+    every: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text with an escape (a newline, a quote) is common: each such chunk of a read
+    taught the template again, and the chunks after it were read again as a run that
+    failed at the next one, a read of n chunks costing n * n (0.5 ms a chunk at 4,000).
+    Now each chunk is looked at a bounded number of times, and the template is learned
+    once."""
+    looked: list[int] = []
+    learned: list[bytes] = []
+    leading, texts, learn = RunReader.leading, RunReader.texts, learn_template
+
+    def counted_leading(self: RunReader, chunks: list[bytes], *begin: int) -> int:
+        looked.append(count := leading(self, chunks, *begin))
+        return count
+
+    def counted_texts(self: RunReader, chunks: list[bytes]) -> Any:
+        looked.append(len(chunks))
+        return texts(self, chunks)
+
+    def counted_learn(data: bytes, chunk: dict[str, Any]) -> Any:
+        learned.append(data)
+        return learn(data, chunk)
+
+    monkeypatch.setattr(RunReader, "leading", counted_leading)
+    monkeypatch.setattr(RunReader, "texts", counted_texts)
+    monkeypatch.setattr(_chunks, "learn_template", counted_learn)
+    many = 400
+    read = b"".join(chunk(False, text_choice("a\nb" if i % every == 0 else f" w{i}"))
+                    for i in range(many))
+    reads = [chunk(False, text_choice("x")), read, finish(False) + DONE]
+    fast = Read(reads, raw=True)
+    assert sum(looked) <= 2 * many and len(learned) == 1
+    assert len(fast.choices) == 1 + many
+    assert_same_as_parsed(b"".join(reads), fast)
+
+
 def test_raw_choices_is_a_sequence_of_raw_choices() -> None:
     head, tail = b'{"index":0,"text":"', b'","finish_reason":null}'
     run = RawChoices(head, [b"a", b"b\xc3\xa9"], tail)
@@ -428,6 +506,15 @@ def test_raw_choices_is_a_sequence_of_raw_choices() -> None:
         {"index": 0, "text": "a", "finish_reason": None},
         {"index": 0, "text": "b\u00e9", "finish_reason": None}]
     assert "choices" not in to_wire(LLMEngineOutput(choices=run))  # in process only
+    # equal to the list it stands for, either way round, and to a run of the same choices
+    as_list = [RawChoice(head + b"a" + tail), {"index": 0, "text": "b\u00e9",
+                                                "finish_reason": None}]
+    assert run == as_list and as_list == run
+    assert run == RawChoices(head, [b"a", b"b\xc3\xa9"], tail)
+    assert run == RawChoices(b'{"index": 0, "text": "', [b"a", b"b\xc3\xa9"],
+                             b'", "finish_reason": null}')  # other bytes, the same JSON
+    assert run != RawChoices(head, [b"a"], tail) and run != as_list[:1]
+    assert run != (1, 2) and run[::-1] == list(reversed(run))
 
 
 # --- through the server ----------------------------------------------------------------------
@@ -605,6 +692,37 @@ async def test_B8_a_run_reaches_the_client_as_sent_and_counted(
     # the worker reported no usage: one token a chunk with content
     assert orjson.loads(fast[-1])["usage"]["completion_tokens"] == 1 + len(texts)
     assert parses == []
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_a_chunk_the_worker_writes_in_two_data_lines_reaches_the_client_whole(
+    chat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Server-sent events join a chunk's data lines with a line feed, here inside the
+    choice: its bytes cannot go to the client as they are (the line feed would end the
+    client's data line and cut the chunk), so it teaches no template and the ``openai``
+    client reads every chunk, fast path or not."""
+    texts = ["a", "b", "c"]
+    stream = b"".join(event(orjson.dumps({**envelope(chat), "choices": [content(chat, text)]})
+                            .replace(b',"logprobs"', b',\ndata: "logprobs"'))
+                      for text in texts) + finish(chat) + DONE
+    async with running() as (url, decode, _, _):
+        decode.stream = stream
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=10.0)
+
+        def streamed() -> list[str | None]:
+            if chat:
+                return [part.choices[0].delta.content for part in client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)]
+            return [part.choices[0].text for part in client.completions.create(
+                model=MODEL, prompt="hi", stream=True)]
+
+        for raw in (True, False):
+            monkeypatch.setattr(SseReader, "raw_choices", raw)
+            got = await trio.to_thread.run_sync(streamed)
+            assert "".join(text or "" for text in got) == "abc"
+            assert len(got) == 4
 
 
 async def test_a_client_that_does_not_stream_gets_the_same_answer(

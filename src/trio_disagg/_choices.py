@@ -110,5 +110,18 @@ class RawChoices(Sequence[Mapping[str, Any]]):
         head, tail = self.head, self.tail
         return (RawChoice(head + text + tail) for text in self.texts)
 
+    def __eq__(self, other: object) -> bool:
+        # Equal to the list of its choices it stands for (``choices`` was a list), and to
+        # another run of the same choices.
+        if isinstance(other, RawChoices):
+            if (self.head, self.texts, self.tail) == (other.head, other.texts, other.tail):
+                return True
+            return list(self) == list(other)
+        if isinstance(other, list):
+            return list(self) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a sequence of mappings: unhashable
+
     def __repr__(self) -> str:
         return f"RawChoices({self.head!r}, {self.texts!r}, {self.tail!r})"

@@ -137,23 +137,29 @@ class SseReader:
         if self._pending:
             part = self._pending + part
         chunks = self._data_of(part)
-        while chunks:  # each turn reads one chunk or more
+        # Each turn reads one chunk or more from ``begin`` (no copy of what is left). A run
+        # is tried at the start and after a chunk that taught a new template; the chunks
+        # of a run that failed are read one by one with no other try: a read costs time
+        # linear in its chunks, whatever they are (docs/performance.md).
+        begin, end = 0, len(chunks)
+        while begin < end:
             runs = self._runs
-            if (runs is not None and (count := runs.leading(chunks))
-                    and (found := runs.texts(chunks[:count])) is not None):
+            if (runs is not None and (count := runs.leading(chunks, begin))
+                    and (found := runs.texts(chunks[begin:begin + count])) is not None):
                 # Common chunks, read at once (docs/performance.md).
                 self.burst.add_run(RawChoices(runs.head, found[0], runs.tail), found[1])
-                del chunks[:count]
+                begin += count
                 continue
-            problem, chunks = self._one_by_one(chunks)
+            problem, begin = self._one_by_one(chunks, begin)
             if problem is not None:
                 return problem
         return None
 
-    def _one_by_one(self, chunks: list[bytes]) -> tuple[str | None, list[bytes]]:
-        """Read ``chunks`` one at a time; return what is wrong (as :meth:`feed`) and the
-        chunks left: those after a chunk that taught the stream a template (for
-        :meth:`feed` to read as a run), else none."""
+    def _one_by_one(self, chunks: list[bytes], begin: int) -> tuple[str | None, int]:
+        """Read ``chunks`` one at a time from ``begin``; return what is wrong (as
+        :meth:`feed`) and where to go on: after a chunk that taught the stream a new
+        template if the chunk after it has the template's prefix and suffix (for
+        :meth:`feed` to read as a run), else the end."""
         parser, burst = self._parser, self.burst
         burst.spread()
         # The burst's lists, until the caller takes the burst (after this read).
@@ -162,7 +168,8 @@ class SseReader:
         if template is not None:
             prefix, suffix, start, tail = template
             at, after = len(prefix), len(suffix)
-        for index, data in enumerate(chunks):
+        for index in range(begin, len(chunks)):
+            data = chunks[index]
             if (template is not None and data.startswith(prefix) and data.endswith(suffix)
                     and (text := data[at:len(data) - after])
                     and len(text.translate(None, NOT_PLAIN)) == len(text)
@@ -174,15 +181,15 @@ class SseReader:
                 continue
             if data == b"[DONE]":
                 self.done = True
-                return None, []
+                return None, len(chunks)
             try:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
-                return f"sent a malformed chunk: {data[:200]!r}", []
+                return f"sent a malformed chunk: {data[:200]!r}", len(chunks)
             if type(chunk) is not dict:
-                return f"sent a chunk that is not an object: {data[:200]!r}", []
+                return f"sent a chunk that is not an object: {data[:200]!r}", len(chunks)
             if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
-                return f"reported an error: {error_text(chunk)}", []
+                return f"reported an error: {error_text(chunk)}", len(chunks)
             if self.final is None:
                 known = len(burst.choices)
                 self.final = add(chunk, burst)
@@ -190,13 +197,21 @@ class SseReader:
                     self._template = template = None
                     self._runs = None
                 elif (len(burst.choices) > known and self.raw_choices
+                        # a chunk of the template (its text escaped) would teach it again
+                        and not (template is not None and data.startswith(prefix)
+                                 and data.endswith(suffix))
                         and (learned := learn_template(data, chunk)) is not None):
                     self._template = template = learned
                     self._runs = RunReader(learned)
-                    return None, chunks[index + 1:]  # the chunks after it may be a run
+                    prefix, suffix, start, tail = template
+                    at, after = len(prefix), len(suffix)
+                    following = index + 1
+                    if (following < len(chunks) and chunks[following].startswith(prefix)
+                            and chunks[following].endswith(suffix)):
+                        return None, following  # the chunks after it may be a run
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
-        return None, []
+        return None, len(chunks)
 
     def _data_of(self, part: bytes) -> list[bytes]:
         """The data of each event ``part`` completes; what is left of it waits for the

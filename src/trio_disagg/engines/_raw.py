@@ -42,50 +42,76 @@ def utf8_text(text: bytes) -> str | None:
 def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     """The template of ``data``, a chunk parsed as ``chunk``, if it is a common one: one
     choice, ``index`` 0 written first, then its non-empty ``text`` (completions) or
-    ``delta.content`` (chat), a null ``finish_reason``, no ``token_ids``, nothing after
-    the choices but a null ``usage``, and no ``usage`` at all unless null.
+    ``delta.content`` (chat, with no ``text``: a chunk's text is its ``text`` if it has
+    one), a null ``finish_reason``, no ``token_ids``, nothing after the choices but a
+    null ``usage``, and no ``usage`` at all unless null.
+
+    The choice's bytes hold no line feed (a chunk whose data lines were joined with one
+    inside its choice is parsed: its bytes could not go in one ``data:`` line).
 
     A later chunk that starts with the template's prefix and ends with its suffix, with a
     plain text between them (UTF-8 without a quote, a backslash or a control character,
     :data:`NOT_PLAIN`: a JSON string as it is), is then this chunk with another text:
     the string the prefix opens ends where the suffix starts, and every other byte,
     hence every other field, is this chunk's (checked here by parsing the choice's
-    bytes). Such a chunk is valid JSON, and never an error object, a finish, a usage
-    chunk or a second choice.
+    bytes with another text: a key written twice, whose last value JSON keeps, cannot
+    make the text or the index another than the bytes say). Such a chunk is valid JSON,
+    and never an error object, a finish, a usage chunk or a second choice.
     """
-    choices = chunk.get("choices")
-    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
-        return None
-    choice = choices[0]
-    if (type(choice) is not dict or choice.get("finish_reason") is not None
-            or choice.get("token_ids") is not None):
-        return None
+    choice = _common_choice(chunk)
     start = data.find(b'"choices":[')
-    if start < 0:
+    if choice is None or start < 0:
         return None
     start += 11
+    # The choice with another text: where the bytes put the text, if it is its text.
+    probe = "a" * (len(data) + 1)  # longer than any string the chunk's bytes hold
     if data.startswith(_TEXT_START, start):
         text_at = start + len(_TEXT_START)
-    elif data.startswith(_CONTENT_START, start):
+        expected = {**choice, "text": probe}
+    elif (data.startswith(_CONTENT_START, start) and type(delta := choice.get("delta")) is dict
+            and "text" not in choice):  # (a chunk's text is its choice's "text" if it has one)
         text_at = start + len(_CONTENT_START)
+        expected = {**choice, "delta": {**delta, "content": probe}}
     else:
         return None  # another order of fields (SGLang's ``"role":null`` first): parsed
     end = data.find(b'"', text_at)
     if end <= text_at or data[end - 1] == _BACKSLASH:
         return None  # an empty text, or one with a quote: the next chunk learns
+    if data.find(b"\n", start) >= 0:
+        # (data lines joined): in the client's one data line, the rest would be cut off
+        return None
     if data.endswith(b"}]}"):
         tail = 2
     elif data.endswith(b'}],"usage":null}'):
         tail = 15
     else:
         return None
+    # The choice's bytes with the probe for their text must be the choice with the probe
+    # for its text: then they are this chunk's one choice, and the string the template
+    # opens is the text the choice has, whatever text a later chunk puts there (not one
+    # that a second "text" or "content" key after it overrides).
     try:
-        same = orjson.loads(data[start:len(data) - tail]) == choice
+        same = orjson.loads(
+            data[start:text_at] + probe.encode() + data[end:len(data) - tail]) == expected
     except orjson.JSONDecodeError:  # a "choices" key found before the chunk's own
         same = False
     if not same:
         return None  # the bytes are not this chunk's one choice: no template
     return Template(data[:text_at], data[end:], start, tail)
+
+
+def _common_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """The one choice of ``chunk`` if it may be a common chunk's: a dict with ``index`` 0
+    (not overridden by a second ``index`` key: the server sets it), a null
+    ``finish_reason`` and no ``token_ids``, in a chunk with no ``usage`` unless null."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
+        return None
+    choice = choices[0]
+    if (type(choice) is not dict or choice.get("finish_reason") is not None
+            or choice.get("token_ids") is not None or choice.get("index") != 0):
+        return None
+    return choice
 
 
 class RunReader:
@@ -112,12 +138,14 @@ class RunReader:
         self._text_of = itemgetter(slice(at, -after))
         self._suffix_of = itemgetter(slice(-after, None))
 
-    def leading(self, chunks: list[bytes]) -> int:
-        """How many chunks, from the first, have the template's prefix and suffix."""
-        count = len(list(takewhile(self.prefix.__eq__, map(self._prefix_of, chunks))))
+    def leading(self, chunks: list[bytes], begin: int = 0) -> int:
+        """How many chunks, from ``chunks[begin]`` on, have the template's prefix and
+        suffix (in time linear in that count, not in ``begin``)."""
+        following = chunks if not begin else map(chunks.__getitem__, range(begin, len(chunks)))
+        count = len(list(takewhile(self.prefix.__eq__, map(self._prefix_of, following))))
         if count:
             count = len(list(takewhile(self.suffix.__eq__,
-                                       map(self._suffix_of, chunks[:count]))))
+                                       map(self._suffix_of, chunks[begin:begin + count]))))
         return count
 
     def texts(self, chunks: list[bytes]) -> tuple[list[bytes], str] | None:
