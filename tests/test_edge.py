@@ -91,6 +91,19 @@ class Edge:
         """Requests either engine was given."""
         return len(self.prefill.requests) + len(self.decode.requests)
 
+    async def exchange(self, request: bytes) -> bytes:
+        """Send ``request``'s raw bytes on a connection of its own; return all the server
+        wrote before it closed the connection."""
+        port = int(self.url.rsplit(":", 1)[1])
+        answer = b""
+        with trio.fail_after(5):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(request)
+                while data := await stream.receive_some():
+                    answer += data
+        return answer
+
     async def refused(self) -> dict[str, float]:
         """``trio_disagg_http_refused_total`` by reason, as /metrics shows it."""
         headers = {"authorization": f"Bearer {KEY}"}
@@ -275,16 +288,9 @@ async def test_a_refused_client_that_withholds_its_body_still_gets_its_answer(
     its headers and then nothing gets its 401 and the connection closed."""
     monkeypatch.setattr(_edge, "DISCARD_WINDOW", 0.2)
     async with edge_server(api_key=KEY) as server:
-        port = int(server.url.rsplit(":", 1)[1])
-        with trio.fail_after(5):
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            async with stream:
-                await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                                      b"content-type: application/json\r\n"
-                                      b"content-length: 100\r\n\r\n{")
-                answer = b""
-                while data := await stream.receive_some():
-                    answer += data
+        answer = await server.exchange(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                       b"content-type: application/json\r\n"
+                                       b"content-length: 100\r\n\r\n{")
         assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
         assert b"invalid_api_key" in answer
         assert server.calls == 0
@@ -297,17 +303,10 @@ async def test_a_refused_client_waiting_for_100_continue_gets_its_answer_instead
     """A client that sent ``Expect: 100-continue`` is not asked for a body the router
     will not read: its 401 comes first, and the connection closes."""
     async with edge_server(api_key=KEY) as server:
-        port = int(server.url.rsplit(":", 1)[1])
-        with trio.fail_after(5):
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            async with stream:
-                await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                                      b"content-type: application/json\r\n"
-                                      b"expect: " + expect + b"\r\n"
-                                      b"content-length: 100\r\n\r\n")
-                answer = b""
-                while data := await stream.receive_some():
-                    answer += data
+        answer = await server.exchange(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                       b"content-type: application/json\r\n"
+                                       b"expect: " + expect + b"\r\n"
+                                       b"content-length: 100\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
         assert b"100 Continue" not in answer
         assert b"connection: close" in answer.lower()
