@@ -495,6 +495,36 @@ def test_a_read_of_many_chunks_with_escaped_texts_costs_time_linear_in_its_chunk
     assert_same_as_parsed(b"".join(reads), fast)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_chunks_with_escaped_or_empty_texts_split_a_run_and_the_rest_stays_runs(
+    chat: bool, monkeypatch: pytest.MonkeyPatch, parses: list[bytes]
+) -> None:
+    """A model's text has newlines and quotes: a chunk whose text JSON escapes (or an
+    empty one) is read on its own, and the common chunks around it still go at once;
+    the client gets the same chunks, in order."""
+    alone: list[int] = []
+    one_by_one = SseReader._one_by_one
+
+    def counted(self: SseReader, chunks: list[bytes], begin: int, end: int) -> Any:
+        alone.append(end - begin)
+        return one_by_one(self, chunks, begin, end)
+
+    monkeypatch.setattr(SseReader, "_one_by_one", counted)
+    texts = [("line\n" if i % 7 == 3 else 'say "x"' if i % 11 == 5 else "" if i == 20
+              else f" w{i}") for i in range(40)]
+    odd = sum(1 for text in texts if not plain(text) or not text)
+    reads = [chunk(chat, content(chat, "first")),
+             b"".join(chunk(chat, content(chat, text)) for text in texts),
+             finish(chat) + DONE]
+    fast = Read(reads, raw=True)
+    assert sum(alone[1:-1]) == odd  # (the first read's and the finish's aside)
+    # (an empty text carries nothing: no choice, as in the parsed path)
+    assert [type(c) is RawChoice for c in fast.outputs[1].choices or ()] == [
+        plain(text) for text in texts if text]
+    assert parses == []
+    assert_same_as_parsed(b"".join(reads), fast)
+
+
 def test_raw_choices_is_a_sequence_of_raw_choices() -> None:
     head, tail = b'{"index":0,"text":"', b'","finish_reason":null}'
     run = RawChoices(head, [b"a", b"b\xc3\xa9"], tail)

@@ -18,7 +18,7 @@ from .._protocols import (
     RawChoices,
 )
 from ._burst import Burst
-from ._raw import NOT_PLAIN, RunReader, Template, learn_template, utf8_text
+from ._raw import NOT_PLAIN, Run, RunReader, Template, learn_template, utf8_text
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 
@@ -146,20 +146,43 @@ class SseReader:
             runs = self._runs
             if (runs is not None and (count := runs.leading(chunks, begin))
                     and (found := runs.texts(chunks[begin:begin + count])) is not None):
-                # Common chunks, read at once (docs/performance.md).
-                self.burst.add_run(RawChoices(runs.head, found[0], runs.tail), found[1])
-                begin += count
+                # Common chunks, read at once (docs/performance.md); those with an
+                # escaped text between them, one by one (they teach nothing).
+                problem, begin = self._runs_of(chunks, begin, begin + count, found)
+                if problem is not None:
+                    return problem
                 continue
-            problem, begin = self._one_by_one(chunks, begin)
+            problem, begin = self._one_by_one(chunks, begin, end)
             if problem is not None:
                 return problem
         return None
 
-    def _one_by_one(self, chunks: list[bytes], begin: int) -> tuple[str | None, int]:
-        """Read ``chunks`` one at a time from ``begin``; return what is wrong (as
+    def _runs_of(self, chunks: list[bytes], begin: int, end: int, found: list[Run]
+                 ) -> tuple[str | None, int]:
+        """Read ``chunks[begin:end]``, the template's, as ``found`` says: each run at
+        once, each chunk between two runs on its own. Returns what is wrong (as
+        :meth:`feed`) and where to go on."""
+        runs = self._runs
+        assert runs is not None
+        at = begin
+        for run in found:
+            if begin + run.start > at:
+                problem, at = self._one_by_one(chunks, at, begin + run.start)
+                if problem is not None or at < begin + run.start:
+                    return problem, at  # (a chunk of the template teaches nothing)
+            self.burst.add_run(RawChoices(runs.head, run.texts, runs.tail), run.text)
+            at = begin + run.stop
+        if at < end:
+            return self._one_by_one(chunks, at, end)
+        return None, end
+
+    def _one_by_one(self, chunks: list[bytes], begin: int, end: int
+                    ) -> tuple[str | None, int]:
+        """Read ``chunks[begin:end]`` one at a time; return what is wrong (as
         :meth:`feed`) and where to go on: after a chunk that taught the stream a new
         template if the chunk after it has the template's prefix and suffix (for
-        :meth:`feed` to read as a run), else the end."""
+        :meth:`feed` to read as a run), else ``end`` (the end of the chunks, once
+        reading stopped)."""
         parser, burst = self._parser, self.burst
         burst.spread()
         # The burst's lists, until the caller takes the burst (after this read).
@@ -168,7 +191,7 @@ class SseReader:
         if template is not None:
             prefix, suffix, start, tail = template
             at, after = len(prefix), len(suffix)
-        for index in range(begin, len(chunks)):
+        for index in range(begin, end):
             data = chunks[index]
             if (template is not None and data.startswith(prefix) and data.endswith(suffix)
                     and (text := data[at:len(data) - after])
@@ -206,12 +229,12 @@ class SseReader:
                     prefix, suffix, start, tail = template
                     at, after = len(prefix), len(suffix)
                     following = index + 1
-                    if (following < len(chunks) and chunks[following].startswith(prefix)
+                    if (following < end and chunks[following].startswith(prefix)
                             and chunks[following].endswith(suffix)):
                         return None, following  # the chunks after it may be a run
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
-        return None, len(chunks)
+        return None, end
 
     def _data_of(self, part: bytes) -> list[bytes]:
         """The data of each event ``part`` completes; what is left of it waits for the

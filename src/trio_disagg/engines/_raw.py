@@ -3,8 +3,10 @@ choice the router relays as sent (B8) without parsing it, recognised by its byte
 
 from __future__ import annotations
 
-from itertools import takewhile
-from operator import itemgetter
+import re
+from bisect import bisect_right
+from itertools import accumulate, takewhile
+from operator import add, itemgetter
 from typing import Any, NamedTuple
 
 import orjson
@@ -148,22 +150,68 @@ class RunReader:
                                        map(self._suffix_of, chunks[begin:begin + count]))))
         return count
 
-    def texts(self, chunks: list[bytes]) -> tuple[list[bytes], str] | None:
-        """Each chunk's text bytes and all of them as one string, if every chunk (each
-        with the template's prefix and suffix, :meth:`leading`) has a plain text
-        between them (non-empty, :data:`NOT_PLAIN`-free, UTF-8 on its own); else None
-        (then the chunks are read one by one)."""
+    def texts(self, chunks: list[bytes]) -> list[Run] | None:
+        """The runs among ``chunks`` (each with the template's prefix and suffix,
+        :meth:`leading`) whose texts are plain (non-empty, :data:`NOT_PLAIN`-free, UTF-8
+        on their own), in order: all of them in one run, the common case. A chunk whose
+        text has a quote or a backslash (an escape: a newline, a quote in the text) or is
+        empty falls between two runs, for the caller to read on its own. None if a text
+        has a control character or bytes that are not UTF-8 (a malformed chunk: the
+        caller reads them all one by one, and reports it)."""
         texts = list(map(self._text_of, chunks))
-        if b"" in texts:  # (also a chunk shorter than the template: its slices overlap)
-            return None
+        count = len(texts)
         # A control character between two texts: each must be plain and valid UTF-8 on
         # its own, not only all of them together (a character split between two chunks
         # makes two chunks that are not JSON).
         joined = b"\n".join(texts)
-        if len(joined.translate(None, NOT_PLAIN)) != len(joined) - len(texts) + 1:
+        if (len(joined.translate(None, NOT_PLAIN)) == len(joined) - count + 1
+                and b"" not in texts):  # (an empty text: also a chunk shorter than it)
+            try:
+                text = joined.decode()
+            except UnicodeDecodeError:
+                return None
+            return [Run(0, count, texts, text.replace("\n", "") if count > 1 else text)]
+        if len(joined.translate(None, _CONTROL)) != len(joined) - count + 1:
             return None
         try:
-            text = joined.decode()
+            parts = joined.decode().split("\n")  # each text's, by the separators
         except UnicodeDecodeError:
             return None
-        return texts, (text.replace("\n", "") if len(texts) > 1 else text)
+        # The texts to read on their own: those with an escape, found by the position of
+        # each quote or backslash among the texts' ends, and the empty ones.
+        ends = list(map(add, accumulate(map(len, texts)), range(count)))
+        odd = {bisect_right(ends, found.start()) for found in _ESCAPE.finditer(joined)}
+        at = -1
+        while (at := _index(texts, b"", at + 1)) >= 0:
+            odd.add(at)
+        runs = []
+        start = 0
+        for stop in [*sorted(odd), count]:
+            if stop > start:
+                runs.append(Run(start, stop, texts[start:stop], "".join(parts[start:stop])))
+            start = stop + 1
+        return runs
+
+
+class Run(NamedTuple):
+    """Chunks ``start`` to ``stop`` (not included) of those given to
+    :meth:`RunReader.texts`: their text bytes and all of them as one string."""
+
+    start: int
+    stop: int
+    texts: list[bytes]
+    text: str
+
+
+#: Control characters: none may be in a JSON string as it is.
+_CONTROL = bytes(range(0x20))
+#: A quote or a backslash: a text with one is escaped in JSON, and read on its own.
+_ESCAPE = re.compile(rb'["\\]')
+
+
+def _index(items: list[bytes], value: bytes, start: int) -> int:
+    """``items.index(value, start)``, or -1."""
+    try:
+        return items.index(value, start)
+    except ValueError:
+        return -1
