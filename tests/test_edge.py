@@ -6,6 +6,7 @@ client's ``fault`` field, all answered before any worker is called
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import re
 import signal
@@ -189,6 +190,24 @@ async def test_a_body_that_is_not_application_json_is_415(content_type: str | No
         assert response.status_code == 200, response.text
 
 
+async def test_a_gzip_body_is_415_naming_the_content_encoding() -> None:
+    """A client (or a proxy) that compresses its body gets a 415 that says so, not a 400
+    about invalid UTF-8 in its JSON; ``identity`` is no compression and is served."""
+    body = httpx.Request("POST", "http://x", json=GOOD).content
+    async with edge_server() as server, server.http() as http:
+        response = await http.post(COMPLETIONS, content=gzip.compress(body), headers={
+            "content-type": "application/json", "content-encoding": "gzip"})
+        assert response.status_code == 415, response.text
+        error = _error(response)
+        assert (error["code"], error["param"]) == ("unsupported_media_type",
+                                                   "Content-Encoding")
+        assert "gzip" in error["message"]
+        assert server.calls == 0
+        response = await http.post(COMPLETIONS, content=body, headers={
+            "content-type": "application/json", "content-encoding": "Identity"})
+        assert response.status_code == 200, response.text
+
+
 # --- the client's fault field ---------------------------------------------------------------
 
 
@@ -323,6 +342,15 @@ async def test_protect_metrics_closes_health_and_metrics_too() -> None:
         async with server.http(authorization=f"Bearer {KEY}") as http:
             for path in ["/health", "/metrics"]:
                 assert (await http.get(path)).status_code == 200
+
+
+async def test_protect_metrics_leaves_the_liveness_probe_open() -> None:
+    """A Kubernetes liveness probe carries no key: with ``--protect-metrics`` its 401 would
+    have the replica restarted forever (docs/deploy.md), so ``/livez`` stays open."""
+    async with (edge_server(api_key=KEY, protect_metrics=True) as server,
+                server.http() as http):
+        assert (await http.get("/livez")).status_code == 200
+        assert (await http.get("/health")).status_code == 401
 
 
 def test_an_empty_api_key_is_refused() -> None:
