@@ -453,6 +453,15 @@ def test_a_bad_worker_url_is_refused(url: str) -> None:
     assert check_worker_url("http://p0:8100/prefix/", "vLLM") == "http://p0:8100/prefix"
 
 
+@pytest.mark.parametrize("url", ["http://p0:8100/v1", "http://p0:8100/v1/",
+                                 "https://gw.example/prefill-0/v1"])
+def test_a_worker_url_ending_in_v1_is_refused_naming_it(url: str) -> None:
+    """An OpenAI base URL given as a worker's: accepted, every probe went to /v1/health,
+    and every request got 503 'every worker failed its health probe'."""
+    with pytest.raises(ValueError, match="without /v1"):
+        check_worker_url(url, "vLLM")
+
+
 async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:
     with trio.fail_after(30):
         done = await trio.run_process(
