@@ -6,6 +6,7 @@ client's ``fault`` field, all answered before any worker is called
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import re
 import signal
@@ -202,6 +203,24 @@ async def test_a_body_that_is_not_application_json_is_415(content_type: str | No
         assert response.status_code == 200, response.text
 
 
+async def test_a_gzip_body_is_415_naming_the_content_encoding() -> None:
+    """A client (or a proxy) that compresses its body gets a 415 that says so, not a 400
+    about invalid UTF-8 in its JSON; ``identity`` is no compression and is served."""
+    body = httpx.Request("POST", "http://x", json=GOOD).content
+    async with edge_server() as server, server.http() as http:
+        response = await http.post(COMPLETIONS, content=gzip.compress(body), headers={
+            "content-type": "application/json", "content-encoding": "gzip"})
+        assert response.status_code == 415, response.text
+        error = _error(response)
+        assert (error["code"], error["param"]) == ("unsupported_media_type",
+                                                   "Content-Encoding")
+        assert "gzip" in error["message"]
+        assert server.calls == 0
+        response = await http.post(COMPLETIONS, content=body, headers={
+            "content-type": "application/json", "content-encoding": "Identity"})
+        assert response.status_code == 200, response.text
+
+
 # --- the client's fault field ---------------------------------------------------------------
 
 
@@ -324,6 +343,15 @@ async def test_protect_metrics_closes_health_and_metrics_too() -> None:
                 assert (await http.get(path)).status_code == 200
 
 
+async def test_protect_metrics_leaves_the_liveness_probe_open() -> None:
+    """A Kubernetes liveness probe carries no key: with ``--protect-metrics`` its 401 would
+    have the replica restarted forever (docs/deploy.md), so ``/livez`` stays open."""
+    async with (edge_server(api_key=KEY, protect_metrics=True) as server,
+                server.http() as http):
+        assert (await http.get("/livez")).status_code == 200
+        assert (await http.get("/health")).status_code == 401
+
+
 def test_an_empty_api_key_is_refused() -> None:
     cluster = mock_cluster()
     router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
@@ -422,6 +450,15 @@ def test_a_bad_worker_url_is_refused(url: str) -> None:
     with pytest.raises(ValueError, match="worker URL must be http"):
         check_worker_url(url, "vLLM")
     assert check_worker_url("http://p0:8100/prefix/", "vLLM") == "http://p0:8100/prefix"
+
+
+@pytest.mark.parametrize("url", ["http://p0:8100/v1", "http://p0:8100/v1/",
+                                 "https://gw.example/prefill-0/v1"])
+def test_a_worker_url_ending_in_v1_is_refused_naming_it(url: str) -> None:
+    """An OpenAI base URL given as a worker's: accepted, every probe went to /v1/health,
+    and every request got 503 'every worker failed its health probe'."""
+    with pytest.raises(ValueError, match="without /v1"):
+        check_worker_url(url, "vLLM")
 
 
 async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:

@@ -9,6 +9,7 @@ circuit breaker, the probes and the retry policy on the autojump clock.
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import socket
@@ -361,6 +362,30 @@ async def test_a_probe_past_its_timeout_fails(autojump_clock: trio.abc.Clock) ->
     assert pool.workers[0].state is HealthState.DOWN
     with pytest.raises(Exception, match="every worker failed its health probe"):
         pool.select(PreprocessedRequest(request_id="r", model=MODEL, body={}))
+
+
+async def test_a_failed_probe_warning_says_why(
+        autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
+    """The operator's one line about a worker going down names the cause: a worker URL
+    that answers 404 (a wrong path) reads differently from one that does not answer."""
+    class NotFound(Probed):
+        async def check_health(self) -> None:
+            raise WorkerError(f"prefill worker {self.name} health check answered 404",
+                              worker=self.name, worker_status=404)
+
+    class Slow(Probed):
+        async def check_health(self) -> None:
+            await trio.sleep(10)
+
+    pool = WorkerPool([NotFound("http://p0:8100/prefix"), Slow("http://p1:8100")])
+    with caplog.at_level(logging.WARNING, logger="trio_disagg.health"):
+        await HealthMonitor(pool.workers, timeout=0.5).probe_all()
+    lines = [record.getMessage() for record in caplog.records]
+    assert ("worker http://p0:8100/prefix failed its health probe (prefill worker "
+            "http://p0:8100/prefix health check answered 404): skipped until one succeeds"
+            ) in lines, lines
+    assert ("worker http://p1:8100 failed its health probe (no answer within 0.5 s): "
+            "skipped until one succeeds") in lines, lines
 
 
 def test_the_embedded_mock_engines_are_not_probed() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import orjson
 import pytest
 
@@ -206,6 +207,8 @@ def test_wire_error_envelope_form() -> None:
         ("bogus", FinishReason, "unknown finish_reason 'bogus'"),
         ({"host": "h", "port": "1", "room": 0}, BootstrapInfo, "$.port"),
         ({"model": "m"}, PreprocessedRequest, "$.request_id"),
+        ({"request_id": "r", "model": "m", "max_tokens": 0}, PreprocessedRequest,
+         "max_tokens must be None or an integer >= 1, got 0"),
     ],
 )
 def test_wire_invalid_input_raises_readable_wire_format_error(
@@ -231,3 +234,15 @@ def test_wire_format_error_is_a_value_error_and_a_trio_disagg_error() -> None:
         from_wire({"token_ids": "x"}, LLMEngineOutput)
     with pytest.raises(TrioDisaggError):
         from_wire({"token_ids": "x"}, LLMEngineOutput)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -5, 2.0, True])
+def test_a_request_with_a_budget_of_no_tokens_is_a_value_error(max_tokens: Any) -> None:
+    """A library caller's ``max_tokens=0`` (or -5) used to run, and end in one token with
+    finish ``length``: a success nobody asked for."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        PreprocessedRequest(request_id="r", model="m", max_tokens=max_tokens)
+    request = PreprocessedRequest(request_id="r", model="m", max_tokens=1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        attrs.evolve(request, max_tokens=max_tokens)
+    assert PreprocessedRequest(request_id="r", model="m").max_tokens is None

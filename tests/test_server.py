@@ -337,6 +337,28 @@ async def test_request_id_round_trip_and_session_id() -> None:
         assert server.decode.requests[-1].routing.session_id == "alice"
 
 
+async def test_a_non_ascii_request_id_comes_back_as_the_client_sent_it() -> None:
+    """An X-Request-Id in UTF-8 reaches the workers and comes back in the answer's header
+    and id with the same bytes (it used to come back encoded twice: ``Ã©`` for ``é``);
+    bytes that are not UTF-8 are a 400."""
+    sent = "trace-é-✓"
+    async with running() as server, server.http() as http:
+        response = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={b"X-Request-Id": sent.encode()})
+        assert response.status_code == 200, response.text
+        assert dict(response.headers.raw)[b"x-request-id"] == sent.encode()
+        assert response.json()["id"] == f"cmpl-{sent}"
+        assert server.prefill.requests[-1].request_id == sent
+        assert server.decode.requests[-1].request_id == sent
+
+        response = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={b"X-Request-Id": b"latin-1 \xe9"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "X-Request-Id"
+
+
 async def test_models_health_metrics() -> None:
     async with running() as server, server.http() as http:
         models = (await http.get("/v1/models")).json()

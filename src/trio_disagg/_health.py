@@ -324,15 +324,18 @@ class HealthMonitor:
         health = worker.health
         start = trio.current_time()
         ok = False
+        # Named in the warning: an operator must tell a 404 (a wrong URL) from a timeout.
+        reason = f"no answer within {self.timeout:g} s"
         with trio.move_on_after(self.timeout):
             try:
                 await engine.check_health()
                 ok = True
             except Exception as exc:  # any failure is a failed probe, never a crash
                 logger.debug("health probe of %s failed: %r", worker.name, exc)
+                reason = str(exc) or repr(exc)
         if not ok and health.probe_ok:
-            logger.warning("worker %s failed its health probe: skipped until one succeeds",
-                           worker.name)
+            logger.warning("worker %s failed its health probe (%s): skipped until one "
+                           "succeeds", worker.name, reason)
         elif ok and not health.probe_ok:
             logger.warning("worker %s passed its health probe: selected again", worker.name)
         health.probe_result(ok, trio.current_time() - start)

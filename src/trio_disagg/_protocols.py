@@ -311,16 +311,27 @@ class RoutingHints:
     decode_worker: str | None = None
 
 
+def _budget(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    """A completion budget of no tokens, or fewer, is a caller's mistake: the engines would
+    still produce one token and call it a success."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{attribute.name} must be None or an integer >= 1, got {value!r}")
+
+
 @attrs.define(slots=True, kw_only=True)
 class PreprocessedRequest:
     """What the router needs of one client request.
+
+    Raises:
+        ValueError: ``max_tokens`` is not None and not an integer of at least 1.
 
     Attributes:
         request_id: unique among the requests in flight; the contexts share it.
         model: the model name the client asked for.
         body: the client's OpenAI request body as received; adapters build their wire
             request from it, and the router adds nothing to it (B8).
-        max_tokens: the resolved completion budget, in tokens; None if unbounded.
+        max_tokens: the resolved completion budget, in tokens (at least 1); None if
+            unbounded.
         stream: whether the client streams.
         routing: the :class:`RoutingHints`.
         prefill_result: the handoff, filled in for the decode leg after a sequential
@@ -332,7 +343,7 @@ class PreprocessedRequest:
     request_id: str
     model: str
     body: dict[str, Any] = attrs.Factory(dict)
-    max_tokens: int | None = None
+    max_tokens: int | None = attrs.field(default=None, validator=_budget)
     stream: bool = False
     routing: RoutingHints = attrs.Factory(RoutingHints)
     prefill_result: PrefillResult | None = None

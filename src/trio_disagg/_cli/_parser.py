@@ -129,7 +129,8 @@ def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
                              f"else 401 (default: ${API_KEY_ENV} if set, else no key; "
                              f"prefer the variable: it stays out of process listings)")
     limits.add_argument("--protect-metrics", action="store_true",
-                        help="with an API key, /health and /metrics need it too")
+                        help="with an API key, /health and /metrics need it too (/livez, the "
+                             "liveness probe, stays open)")
     limits.add_argument("--max-body-bytes", type=positive_int, default=2 * 1024 * 1024,
                         metavar="BYTES", help="the largest request body; larger: 413")
     limits.add_argument("--max-prompt-bytes", type=positive_int, default=1024 * 1024,

@@ -72,8 +72,8 @@ def check_worker_url(url: str, protocol: str) -> str:
 
     Raises:
         ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host, has a
-            port that is not 1 to 65535, or has a query or a fragment (the adapter
-            appends the endpoint's path to it).
+            port that is not 1 to 65535, has a query or a fragment, or ends in ``/v1``
+            (the adapter appends the endpoint's path to it).
     """
     problem = f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}"
     try:
@@ -88,6 +88,10 @@ def check_worker_url(url: str, protocol: str) -> str:
         raise ValueError(f"{problem}: the port must be 1 to 65535")
     if parsed.query or parsed.fragment or "?" in url or "#" in url:
         raise ValueError(f"{problem}: no query or fragment")
+    if parsed.path.rstrip("/").endswith("/v1"):
+        # An OpenAI client's base URL: every request and probe would go to /v1/v1/...
+        raise ValueError(f"{problem}: the worker's root, without /v1 (the router adds "
+                         f"/v1/completions, /health, ...)")
     return url.rstrip("/")
 
 

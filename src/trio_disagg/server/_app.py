@@ -409,7 +409,7 @@ def create_app(
         api_key: if given, every ``/v1/*`` request must send ``Authorization: Bearer
             <api_key>``, else it gets 401 ``invalid_api_key``; compared in constant time.
         protect_metrics: with ``api_key``, ``/health``, ``/metrics`` and every other path
-            need the key too.
+            but ``/livez`` (the liveness probe, always open) need the key too.
         max_in_flight: the most generation requests handled at once; past it a new one
             gets 503 ``server_overloaded`` with ``Retry-After`` at once. None: no limit.
         max_keeper_tasks: the keeper tasks in flight (prefill drains, decode legs kept for

@@ -26,6 +26,7 @@ from ._openai_errors import (
     invalid_api_key,
     prompt_too_long,
     server_overloaded,
+    unsupported_content_encoding,
     unsupported_media_type,
 )
 
@@ -65,14 +66,21 @@ def _is_json(content_type: bytes | None) -> bool:
     return media_type == b"application/json"
 
 
+def _is_identity(content_encoding: bytes) -> bool:
+    return all(coding.strip().lower() in (b"", b"identity")
+               for coding in content_encoding.split(b","))
+
+
 class Edge:
     """The checks a request passes at the edge, and the count of generation requests
     admitted.
 
     Args:
         api_key: the bearer key every ``/v1/*`` request must send; None for none.
-        protect_metrics: with an ``api_key``, every path needs it, ``/health`` and
-            ``/metrics`` too; else those stay open.
+        protect_metrics: with an ``api_key``, every path but ``/livez`` needs it,
+            ``/health`` and ``/metrics`` too; else those stay open. ``/livez`` is always
+            open: it tells nothing but that the process serves, and a liveness probe
+            that got 401 would have the replica restarted forever.
         max_in_flight: the most generation requests handled at once; None for no limit.
         max_keeper_tasks: keeper tasks in flight (prefill drains, decode legs kept for a
             transfer, cleanups) at which new generation requests are refused; None for no
@@ -132,11 +140,13 @@ class Edge:
     def authorize(self, scope: Scope) -> Refusal | None:
         """401 ``invalid_api_key`` for a request to a protected path without
         ``Authorization: Bearer <key>``, else None. ``/v1/*`` is protected when a key is
-        configured; every other path too with ``protect_metrics``."""
+        configured; every other path too with ``protect_metrics``, but ``/livez``, the
+        liveness probe, which carries no key."""
         expected = self._key_digest
         if expected is None:
             return None
-        if not (self.protect_metrics or scope["path"].startswith("/v1/")):
+        path = scope["path"]
+        if not path.startswith("/v1/") and (not self.protect_metrics or path == "/livez"):
             return None
         header = header_bytes(scope, b"authorization")
         given: bytes | None = None
@@ -153,17 +163,24 @@ class Edge:
         """The refusal of a routed request before its body is read, else None.
 
         A POST whose ``Content-Type`` is not ``application/json`` (text/plain, a form,
-        none) gets 415: a browser sends those cross-site without a preflight. A generation
+        none) gets 415: a browser sends those cross-site without a preflight; so does one
+        sent compressed (a ``Content-Encoding`` other than ``identity``). A generation
         request gets 503 ``server_overloaded`` with ``Retry-After`` when ``max_in_flight``
         requests are in flight, or ``max_keeper_tasks`` keeper tasks. An admitted
         generation request must then be run inside :meth:`slot`, with no checkpoint in
         between, so that the count is exact.
         """
-        if scope["method"] == "POST" and not _is_json(header_bytes(scope, b"content-type")):
+        if scope["method"] == "POST":
             raw = header_bytes(scope, b"content-type")
-            return Refusal(unsupported_media_type(None if raw is None else
-                                                  raw.decode("latin-1")),
-                           "unsupported_media_type")
+            if not _is_json(raw):
+                return Refusal(unsupported_media_type(None if raw is None else
+                                                      raw.decode("latin-1")),
+                               "unsupported_media_type")
+            encoding = header_bytes(scope, b"content-encoding")
+            if encoding is not None and not _is_identity(encoding):
+                # Read as it is, a gzip body is "malformed JSON": name the real cause.
+                return Refusal(unsupported_content_encoding(encoding.decode("latin-1")),
+                               "unsupported_media_type")
         if not generation:
             return None
         retry = ((b"retry-after", str(RETRY_AFTER).encode()),)

@@ -207,6 +207,14 @@ def unsupported_media_type(content_type: str | None) -> ApiError:
                     f"got {got}", param="Content-Type", code="unsupported_media_type")
 
 
+def unsupported_content_encoding(encoding: str) -> ApiError:
+    """415 ``unsupported_media_type``: a POST body sent compressed (``Content-Encoding``
+    other than ``identity``), which the router does not decode."""
+    return ApiError(415, f"the request body must be sent uncompressed: Content-Encoding "
+                    f"{encoding!r} is not supported", param="Content-Encoding",
+                    code="unsupported_media_type")
+
+
 def server_overloaded(message: str) -> ApiError:
     """503 ``server_overloaded``: admission control refused the request (sent with a
     ``Retry-After`` header)."""

@@ -138,18 +138,30 @@ async def watch_disconnect(
 def request_id_of(scope: Scope) -> tuple[str, bool]:
     """The request id that goes out on every answer, errors included: the client's
     ``X-Request-Id`` if it is usable, else a fresh uuid4; and whether the client's was bad
-    (over ``MAX_REQUEST_ID`` characters or not printable: a 400 once the body is read)."""
-    request_id = header(scope, b"x-request-id")
-    bad_id = request_id is not None and (
-        len(request_id) > MAX_REQUEST_ID or not request_id.isprintable()
-    )
+    (over ``MAX_REQUEST_ID`` characters, not UTF-8 or not printable: a 400 once the body
+    is read).
+
+    The header is read as UTF-8, the encoding the id is sent on in (to the workers, in
+    the answer's header and its ``id``), so that its bytes come back as the client sent
+    them."""
+    raw = _asgi.header_bytes(scope, b"x-request-id")
+    request_id: str | None = None
+    bad_id = False
+    if raw is not None:
+        try:
+            request_id = raw.decode()
+        except UnicodeDecodeError:
+            bad_id = True
+        else:
+            bad_id = len(request_id) > MAX_REQUEST_ID or not request_id.isprintable()
     if request_id is None or bad_id or not request_id.strip():
         request_id = str(uuid.uuid4())
     return request_id, bad_id
 
 
 def bad_request_id() -> ApiError:
-    return ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID} printable characters",
+    return ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID} printable characters "
+                    "in UTF-8",
                     param="X-Request-Id", code="invalid_value")
 
 
