@@ -1019,3 +1019,30 @@ async def test_B2_a_refusal_after_the_prefill_deadline_is_the_deadline(
             await h.run(make_request())
         await h.settle()
         h.assert_clean()
+
+
+async def test_stream_refuses_arguments_of_the_wrong_type_before_any_work(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A library caller who passed a request id as the context, a dict as the request, or
+    no nursery got an AttributeError from deep inside; with no nursery the prefill had
+    already run (its KV taken by a cleanup decode). Now a TypeError, bare, before any
+    worker is asked."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        request = make_request("typed")
+        cases: list[tuple[Any, Any, Any, str]] = [
+            (None, request, RequestContext("typed"), "nursery must be a trio.Nursery"),
+            ("nursery", {"request_id": "typed"}, RequestContext("typed"),
+             "request must be a trio_disagg.PreprocessedRequest, got dict"),
+            ("nursery", request, "typed", "context must be a trio_disagg.RequestContext, got str"),
+        ]
+        async with trio.open_nursery() as nursery:
+            for bad_nursery, bad_request, bad_context, match in cases:
+                with pytest.raises(TypeError, match=match):
+                    await h.router.stream(nursery if bad_nursery == "nursery" else bad_nursery,
+                                          bad_request, bad_context)
+        assert h.router.counters.requests_total == 0
+        await h.settle()
+        assert h.cluster.counters().staged_blocks == 0  # no prefill ran
+    h.assert_clean()
