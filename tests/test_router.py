@@ -1046,3 +1046,25 @@ async def test_stream_refuses_arguments_of_the_wrong_type_before_any_work(
         await h.settle()
         assert h.cluster.counters().staged_blocks == 0  # no prefill ran
     h.assert_clean()
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_B1_stream_into_a_closed_nursery_raises_and_strands_nothing(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A nursery that already exited is trio's RuntimeError, raised bare when the decode
+    leg is started in it: after a sequential prefill, whose KV is then consumed as for a
+    client that left (B1); a bootstrap prefill, dispatched with it, is ended (B6)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as closed:
+            pass
+        with pytest.raises(RuntimeError, match="closed"):
+            await h.router.stream(closed, make_request("late"), RequestContext("late"))
+        await h.settle()
+        counters = h.cluster.counters()
+        if style is SEQ:
+            assert counters.freed_blocks == counters.staged_blocks > 0
+        else:
+            assert (counters.staged_blocks, counters.aborted) == (0, 1)
+    h.assert_clean()
