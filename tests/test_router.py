@@ -1068,3 +1068,19 @@ async def test_B1_stream_into_a_closed_nursery_raises_and_strands_nothing(
         else:
             assert (counters.staged_blocks, counters.aborted) == (0, 1)
     h.assert_clean()
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_B3_stream_over_a_keeper_that_is_not_open_raises_runtime_error_bare(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A router whose keeper was never entered, or has exited, refuses a disaggregated
+    request with the keeper's RuntimeError, bare, and keeps nothing in flight."""
+    async with TransferKeeper() as exited:
+        pass
+    for keeper in (exited, TransferKeeper()):
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(RuntimeError, match="TransferKeeper is not open"):
+                await h.router.stream(nursery, make_request("k"), RequestContext("k"))
+        h.assert_clean()

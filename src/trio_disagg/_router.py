@@ -205,10 +205,11 @@ class DisaggRouter:
             TypeError: ``nursery``, ``request`` or ``context`` is not a
                 :class:`trio.Nursery`, a :class:`PreprocessedRequest` or a
                 :class:`RequestContext`; raised before any worker is asked.
-            RuntimeError: ``nursery`` is already closed (trio's own error, raised when the
-                decode leg is started in it: after a sequential prefill, whose staged KV
-                is then consumed as for a client that left, B1; a bootstrap prefill is
-                ended, B6).
+            RuntimeError: the keeper is not open (never entered, or exited: close the
+                router first, B3), for a request that needs a prefill leg; or
+                ``nursery`` is already closed (trio's own error, raised when the decode
+                leg is started in it: after a sequential prefill, whose staged KV is then
+                consumed as for a client that left, B1; a bootstrap prefill is ended, B6).
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
