@@ -331,8 +331,11 @@ def _of_type(expected: type) -> Callable[[object, attrs.Attribute[Any], object],
     return check
 
 
+_a_string = _of_type(str)
+
+
 def _request_id(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    _of_type(str)(_, attribute, value)
+    _a_string(_, attribute, value)
     if not value:
         raise ValueError(f"{attribute.name} must not be empty")
 
@@ -363,7 +366,7 @@ class PreprocessedRequest:
     """
 
     request_id: str = attrs.field(validator=_request_id)
-    model: str = attrs.field(validator=_of_type(str))
+    model: str = attrs.field(validator=_a_string)
     body: dict[str, Any] = attrs.field(factory=dict, validator=_of_type(dict))
     max_tokens: int | None = attrs.field(default=None, validator=_budget)
     stream: bool = attrs.field(default=False, validator=_of_type(bool))
