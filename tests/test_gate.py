@@ -971,3 +971,17 @@ async def dispatch_with(gate: Gatekeeper, value: str) -> Any:
     async with trio.open_nursery() as nursery:
         started = await gate.dispatch(nursery, accepts)
     return started
+
+
+@pytest.mark.parametrize("name", ["idle_timeout", "terminal_hold_timeout"])
+@pytest.mark.parametrize("value", [-1, 0, math.nan, "5"])
+def test_B2_a_gate_refuses_a_timeout_that_is_not_a_positive_number_of_seconds(
+    name: str, value: Any
+) -> None:
+    """A negative timeout was accepted and failed every stream at once with "deadline of
+    -1 s exceeded"; a NaN one was accepted and raised trio's ValueError from inside the
+    reader's first wait. Refused when the gate is made, as :class:`Deadlines` does."""
+    with pytest.raises(ValueError, match=f"{name} must be > 0 seconds, got {value!r}"):
+        Gatekeeper(PrefillTask("r"), RequestContext("r"), **{name: value})
+    no_deadline: dict[str, Any] = {name: math.inf}
+    Gatekeeper(PrefillTask("r"), RequestContext("r"), **no_deadline)

@@ -519,3 +519,30 @@ async def test_B5_keeper_counts_tasks_by_kind(autojump_clock: trio.testing.MockC
         assert keeper.in_flight_by_kind() == {"prefill drain": 1, "B1 cleanup": 1}
         await keeper.wait_idle()
     assert keeper.started_by_kind == {"prefill drain": 1, "B1 cleanup": 1}
+
+
+async def test_an_exception_in_the_keepers_body_comes_out_bare(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``async with TransferKeeper()`` is a context manager, not a nursery a caller opened:
+    an exception raised in its body used to come out wrapped in an ExceptionGroup, and so
+    did its own documented RuntimeError for a second entry. The drains still get their
+    window (B3)."""
+    keeper = TransferKeeper(drain_window=1)
+    with pytest.raises(KeyError, match="mine") as info:
+        async with keeper:
+            task = keeper.start(functools.partial(trio.sleep, 0.5), name="late")
+            raise KeyError("mine")
+    assert info.value.__context__ is None  # as raised, not re-raised from a group
+    assert task.succeeded and keeper.in_flight == 0
+    with pytest.raises(RuntimeError, match="entered only once"):
+        async with keeper:
+            pass
+    reentered = TransferKeeper()
+    with pytest.raises(RuntimeError, match="entered only once"):
+        async with reentered, reentered:
+            pass
+    # a group raised there stays as it was, not wrapped in another
+    with pytest.RaisesGroup(KeyError, KeyError, match="^mine$"):
+        async with TransferKeeper():
+            raise ExceptionGroup("mine", [KeyError("a"), KeyError("b")])

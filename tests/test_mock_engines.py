@@ -808,3 +808,21 @@ async def test_kv_pool_accounting(autojump_clock: trio.testing.MockClock) -> Non
                                          served=1, aborted=1, expired=1)
     with pytest.raises(ValueError, match="block_size"):
         KVBlockPool(block_size=0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "match"),
+    [
+        ({"prefill": -1}, ValueError, "prefill must be an integer >= 0 engines, got -1"),
+        ({"decode": -2}, ValueError, "decode must be an integer >= 0 engines, got -2"),
+        ({"decode": 1.5}, ValueError, "decode must be an integer >= 0 engines, got 1.5"),
+        ({"latency": "fast"}, TypeError, "latency must be a LatencyModel or None, got str"),
+    ],
+)
+def test_mock_cluster_refuses_bad_settings(
+    settings: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """``mock_cluster(decode=-1)`` was a cluster with no decode engine, and
+    ``latency="fast"`` a cluster whose first request failed deep inside an engine."""
+    with pytest.raises(error, match=match):
+        mock_cluster(**settings)

@@ -246,3 +246,29 @@ def test_a_request_with_a_budget_of_no_tokens_is_a_value_error(max_tokens: Any) 
     with pytest.raises(ValueError, match="max_tokens"):
         attrs.evolve(request, max_tokens=max_tokens)
     assert PreprocessedRequest(request_id="r", model="m").max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"request_id": 5}, TypeError, "request_id must be a string, got int 5"),
+        ({"request_id": ""}, ValueError, "request_id must not be empty"),
+        ({"model": 3}, TypeError, "model must be a string, got int 3"),
+        ({"body": "x"}, TypeError, "body must be a dict, got str 'x'"),
+        ({"stream": "yes"}, TypeError, "stream must be a bool, got str 'yes'"),
+    ],
+)
+def test_a_request_with_fields_of_the_wrong_type_is_refused(
+    fields: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """A library caller's ``request_id=5`` used to be accepted: a SEQUENTIAL mock decode
+    then refused the handoff after accepting it, leaving the prefill's KV staged until its
+    lease ran out; ``body="x"`` was answered as a success without a prompt."""
+    good: dict[str, Any] = {"request_id": "r", "model": "m", "body": {}, "stream": False}
+    with pytest.raises(error, match=match):
+        PreprocessedRequest(**(good | fields))
+    with pytest.raises(error, match=match):
+        attrs.evolve(PreprocessedRequest(**good), **fields)
+    if error is TypeError:  # over the wire it is a WireFormatError naming the field
+        with pytest.raises(WireFormatError, match=next(iter(fields))):
+            from_wire(good | fields, PreprocessedRequest)

@@ -1019,3 +1019,68 @@ async def test_B2_a_refusal_after_the_prefill_deadline_is_the_deadline(
             await h.run(make_request())
         await h.settle()
         h.assert_clean()
+
+
+async def test_stream_refuses_arguments_of_the_wrong_type_before_any_work(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A library caller who passed a request id as the context, a dict as the request, or
+    no nursery got an AttributeError from deep inside; with no nursery the prefill had
+    already run (its KV taken by a cleanup decode). Now a TypeError, bare, before any
+    worker is asked."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        request = make_request("typed")
+        cases: list[tuple[Any, Any, Any, str]] = [
+            (None, request, RequestContext("typed"), "nursery must be a trio.Nursery"),
+            ("nursery", {"request_id": "typed"}, RequestContext("typed"),
+             "request must be a trio_disagg.PreprocessedRequest, got dict"),
+            ("nursery", request, "typed", "context must be a trio_disagg.RequestContext, got str"),
+        ]
+        async with trio.open_nursery() as nursery:
+            for bad_nursery, bad_request, bad_context, match in cases:
+                with pytest.raises(TypeError, match=match):
+                    await h.router.stream(nursery if bad_nursery == "nursery" else bad_nursery,
+                                          bad_request, bad_context)
+        assert h.router.counters.requests_total == 0
+        await h.settle()
+        assert h.cluster.counters().staged_blocks == 0  # no prefill ran
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_B1_stream_into_a_closed_nursery_raises_and_strands_nothing(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A nursery that already exited is trio's RuntimeError, raised bare when the decode
+    leg is started in it: after a sequential prefill, whose KV is then consumed as for a
+    client that left (B1); a bootstrap prefill, dispatched with it, is ended (B6)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as closed:
+            pass
+        with pytest.raises(RuntimeError, match="closed"):
+            await h.router.stream(closed, make_request("late"), RequestContext("late"))
+        await h.settle()
+        counters = h.cluster.counters()
+        if style is SEQ:
+            assert counters.freed_blocks == counters.staged_blocks > 0
+        else:
+            assert (counters.staged_blocks, counters.aborted) == (0, 1)
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_B3_stream_over_a_keeper_that_is_not_open_raises_runtime_error_bare(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A router whose keeper was never entered, or has exited, refuses a disaggregated
+    request with the keeper's RuntimeError, bare, and keeps nothing in flight."""
+    async with TransferKeeper() as exited:
+        pass
+    for keeper in (exited, TransferKeeper()):
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(RuntimeError, match="TransferKeeper is not open"):
+                await h.router.stream(nursery, make_request("k"), RequestContext("k"))
+        h.assert_clean()

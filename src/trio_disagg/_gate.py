@@ -55,6 +55,8 @@ class Gatekeeper:
 
     Raises:
         TypeError: ``prefill`` is none of those.
+        ValueError: ``idle_timeout`` or ``terminal_hold_timeout`` is not a positive
+            number of seconds (``math.inf``, the default, is no deadline).
 
     Attributes:
         prefill: the :class:`PrefillTask` the gate watches.
@@ -69,6 +71,11 @@ class Gatekeeper:
         terminal_hold_timeout: float = math.inf,
         on_first_output: Callable[[], object] | None = None,
     ) -> None:
+        for name, value in (("idle_timeout", idle_timeout),
+                            ("terminal_hold_timeout", terminal_hold_timeout)):
+            # A negative one failed every stream at once; a NaN one, trio's first wait.
+            if not (isinstance(value, int | float) and value > 0):  # also refuses NaN
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         #: A Terminal: there is no decode to dispatch (S7).
         self._answer_only = isinstance(prefill, Terminal)
         self.prefill: PrefillTask[Any] = _as_task(prefill, client_context.id)

@@ -162,7 +162,9 @@ class TransferKeeper:
     On exit the keeper stops accepting drains, waits up to ``drain_window`` seconds for the
     in-flight ones to end, then cancels what is left, logging each one it cancelled
     (rule B3 in docs/semantics.md). If the code around the keeper is itself cancelled, the
-    drains are cancelled with it: that is a hard stop, not a graceful one.
+    drains are cancelled with it: that is a hard stop, not a graceful one. An exception
+    raised in the ``async with`` body comes out as it was raised, never wrapped in an
+    exception group.
 
     Args:
         drain_window: seconds to let in-flight drains finish on exit.
@@ -229,7 +231,17 @@ class TransferKeeper:
             )
         nursery.cancel_scope.cancel()
         # The nursery must be exited here; its drains are cancelled by now.
-        result: bool = await self._nursery_manager.__aexit__(exc_type, exc, tb)  # noqa: ASYNC102
+        try:
+            result: bool = await self._nursery_manager.__aexit__(  # noqa: ASYNC102
+                exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # A drain never raises into the nursery, so a group holding just the body's
+            # exception is the nursery wrapping it (a copy, if the body raised a group):
+            # let it out as the body raised it.
+            if (exc is not None and len(group.exceptions) == 1
+                    and type(group.exceptions[0]) is type(exc)):
+                return False
+            raise
         return result
 
     async def wait_idle(self) -> None:

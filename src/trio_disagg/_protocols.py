@@ -10,7 +10,7 @@ readable message on bad input.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar, get_origin
 
 import attrs
@@ -318,12 +318,37 @@ def _budget(_: object, attribute: attrs.Attribute[int | None], value: int | None
         raise ValueError(f"{attribute.name} must be None or an integer >= 1, got {value!r}")
 
 
+def _of_type(expected: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator: a field of the wrong type would be accepted and fail far away (a
+    request id an engine cannot put in its handoff strands the KV it staged)."""
+    what = "a string" if expected is str else f"a {expected.__name__}"
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        # bool is an int, never a str or a dict; a bool field wants exactly bool
+        if not isinstance(value, expected) or (expected is bool) is not (type(value) is bool):
+            raise TypeError(f"{attribute.name} must be {what}, got "
+                            f"{type(value).__name__} {value!r}")
+    return check
+
+
+_a_string = _of_type(str)
+
+
+def _request_id(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    _a_string(_, attribute, value)
+    if not value:
+        raise ValueError(f"{attribute.name} must not be empty")
+
+
 @attrs.define(slots=True, kw_only=True)
 class PreprocessedRequest:
     """What the router needs of one client request.
 
     Raises:
-        ValueError: ``max_tokens`` is not None and not an integer of at least 1.
+        ValueError: ``max_tokens`` is not None and not an integer of at least 1, or
+            ``request_id`` is empty.
+        TypeError: ``request_id`` or ``model`` is not a string, ``body`` not a dict, or
+            ``stream`` not a bool.
 
     Attributes:
         request_id: unique among the requests in flight; the contexts share it.
@@ -340,11 +365,11 @@ class PreprocessedRequest:
             (SGLang) style (S5).
     """
 
-    request_id: str
-    model: str
-    body: dict[str, Any] = attrs.Factory(dict)
+    request_id: str = attrs.field(validator=_request_id)
+    model: str = attrs.field(validator=_a_string)
+    body: dict[str, Any] = attrs.field(factory=dict, validator=_of_type(dict))
     max_tokens: int | None = attrs.field(default=None, validator=_budget)
-    stream: bool = False
+    stream: bool = attrs.field(default=False, validator=_of_type(bool))
     routing: RoutingHints = attrs.Factory(RoutingHints)
     prefill_result: PrefillResult | None = None
     bootstrap_info: BootstrapInfo | None = None

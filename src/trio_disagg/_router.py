@@ -202,11 +202,20 @@ class DisaggRouter:
                 of time.
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
+            TypeError: ``nursery``, ``request`` or ``context`` is not a
+                :class:`trio.Nursery`, a :class:`PreprocessedRequest` or a
+                :class:`RequestContext`; raised before any worker is asked.
+            RuntimeError: the keeper is not open (never entered, or exited: close the
+                router first, B3), for a request that needs a prefill leg; or
+                ``nursery`` is already closed (trio's own error, raised when the decode
+                leg is started in it: after a sequential prefill, whose staged KV is then
+                consumed as for a client that left, B1; a bootstrap prefill is ended, B6).
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
         cancel window (B10); staged KV no decode took is consumed there (B1, G9).
         """
+        _check_arguments(nursery, request, context)
         self._admit()
         owner: HandoffOwner | None = None
         try:
@@ -415,6 +424,17 @@ async def _abandon_when_cancelled(outputs: GatedOutputs) -> None:
     except BaseException:
         outputs.abandon()
         raise
+
+
+def _check_arguments(nursery: object, request: object, context: object) -> None:
+    """A wrong type is the caller's mistake: say so before a prefill runs for nothing (a
+    missing nursery would otherwise be found only at the decode's dispatch)."""
+    for name, value, expected in (("nursery", nursery, trio.Nursery),
+                                  ("request", request, PreprocessedRequest),
+                                  ("context", context, RequestContext)):
+        if not isinstance(value, expected):
+            raise TypeError(f"{name} must be a {expected.__module__.split('.')[0]}."
+                            f"{expected.__name__}, got {type(value).__name__}")
 
 
 def _select(

@@ -78,11 +78,21 @@ def mock_cluster(prefill: int = 1, decode: int = 1, *,
         The :class:`MockCluster`.
 
     Raises:
-        ValueError: a bad setting (see the engines).
+        ValueError: a negative or non-integer number of engines, or a bad setting (see
+            the engines).
+        TypeError: ``latency`` is not a :class:`LatencyModel` (or None).
     """
-    registry = KVRegistry()
-    if options.get("latency") is None:
+    for role, count in (("prefill", prefill), ("decode", decode)):
+        # range() of a negative count is silently empty: a cluster short of engines.
+        if type(count) is not int or count < 0:
+            raise ValueError(f"{role} must be an integer >= 0 engines, got {count!r}")
+    latency = options.get("latency")
+    if latency is None:
         options["latency"] = LatencyModel()
+    elif not isinstance(latency, LatencyModel):  # else it fails inside the first request
+        raise TypeError(f"latency must be a LatencyModel or None, got "
+                        f"{type(latency).__name__}")
+    registry = KVRegistry()
     prefills = [MockPrefillEngine(registry, f"prefill-{i}", style=style, kv_ttl=kv_ttl,
                                   **options) for i in range(prefill)]
     decodes = [MockDecodeEngine(registry, f"decode-{i}", default_max_tokens=default_max_tokens,
