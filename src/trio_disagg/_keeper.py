@@ -235,9 +235,8 @@ class TransferKeeper:
             result: bool = await self._nursery_manager.__aexit__(  # noqa: ASYNC102
                 exc_type, exc, tb)
         except BaseExceptionGroup as group:
-            # A drain never raises into the nursery, so a group holding just the body's
-            # exception is the nursery wrapping it (a copy, if the body raised a group):
-            # let it out as the body raised it.
+            # A drain never raises into the nursery: a group of just the body's exception
+            # is the nursery wrapping it (a copy, for a group): let it out as raised.
             if (exc is not None and len(group.exceptions) == 1
                     and type(group.exceptions[0]) is type(exc)):
                 return False

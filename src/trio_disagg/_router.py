@@ -178,9 +178,8 @@ class DisaggRouter:
 
         The decode leg runs in ``nursery``: the request's nursery, which the caller cancels
         when the client goes away; the gatekeeper runs in the reader's task, as it reads
-        ``outputs``. Returns once the decode worker
-        accepted the request (or at once for a terminal prefill), so errors before the
-        first byte are raised here.
+        ``outputs``. Returns once the decode worker accepted the request (or at once for a
+        terminal prefill), so errors before the first byte are raised here.
 
         Args:
             nursery: the request's nursery; it must not outlive the keeper.
@@ -202,14 +201,10 @@ class DisaggRouter:
                 of time.
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
-            TypeError: ``nursery``, ``request`` or ``context`` is not a
-                :class:`trio.Nursery`, a :class:`PreprocessedRequest` or a
-                :class:`RequestContext`; raised before any worker is asked.
+            TypeError: an argument of another type than its own, before any work.
             RuntimeError: the keeper is not open (never entered, or exited: close the
-                router first, B3), for a request that needs a prefill leg; or
-                ``nursery`` is already closed (trio's own error, raised when the decode
-                leg is started in it: after a sequential prefill, whose staged KV is then
-                consumed as for a client that left, B1; a bootstrap prefill is ended, B6).
+                router first, B3); or ``nursery`` is closed (trio's error as the decode
+                leg starts: staged KV is consumed as for a client that left, B1, B6).
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
