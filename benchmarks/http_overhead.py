@@ -443,7 +443,7 @@ def p4b(done: dict[str, list[LoadRun]], streams: int, tokens: int, itl: float) -
               f"offered), ITL p99 {itl_p99[name]:.2f} ms{own}")
     delivered = tokens_per_second(done["router"]) / tokens_per_second(done["direct"])
     added = itl_p99["router"] - itl_p99["direct"]
-    print(f"  delivered router / direct: {delivered:.2f}x (target >= "
+    print(f"  delivered router / direct: {delivered:.3f}x (target >= "
           f"{TARGETS['P4b_delivered']}x): {verdict(delivered >= TARGETS['P4b_delivered'])}; "
           f"added ITL p99 {added:+.2f} ms (target <= {TARGETS['P4b_itl_ms']:g} ms): "
           f"{verdict(added <= TARGETS['P4b_itl_ms'])}")
