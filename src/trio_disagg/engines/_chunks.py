@@ -148,7 +148,7 @@ class SseReader:
                     and (found := runs.texts(chunks[begin:begin + count])) is not None):
                 # Common chunks, read at once (docs/performance.md); those with an
                 # escaped text between them, one by one (they teach nothing).
-                problem, begin = self._runs_of(chunks, begin, begin + count, found)
+                problem, begin = self._runs_of(runs, chunks, begin, begin + count, found)
                 if problem is not None:
                     return problem
                 continue
@@ -157,13 +157,11 @@ class SseReader:
                 return problem
         return None
 
-    def _runs_of(self, chunks: list[bytes], begin: int, end: int, found: list[Run]
-                 ) -> tuple[str | None, int]:
+    def _runs_of(self, runs: RunReader, chunks: list[bytes], begin: int, end: int,
+                 found: list[Run]) -> tuple[str | None, int]:
         """Read ``chunks[begin:end]``, the template's, as ``found`` says: each run at
         once, each chunk between two runs on its own. Returns what is wrong (as
         :meth:`feed`) and where to go on."""
-        runs = self._runs
-        assert runs is not None
         at = begin
         for run in found:
             if begin + run.start > at:
