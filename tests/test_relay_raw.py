@@ -11,10 +11,10 @@ pulled the KV), and raw httpx and the ``openai`` client.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import openai
@@ -174,6 +174,12 @@ def assert_same_as_parsed(stream: bytes, fast: Read) -> None:
     assert fast.final == slow.final and fast.final.choices == slow.final.choices
 
 
+def raw_bytes(choices: Sequence[Mapping[str, Any]]) -> list[bytes]:
+    """The bytes of ``choices``, each a :class:`RawChoice`."""
+    assert all(type(choice) is RawChoice for choice in choices), choices
+    return [cast(RawChoice, choice).raw for choice in choices]
+
+
 def choice_bytes(stream: bytes) -> list[bytes]:
     """Each event's ``choices[0]`` bytes, as the worker wrote them (the scripts write one
     choice per chunk)."""
@@ -194,12 +200,11 @@ def test_the_common_chunk_is_carried_as_its_bytes(chat: bool, parses: list[bytes
     stream = chat_stream(texts) if chat else completions_stream(texts)
     for reads in reads_of(stream):
         fast = Read(reads, raw=True)
-        # every content chunk after the first is carried as sent, byte for byte, but
-        # those whose text has an escape in JSON
+        # every content chunk is carried as sent, byte for byte (the first, which
+        # taught the template, too), but those whose text has an escape in JSON
         content = choice_bytes(stream)[chat:chat + len(texts)]
         assert [c.raw for c in fast.raw] == [
-            sent for sent, text in zip(content, texts, strict=True)
-            if plain(text)][1:]
+            sent for sent, text in zip(content, texts, strict=True) if plain(text)]
         assert parses == []  # nothing read them
         assert_same_as_parsed(stream, fast)  # reading them now gives the parsed answer
         parses.clear()
@@ -213,9 +218,10 @@ def test_an_outputs_text_comes_from_the_bytes_without_a_parse(
     stream = chat_stream(texts) if chat else completions_stream(texts)
     fast = Read([stream], raw=True)
     (output,) = fast.outputs
-    # "a" taught the template, 'c"' was parsed (a quote), the others were not
+    # 'c"' was parsed (a quote), the others were not ("a" taught the template, and is
+    # carried as its bytes too)
     assert output.choices is not None
-    assert [type(c) for c in output.choices] == [dict, RawChoice, dict, RawChoice]
+    assert [type(c) for c in output.choices] == [RawChoice, RawChoice, dict, RawChoice]
     assert output.text == "ab\u00e9c\"d"  # in order, parsed and unparsed alike
     assert parses == []  # the plain text's bytes are its value: no parse for it
     assert to_wire(output)["text"] == "ab\u00e9c\"d"
@@ -228,18 +234,18 @@ def test_logprobs_and_reasoning_ride_along_in_the_bytes() -> None:
     texts = ["x", "y", "z"]
     stream = chat_stream(texts, logprobs=logprobs)
     fast = Read([stream], raw=True)
-    assert len(fast.raw) == 2
+    assert len(fast.raw) == 3
     assert_same_as_parsed(stream, fast)
     both = (chunk(True, delta_choice({"content": "a", "reasoning_content": "because"}))
             * 3 + finish(True) + DONE)
     fast = Read([both], raw=True)
-    assert len(fast.raw) == 2 and fast.raw[0]["delta"]["reasoning_content"] == "because"
+    assert len(fast.raw) == 3 and fast.raw[0]["delta"]["reasoning_content"] == "because"
     assert_same_as_parsed(both, fast)
     completion_lp = {"tokens": ["x"], "token_logprobs": [-0.5], "top_logprobs": [{"x": -0.5}],
                      "text_offset": [0]}
     stream = completions_stream(texts, logprobs=completion_lp)
     fast = Read([stream], raw=True)
-    assert len(fast.raw) == 2
+    assert len(fast.raw) == 3
     assert_same_as_parsed(stream, fast)
 
 
@@ -269,7 +275,7 @@ def test_anything_unusual_is_parsed() -> None:
         learned = chunk(chat, delta_choice({"content": "x"}) if chat else text_choice("x"))
         stream = learned + data + learned + (finish(chat) + DONE)
         fast = Read([stream], raw=True)
-        assert [c.raw for c in fast.raw] == choice_bytes(learned), data
+        assert [c.raw for c in fast.raw] == choice_bytes(learned) * 2, data
         assert_same_as_parsed(stream, fast)
 
 
@@ -280,7 +286,7 @@ def test_usage_in_every_chunk_takes_the_parsed_path_and_null_usage_does_not() ->
 
     counts = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
     assert Read([every(counts)], raw=True).raw == []
-    assert len(Read([every(None)], raw=True).raw) == 3
+    assert len(Read([every(None)], raw=True).raw) == 4
     assert_same_as_parsed(every(counts), Read([every(counts)], raw=True))
     assert_same_as_parsed(every(None), Read([every(None)], raw=True))
 
@@ -289,7 +295,7 @@ def test_null_token_ids_in_every_chunk_take_the_fast_path() -> None:
     stream = (b"".join(chunk(False, text_choice(f"t{i}", token_ids=None)) for i in range(4))
               + finish(False) + DONE)
     fast = Read([stream], raw=True)
-    assert len(fast.raw) == 3
+    assert len(fast.raw) == 4
     assert_same_as_parsed(stream, fast)
 
 
@@ -298,7 +304,8 @@ def test_a_created_that_changes_costs_one_parsed_chunk() -> None:
               + b"".join(chunk(False, text_choice(f"b{i}"), created=1001) for i in range(3))
               + finish(False) + DONE)
     fast = Read([stream], raw=True)
-    assert [c["text"] for c in fast.raw] == ["a1", "a2", "b1", "b2"]
+    # b0 is parsed to learn the new template, then carried as its bytes as a0 was
+    assert [c["text"] for c in fast.raw] == ["a0", "a1", "a2", "b0", "b1", "b2"]
     assert_same_as_parsed(stream, fast)
 
 
@@ -313,7 +320,7 @@ def test_an_error_object_is_never_carried() -> None:
         assert reader.feed(event(orjson.dumps(error))) == "reported an error: boom"
         output = reader.burst.take()
         assert output is not None and output.choices is not None
-        assert [type(c) for c in output.choices] == [dict, RawChoice]
+        assert raw_bytes(output.choices) == choice_bytes(learned) * 2
 
 
 def test_a_malformed_text_is_never_carried() -> None:
@@ -327,7 +334,7 @@ def test_a_malformed_text_is_never_carried() -> None:
         assert problem is not None and problem.startswith("sent a malformed chunk"), text
         output = reader.burst.take()
         assert output is not None and output.choices is not None
-        assert [type(c) for c in output.choices] == [dict]
+        assert raw_bytes(output.choices) == choice_bytes(learned)
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -373,7 +380,7 @@ def test_nothing_after_the_finish_is_carried() -> None:
     learned = chunk(False, text_choice("x"))
     stream = learned * 2 + finish(False) + learned + usage(False, 2) + DONE
     fast = Read([stream], raw=True)
-    assert len(fast.choices) == 2 and len(fast.raw) == 1
+    assert len(fast.choices) == 2 and len(fast.raw) == 2
     assert fast.final.completion_usage is not None
     assert_same_as_parsed(stream, fast)
 
@@ -413,11 +420,30 @@ def test_a_read_of_common_chunks_is_one_run_of_their_bytes(
     assert all(type(o.choices) is RawChoices for o in one.outputs[1:])
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_whole_stream_in_one_read_is_one_run_from_the_chunk_that_taught_it(
+    chat: bool, parses: list[bytes]
+) -> None:
+    """The first read of a stream (the chunk that teaches the template, the common
+    chunks after it) and a read that ends with the finish, its usage and ``[DONE]`` are
+    runs too: nothing in them is made a choice of its own."""
+    texts = [f" w{i}" for i in range(10)]
+    common = b"".join(chunk(chat, content(chat, text)) for text in texts)
+    for reads in ([common + finish(chat) + usage(chat, 10) + DONE],
+                  [common[:len(common) // 2], common[len(common) // 2:] + finish(chat) + DONE]):
+        fast = Read(reads, raw=True)
+        assert all(type(output.choices) is RawChoices for output in fast.outputs)
+        assert [c.raw for c in fast.raw] == choice_bytes(common)  # as sent, all of them
+        assert "".join(o.text or "" for o in fast.outputs) == "".join(texts)
+        assert parses == []
+        assert_same_as_parsed(b"".join(reads), fast)
+        parses.clear()
+
+
 def test_a_read_with_any_other_chunk_is_read_chunk_by_chunk() -> None:
     learned, common = chunk(False, text_choice("x")), chunk(False, text_choice("t"))
     others = [
         chunk(False, text_choice('q"')),  # an escape
-        chunk(False, text_choice("")),  # shorter than the template's text
         chunk(False, text_choice("t"), created=1001),  # another prefix
         chunk(False, text_choice("t", token_ids=[5])),  # another suffix
         chunk(False, text_choice("t"), usage={"prompt_tokens": 1, "completion_tokens": 1,
@@ -429,11 +455,14 @@ def test_a_read_with_any_other_chunk_is_read_chunk_by_chunk() -> None:
         fast = Read([learned, read, finish(False) + DONE], raw=True)
         assert type(fast.outputs[1].choices) is list, other
         assert_same_as_parsed(learned + read + finish(False) + DONE, fast)
-    # an event without data (a comment) carries nothing: the run is the chunks around it
-    read = common + b": a comment\n\n" + common
-    fast = Read([learned, read, finish(False) + DONE], raw=True)
-    assert type(fast.outputs[1].choices) is RawChoices and len(fast.outputs[1].choices) == 2
-    assert_same_as_parsed(learned + read + finish(False) + DONE, fast)
+    # an event without data (a comment), or a chunk with an empty text (shorter than the
+    # template's), carries nothing: the run is the chunks around it
+    for nothing in (b": a comment\n\n", chunk(False, text_choice(""))):
+        read = common + nothing + common
+        fast = Read([learned, read, finish(False) + DONE], raw=True)
+        assert type(fast.outputs[1].choices) is RawChoices, nothing
+        assert len(fast.outputs[1].choices) == 2
+        assert_same_as_parsed(learned + read + finish(False) + DONE, fast)
 
 
 def test_a_run_is_never_malformed_json() -> None:
@@ -453,8 +482,9 @@ def test_a_run_is_never_malformed_json() -> None:
         reader.burst.take()
         problem = reader.feed(learned + b"".join(bad) + learned)
         assert problem is not None and problem.startswith("sent a malformed chunk"), bad
-        output = reader.burst.take()
-        assert output is not None and type(output.choices) is list
+        output = reader.burst.take()  # the chunk before the bad one, and nothing after
+        assert output is not None and output.choices is not None
+        assert raw_bytes(output.choices) == choice_bytes(learned)
 
 
 @pytest.mark.parametrize("every", [1, 2, 7])

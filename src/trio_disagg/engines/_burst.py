@@ -33,9 +33,14 @@ class Burst:
         self.index: int | None = None
 
     def add_run(self, run: RawChoices, text: str) -> None:
-        """Add a run of common chunks (:class:`~trio_disagg.RawChoices`) and its text."""
-        if self.run is None and not self.choices:
+        """Add a run of common chunks (:class:`~trio_disagg.RawChoices`) and its text: the
+        burst's run grows by it when it is of the same template (the chunk that taught the
+        template, then the rest of its read); any other mix is made a list."""
+        held = self.run
+        if held is None and not self.choices:
             self.run = run
+        elif held is not None and held.head == run.head and held.tail == run.tail:
+            self.run = RawChoices(held.head, held.texts + run.texts, held.tail)
         else:
             self.spread()
             self.choices += run

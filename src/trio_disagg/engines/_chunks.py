@@ -71,6 +71,8 @@ class ChunkParser:
                 text = None
             if (type(text) is str and text and "token_ids" not in choice
                     and chunk.get("usage") is None):
+                if burst.run is not None:
+                    burst.spread()
                 burst.choices.append(choice)
                 burst.texts.append(text)
                 return None
@@ -182,8 +184,8 @@ class SseReader:
         :meth:`feed` to read as a run), else ``end`` (the end of the chunks, once
         reading stopped)."""
         parser, burst = self._parser, self.burst
-        burst.spread()
-        # The burst's lists, until the caller takes the burst (after this read).
+        # The burst's lists, until the caller takes the burst (after this read); its run
+        # is made a list only when a choice joins it (not for a finish, usage or [DONE]).
         add, append, append_text = parser.add, burst.choices.append, burst.texts.append
         template = self._template
         if template is not None:
@@ -197,6 +199,8 @@ class SseReader:
                     and (plain := utf8_text(text)) is not None):
                 # The common chunk: the template around a plain text (its bytes are its
                 # value: no escape). No parse.
+                if burst.run is not None:
+                    burst.spread()
                 append(RawChoice(data[start:len(data) - tail]))
                 append_text(plain)
                 continue
@@ -221,9 +225,8 @@ class SseReader:
                         # a chunk of the template (its text escaped) would teach it again
                         and not (template is not None and data.startswith(prefix)
                                  and data.endswith(suffix))
-                        and (learned := learn_template(data, chunk)) is not None):
-                    self._template = template = learned
-                    self._runs = RunReader(learned)
+                        and (learned := self._learn(data, chunk)) is not None):
+                    template = learned
                     prefix, suffix, start, tail = template
                     at, after = len(prefix), len(suffix)
                     following = index + 1
@@ -233,6 +236,26 @@ class SseReader:
             elif (usage := parser.usage(chunk)) is not None:
                 self.final.completion_usage = usage
         return None, end
+
+    def _learn(self, data: bytes, chunk: dict[str, Any]) -> Template | None:
+        """Learn the template of ``data`` (parsed as ``chunk``, its choice the last the
+        burst got), if it is a common chunk: the chunk then goes into the burst as a run
+        of one, which the rest of its read, of the same template, joins (no choice made
+        of each: docs/performance.md). None if it is not one."""
+        learned = learn_template(data, chunk)
+        if learned is None:
+            return None
+        self._template = learned
+        self._runs = runs = RunReader(learned)
+        burst = self.burst
+        text = data[len(learned.prefix):len(data) - len(learned.suffix)]
+        if (burst.choices[-1] is chunk["choices"][0]
+                and len(text.translate(None, NOT_PLAIN)) == len(text)
+                and (plain := utf8_text(text)) is not None):
+            burst.choices.pop()
+            burst.texts.pop()
+            burst.add_run(RawChoices(runs.head, [text], runs.tail), plain)
+        return learned
 
     def _data_of(self, part: bytes) -> list[bytes]:
         """The data of each event ``part`` completes; what is left of it waits for the

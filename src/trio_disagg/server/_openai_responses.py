@@ -87,6 +87,10 @@ def usage_dict(
 
 
 _dumps = orjson.dumps
+#: How a chat choice whose delta has no role starts, as a worker's common chunk writes it,
+#: and the same with the role the first delta of a response gets.
+_CONTENT_START = b'{"index":0,"delta":{"content":"'
+_ROLE_START = b'{"index":0,"delta":{"role":"assistant","content":"'
 
 
 class ChunkEncoder:
@@ -167,10 +171,15 @@ class ChunkEncoder:
                 terminal whose reason the adapter knew but the choice did not carry).
         """
         if type(choice) is RawChoice:
-            if finish_reason is None and not self._first:
+            if finish_reason is None:
                 # Its index is 0 and it has no finish (the reader checked its bytes).
-                return self._choices_head + choice.raw + self._choice_end
-            choice = dict(choice)  # a first chat delta gets its role: read it
+                if not self._first:
+                    return self._choices_head + choice.raw + self._choice_end
+                if choice.raw.startswith(_CONTENT_START):  # a first chat delta: its role
+                    self._first = False
+                    return (self._choices_head + _ROLE_START
+                            + choice.raw[len(_CONTENT_START):] + self._choice_end)
+            choice = dict(choice)  # read it
         fixed: dict[str, Any] | None = None
         if choice.get("index") != 0:
             fixed = dict(choice)
