@@ -440,6 +440,32 @@ def test_a_whole_stream_in_one_read_is_one_run_from_the_chunk_that_taught_it(
         parses.clear()
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["fast", "parsed"])
+def test_an_event_is_read_once_its_blank_line_came_whatever_came_after_it(raw: bool) -> None:
+    """A read that ends a few bytes into the next event (``...\\n\\nd``) gives the event
+    it completed at once, not with the next read; one that ends inside an event, or at a
+    CR of a line end, holds it."""
+    learned, common = chunk(False, text_choice("x")), chunk(False, text_choice("t"))
+    for cut in (1, 3, 6, 20, len(common) - 1):
+        reader = (SseReader if raw else ParsingReader)(ChunkParser())
+        assert reader.feed(learned) is None and reader.burst.take() is not None
+        assert reader.feed(common + common[:cut]) is None
+        output = reader.burst.take()
+        assert output is not None and output.text == "t", cut
+        assert reader.feed(common[cut:]) is None
+        output = reader.burst.take()
+        assert output is not None and output.text == "t", cut
+    crlf = common.replace(b"\n\n", b"\r\n\r\n")
+    reader = (SseReader if raw else ParsingReader)(ChunkParser())
+    assert reader.feed(learned) is None and reader.burst.take() is not None
+    assert reader.feed(common + crlf[:-1]) is None  # the last LF not in yet
+    output = reader.burst.take()
+    assert output is not None and output.text == "t"
+    assert reader.feed(crlf[-1:]) is None
+    output = reader.burst.take()
+    assert output is not None and output.text == "t"
+
+
 def test_a_read_with_any_other_chunk_is_read_chunk_by_chunk() -> None:
     learned, common = chunk(False, text_choice("x")), chunk(False, text_choice("t"))
     others = [

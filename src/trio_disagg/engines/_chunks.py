@@ -138,6 +138,14 @@ class SseReader:
         """
         if self._pending:
             part = self._pending + part
+        runs = self._runs
+        if runs is not None and (whole := runs.whole(part)) is not None:
+            # The common read: common chunks only, found with one split (no list of
+            # events, no slices of each).
+            texts, text, end = whole
+            self._pending = part[end:]
+            self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
+            return None
         chunks = self._data_of(part)
         # Each turn reads one chunk or more from ``begin`` (no copy of what is left). A run
         # is tried at the start and after a chunk that taught a new template; the chunks
@@ -261,20 +269,18 @@ class SseReader:
         """The data of each event ``part`` completes; what is left of it waits for the
         next read."""
         if part[:6] == b"data: " and b"\r" not in part:
-            # The common stream: every event is one data line. Split on the boundary
-            # between two such events, and check by counting line ends that no event
-            # was anything else (a comment, a second line): one split and one count in
-            # C, no copy per event.
-            payloads = part[6:].split(b"\n\ndata: ")
-            last = payloads[-1]
-            if last[-2:] == b"\n\n":
-                payloads[-1] = last[:-2]
-                pending = b""
-            else:
-                payloads.pop()
-                pending = b"data: " + last
-            if part.count(b"\n") == 2 * len(payloads) + pending.count(b"\n"):
-                self._pending = pending
+            # The common stream: every event is one data line. Split the complete events
+            # (up to the last blank line: an event is complete there, whatever part of
+            # the next one came with it) on the boundary between two, and check by
+            # counting line ends that no event was anything else (a comment, a second
+            # line): one split and one count in C, no copy per event.
+            end = part.rfind(b"\n\n") + 2
+            if end < 2:
+                self._pending = part
+                return []
+            payloads = part[6:end - 2].split(b"\n\ndata: ")
+            if part.count(b"\n", 0, end) == 2 * len(payloads):
+                self._pending = part[end:]
                 return payloads
         if b"\r" in part:
             part, held = normalise_line_ends(part)
