@@ -385,6 +385,43 @@ def test_nothing_after_the_finish_is_carried() -> None:
     assert_same_as_parsed(stream, fast)
 
 
+def test_B8_nothing_after_a_finish_written_in_the_templates_bytes_is_carried() -> None:
+    """A worker that leaves ``finish_reason`` out of its common chunks writes its finish
+    as the template around a text with quotes (``end","finish_reason":"stop``): it is
+    read on its own between two runs, and the common chunks after it in the same read
+    are not relayed (they were, after the finish, with their text in the answer)."""
+    def bare(text: str, **more: Any) -> bytes:
+        return chunk(False, {"index": 0, "text": text, **more})
+
+    last = bare("end", finish_reason="stop")
+    stream = (bare("a") + bare("b") + last + bare("late") + bare("later") + usage(False, 3)
+              + DONE)
+    for reads in ([stream], [bare("a"), stream[len(bare("a")):]]):
+        fast = Read(reads, raw=True)
+        assert "".join(o.text or "" for o in fast.outputs) == "ab"
+        assert fast.final.text == "end" and fast.final.completion_usage is not None
+        assert_same_as_parsed(stream, fast)
+
+
+def test_B8_a_line_without_a_field_is_not_read_as_a_chunk_on_the_fast_path() -> None:
+    """A chunk whose data lines are joined inside its envelope (``{"id":"w",`` LF
+    ``"choices":...``) teaches a template with a line feed in it; a later event whose
+    second line has no ``data:`` field is only its first line (malformed), not that
+    template's chunk: the fast path reports it as the parsed path does."""
+    whole = orjson.dumps({**envelope(False), "choices": [text_choice("a")]})
+    head, comma, rest = whole.partition(b",")
+    taught = b"data: " + head + comma + b"\ndata: " + rest + b"\n\n"
+    fieldless = b"data: " + head + comma + b"\n" + rest.replace(b'"a"', b'"b"') + b"\n\n"
+    for raw in (True, False):
+        reader = (SseReader if raw else ParsingReader)(ChunkParser())
+        assert reader.feed(taught) is None
+        output = reader.burst.take()
+        assert output is not None and output.text == "a"
+        problem = reader.feed(fieldless)
+        assert problem is not None and problem.startswith("sent a malformed chunk"), raw
+        assert reader.burst.take() is None
+
+
 # --- a read of common chunks: one run ------------------------------------------------------
 
 

@@ -176,8 +176,8 @@ class SseReader:
         for run in found:
             if begin + run.start > at:
                 problem, at = self._one_by_one(chunks, at, begin + run.start)
-                if problem is not None or at < begin + run.start:
-                    return problem, at  # (a chunk of the template teaches nothing)
+                if problem is not None or at < begin + run.start or self.final is not None:
+                    return problem, at  # (a finish can be the template's: no run after)
             self.burst.add_run(RawChoices(runs.head, run.texts, runs.tail), run.text)
             at = begin + run.stop
         if at < end:

@@ -48,8 +48,8 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     one), a null ``finish_reason``, no ``token_ids``, nothing after the choices but a
     null ``usage``, and no ``usage`` at all unless null.
 
-    The choice's bytes hold no line feed (a chunk whose data lines were joined with one
-    inside its choice is parsed: its bytes could not go in one ``data:`` line).
+    The chunk's bytes hold no line feed (a chunk whose data lines were joined with one is
+    parsed: its choice could not go in one ``data:`` line, nor its events be rebuilt).
 
     A later chunk that starts with the template's prefix and ends with its suffix, with a
     plain text between them (UTF-8 without a quote, a backslash or a control character,
@@ -79,8 +79,8 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     end = data.find(b'"', text_at)
     if end <= text_at or data[end - 1] == _BACKSLASH:
         return None  # an empty text, or one with a quote: the next chunk learns
-    if data.find(b"\n", start) >= 0:
-        # (data lines joined): in the client's one data line, the rest would be cut off
+    if data.find(b"\n") >= 0:
+        # (data lines joined; in the envelope, a later line without "data:" would pass)
         return None
     if data.endswith(b"}]}"):
         tail = 2
