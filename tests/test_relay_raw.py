@@ -550,6 +550,47 @@ def test_a_run_is_never_malformed_json() -> None:
         assert raw_bytes(output.choices) == choice_bytes(learned)
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["fast", "parsed"])
+def test_a_long_event_in_many_reads_costs_time_linear_in_its_bytes(
+    raw: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long chunk (logprobs, a slow worker) that comes in many small reads was joined
+    with all that came before it at each read and searched again for its blank line:
+    time quadratic in its length (a 1 MB event in 1 kB reads, 0.45 s). Now a read
+    without a line end is held until one comes; the bytes looked at are linear. A CR
+    that ended the read before is a line end already: the event it completes is not
+    held."""
+    looked: list[int] = []
+    data_of, whole = SseReader._data_of, RunReader.whole
+
+    def counted_data_of(self: SseReader, part: bytes) -> list[bytes]:
+        looked.append(len(part))
+        return data_of(self, part)
+
+    def counted_whole(self: RunReader, part: bytes) -> Any:
+        looked.append(len(part))
+        return whole(self, part)
+
+    monkeypatch.setattr(SseReader, "_data_of", counted_data_of)
+    monkeypatch.setattr(RunReader, "whole", counted_whole)
+    reader = (SseReader if raw else ParsingReader)(ChunkParser())
+    assert reader.feed(chunk(False, text_choice("x"))) is None
+    reader.burst.take()
+    long = chunk(False, text_choice("y" * 100_000))
+    looked.clear()
+    for at in range(0, len(long), 100):
+        assert reader.feed(long[at:at + 100]) is None
+    output = reader.burst.take()
+    assert output is not None and output.text == "y" * 100_000
+    assert sum(looked) <= 3 * len(long)
+    # CR line ends: the read after a CR completes the event, line end or not
+    crlf = chunk(False, text_choice("z")).replace(b"\n\n", b"\r\n\r\n")
+    assert reader.feed(crlf[:-1]) is None and reader.burst.take() is None
+    assert reader.feed(b"data: {") is None
+    output = reader.burst.take()
+    assert output is not None and output.text == "z"
+
+
 @pytest.mark.parametrize("every", [1, 2, 7])
 def test_a_read_of_many_chunks_with_escaped_texts_costs_time_linear_in_its_chunks(
     every: int, monkeypatch: pytest.MonkeyPatch

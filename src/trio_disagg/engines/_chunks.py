@@ -112,7 +112,7 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_parser", "_pending", "_runs", "_template", "burst", "done", "final")
+    __slots__ = ("_held", "_parser", "_pending", "_runs", "_template", "burst", "done", "final")
 
     #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
     raw_choices: ClassVar[bool] = True
@@ -120,6 +120,7 @@ class SseReader:
     def __init__(self, parser: ChunkParser) -> None:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
+        self._held: list[bytes] = []  # reads after it without a line end
         #: The learned bytes of the stream's common chunk.
         self._template: Template | None = None
         #: Reads a whole read's chunks as one run of the template, when they are.
@@ -137,7 +138,15 @@ class SseReader:
             Reading stops at the first such chunk, and at ``[DONE]``.
         """
         if self._pending:
-            part = self._pending + part
+            if b"\n" not in part and b"\r" not in part and self._pending[-1] != 0x0D:
+                # No line end came (nor a CR before it): no event is complete. Held as it
+                # is, for a long event in many reads to cost time linear in its bytes.
+                self._held.append(part)
+                return None
+            if self._held:
+                part, self._held = b"".join([self._pending, *self._held, part]), []
+            else:
+                part = self._pending + part
         runs = self._runs
         if runs is not None and (whole := runs.whole(part)) is not None:
             # The common read: common chunks only, found with one split (no list of
