@@ -138,9 +138,9 @@ class SseReader:
             Reading stops at the first such chunk, and at ``[DONE]``.
         """
         if self._pending:
-            if b"\n" not in part and b"\r" not in part and self._pending[-1] != 0x0D:
-                # No line end came (nor a CR before it): no event is complete. Held as it
-                # is, for a long event in many reads to cost time linear in its bytes.
+            if b"\n" not in part and b"\r" not in part:
+                # No line end came: no event is complete (nor after a CR: _data_of). Held
+                # as it is, for a long event in many reads to cost time linear in bytes.
                 self._held.append(part)
                 return None
             if self._held:
@@ -291,12 +291,13 @@ class SseReader:
             if part.count(b"\n", 0, end) == 2 * len(payloads):
                 self._pending = part[end:]
                 return payloads
-        if b"\r" in part:
-            part, held = normalise_line_ends(part)
-        else:
-            held = b""
+        part, held = normalise_line_ends(part) if b"\r" in part else (part, b"")
         events = part.split(b"\n\n")
-        self._pending = events.pop() + held
+        # An event whose blank line a held CR ended is read now (the CR then reads as an
+        # empty line: nothing), not with the next read.
+        if not held or events[-1][-1:] != b"\n":
+            held = events.pop() + held
+        self._pending = held
         return [data for event in events if (data := sse_data(event)) is not None]
 
 
