@@ -10,6 +10,7 @@ pulled the KV), and raw httpx and the ``openai`` client.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -953,6 +954,35 @@ def test_the_encoder_writes_raw_and_parsed_choices_alike(chat: bool) -> None:
         assert b"".join(encoder().choices(mix)) == expected
         split = encoder()
         assert b"".join(split.choices(mix[:1]) + split.choices(mix[1:])) == expected
+
+
+def test_B8_a_first_chat_delta_with_a_role_of_its_own_gets_no_second_one() -> None:
+    """The role a first chat delta gets is patched into its bytes; a worker's delta that
+    has a ``role`` after its ``content`` got a second ``role`` key the worker never sent
+    (a client that refuses duplicate keys fails; one that keeps the first reads
+    ``assistant`` where the worker said null). It is written as the parsed path writes
+    it: the worker's own role, once."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        assert len(keys) == len(set(keys)), keys
+        return dict(pairs)
+
+    for role in ("assistant", None, "user"):
+        stream = b"".join(chunk(True, delta_choice({"content": text, "role": role}))
+                          for text in ("a", "b"))
+        written = []
+        for raw in (True, False):
+            reader = (SseReader if raw else ParsingReader)(ChunkParser())
+            assert reader.feed(stream) is None
+            output = reader.burst.take()
+            assert output is not None and output.choices is not None
+            encoder = ChunkEncoder(chat=True, response_id="r", model=MODEL, created=1,
+                                   include_usage=False)
+            events = b"".join(encoder.choices(output.choices))[:-2].split(b"\n\n")
+            written.append([json.loads(e.removeprefix(b"data: "), object_pairs_hook=unique)
+                            for e in events])
+        assert written[0] == written[1]
+        assert [e["choices"][0]["delta"]["role"] for e in written[0]] == [role, role]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
