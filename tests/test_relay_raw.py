@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import operator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, cast
@@ -36,7 +37,14 @@ from trio_disagg import (
     WorkerPool,
     to_wire,
 )
-from trio_disagg.engines import LatencyModel, MockCluster, VllmEngine, _chunks, mock_cluster
+from trio_disagg.engines import (
+    LatencyModel,
+    MockCluster,
+    VllmEngine,
+    _chunks,
+    _raw,
+    mock_cluster,
+)
 from trio_disagg.engines._chunks import ChunkParser, SseReader
 from trio_disagg.engines._raw import RunReader, learn_template
 from trio_disagg.server import OpenAIApp, create_app, serve
@@ -610,6 +618,37 @@ def test_a_long_event_in_many_reads_costs_time_linear_in_its_bytes(
     output = reader.burst.take()
     assert output is not None and output.text == "y" * 100_000
     assert sum(looked) <= 3 * len(long)
+
+
+def test_a_read_whose_chunks_change_their_suffix_costs_time_linear_in_its_chunks(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of one envelope whose choices end in two ways, two of each in turn (a field
+    that changes now and then: logprobs, a stop_reason): each pair teaches a template,
+    and the read of the chunks after it looked at the prefix of every chunk left in the
+    read, the suffix of only the first two, n * n / 4 slices (a read of 16,000 such
+    chunks, 19 s). Now the chunks are looked at a block of 64 at a time."""
+    sliced = 0
+    real = operator.itemgetter
+
+    def counting(item: Any) -> Callable[[bytes], bytes]:
+        getter = real(item)
+
+        def sliced_by(data: bytes) -> bytes:
+            nonlocal sliced
+            sliced += 1
+            return cast(bytes, getter(data))
+
+        return sliced_by
+
+    monkeypatch.setattr(_raw, "itemgetter", counting)
+    many = 2000
+    read = b"".join(chunk(False, text_choice(f" w{i}", stop_reason=None if i // 2 % 2 else 7))
+                    for i in range(many))
+    fast = Read([read, finish(False) + DONE], raw=True)
+    assert sliced <= 80 * many  # (two blocks of 64 a pair at most; n * n / 4 was 500 * n)
+    assert len(fast.choices) == many
+    assert_same_as_parsed(read + finish(False) + DONE, fast)
 
 
 @pytest.mark.parametrize("every", [1, 2, 7])
