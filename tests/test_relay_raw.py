@@ -45,6 +45,7 @@ from trio_disagg.engines import (
     _raw,
     mock_cluster,
 )
+from trio_disagg.engines._burst import Burst
 from trio_disagg.engines._chunks import ChunkParser, SseReader
 from trio_disagg.engines._raw import RunReader, learn_template
 from trio_disagg.server import OpenAIApp, create_app, serve
@@ -649,6 +650,33 @@ def test_a_read_whose_chunks_change_their_suffix_costs_time_linear_in_its_chunks
     assert sliced <= 80 * many  # (two blocks of 64 a pair at most; n * n / 4 was 500 * n)
     assert len(fast.choices) == many
     assert_same_as_parsed(read + finish(False) + DONE, fast)
+
+
+def test_a_read_of_common_chunks_between_empty_ones_costs_time_linear_in_its_chunks(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty text carries nothing, so the runs on both sides of it join in the burst:
+    each join copied the run so far, n * n / 2 for a read of common chunks between
+    empty ones (32,000 chunks: 13 us a chunk, and growing). Now a run grows in place."""
+    copied = 0
+    real = Burst.add_run
+
+    def counted(burst: Burst, run: RawChoices, text: str) -> None:
+        nonlocal copied
+        held = burst.run
+        real(burst, run, text)
+        if burst.run is not None and held is not None and burst.run.texts is not held.texts:
+            copied += len(burst.run.texts)
+
+    monkeypatch.setattr(Burst, "add_run", counted)
+    many = 400
+    read = b"".join(chunk(False, text_choice(f" w{i}" if i % 2 else "")) for i in range(many))
+    reads = [chunk(False, text_choice("x")), read, finish(False) + DONE]
+    fast = Read(reads, raw=True)
+    assert type(fast.outputs[1].choices) is RawChoices
+    assert len(fast.outputs[1].choices) == many // 2
+    assert copied <= many
+    assert_same_as_parsed(b"".join(reads), fast)
 
 
 @pytest.mark.parametrize("every", [1, 2, 7])
