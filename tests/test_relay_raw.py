@@ -10,8 +10,10 @@ pulled the KV), and raw httpx and the ``openai`` client.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import operator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, cast
@@ -35,7 +37,15 @@ from trio_disagg import (
     WorkerPool,
     to_wire,
 )
-from trio_disagg.engines import LatencyModel, MockCluster, VllmEngine, _chunks, mock_cluster
+from trio_disagg.engines import (
+    LatencyModel,
+    MockCluster,
+    VllmEngine,
+    _chunks,
+    _raw,
+    mock_cluster,
+)
+from trio_disagg.engines._burst import Burst
 from trio_disagg.engines._chunks import ChunkParser, SseReader
 from trio_disagg.engines._raw import RunReader, learn_template
 from trio_disagg.server import OpenAIApp, create_app, serve
@@ -309,6 +319,41 @@ def test_a_created_that_changes_costs_one_parsed_chunk() -> None:
     assert_same_as_parsed(stream, fast)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_whose_every_chunk_is_another_stops_learning_templates(
+    chat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With logprobs (or an id per chunk) every chunk differs from the one before outside
+    its text: each taught a template that no chunk used, and a stream cost 3.5 to 5 times
+    the parsed path (14 us a chunk against 4). After a few templates in a row that
+    carried nothing, the stream is parsed, and the client gets the same; a template that
+    carries chunks (a created that ticks over) is learned again as often as it comes."""
+    learned: list[bytes] = []
+    learn = learn_template
+
+    def counted_learn(data: bytes, chunk: dict[str, Any]) -> Any:
+        learned.append(data)
+        return learn(data, chunk)
+
+    monkeypatch.setattr(_chunks, "learn_template", counted_learn)
+    many = 200
+
+    def logprobs(i: int) -> dict[str, Any]:
+        return {"content": [{"token": f" w{i}", "logprob": -i / 100, "top_logprobs": []}]}
+
+    reads = [chunk(chat, content(chat, f" w{i}", logprobs=logprobs(i))) for i in range(many)]
+    reads.append(finish(chat) + DONE)
+    fast = Read(reads, raw=True)
+    assert len(learned) <= 8 and len(fast.raw) <= 8
+    assert_same_as_parsed(b"".join(reads), fast)
+    learned.clear()
+    ticks = [b"".join(chunk(chat, content(chat, f" w{i}"), created=i // 4) for i in range(many))
+             + finish(chat) + DONE]
+    fast = Read(ticks, raw=True)
+    assert len(learned) == many // 4 and len(fast.raw) == many
+    assert_same_as_parsed(ticks[0], fast)
+
+
 def test_an_error_object_is_never_carried() -> None:
     learned = chunk(False, text_choice("x"))
     for error in ({"error": {"message": "boom"}}, {"object": "error", "message": "boom"},
@@ -385,6 +430,43 @@ def test_nothing_after_the_finish_is_carried() -> None:
     assert_same_as_parsed(stream, fast)
 
 
+def test_B8_nothing_after_a_finish_written_in_the_templates_bytes_is_carried() -> None:
+    """A worker that leaves ``finish_reason`` out of its common chunks writes its finish
+    as the template around a text with quotes (``end","finish_reason":"stop``): it is
+    read on its own between two runs, and the common chunks after it in the same read
+    are not relayed (they were, after the finish, with their text in the answer)."""
+    def bare(text: str, **more: Any) -> bytes:
+        return chunk(False, {"index": 0, "text": text, **more})
+
+    last = bare("end", finish_reason="stop")
+    stream = (bare("a") + bare("b") + last + bare("late") + bare("later") + usage(False, 3)
+              + DONE)
+    for reads in ([stream], [bare("a"), stream[len(bare("a")):]]):
+        fast = Read(reads, raw=True)
+        assert "".join(o.text or "" for o in fast.outputs) == "ab"
+        assert fast.final.text == "end" and fast.final.completion_usage is not None
+        assert_same_as_parsed(stream, fast)
+
+
+def test_B8_a_line_without_a_field_is_not_read_as_a_chunk_on_the_fast_path() -> None:
+    """A chunk whose data lines are joined inside its envelope (``{"id":"w",`` LF
+    ``"choices":...``) teaches a template with a line feed in it; a later event whose
+    second line has no ``data:`` field is only its first line (malformed), not that
+    template's chunk: the fast path reports it as the parsed path does."""
+    whole = orjson.dumps({**envelope(False), "choices": [text_choice("a")]})
+    head, comma, rest = whole.partition(b",")
+    taught = b"data: " + head + comma + b"\ndata: " + rest + b"\n\n"
+    fieldless = b"data: " + head + comma + b"\n" + rest.replace(b'"a"', b'"b"') + b"\n\n"
+    for raw in (True, False):
+        reader = (SseReader if raw else ParsingReader)(ChunkParser())
+        assert reader.feed(taught) is None
+        output = reader.burst.take()
+        assert output is not None and output.text == "a"
+        problem = reader.feed(fieldless)
+        assert problem is not None and problem.startswith("sent a malformed chunk"), raw
+        assert reader.burst.take() is None
+
+
 # --- a read of common chunks: one run ------------------------------------------------------
 
 
@@ -443,8 +525,8 @@ def test_a_whole_stream_in_one_read_is_one_run_from_the_chunk_that_taught_it(
 @pytest.mark.parametrize("raw", [True, False], ids=["fast", "parsed"])
 def test_an_event_is_read_once_its_blank_line_came_whatever_came_after_it(raw: bool) -> None:
     """A read that ends a few bytes into the next event (``...\\n\\nd``) gives the event
-    it completed at once, not with the next read; one that ends inside an event, or at a
-    CR of a line end, holds it."""
+    it completed at once, not with the next read (a CR that ends its blank line too);
+    one that ends inside an event holds it."""
     learned, common = chunk(False, text_choice("x")), chunk(False, text_choice("t"))
     for cut in (1, 3, 6, 20, len(common) - 1):
         reader = (SseReader if raw else ParsingReader)(ChunkParser())
@@ -458,12 +540,40 @@ def test_an_event_is_read_once_its_blank_line_came_whatever_came_after_it(raw: b
     crlf = common.replace(b"\n\n", b"\r\n\r\n")
     reader = (SseReader if raw else ParsingReader)(ChunkParser())
     assert reader.feed(learned) is None and reader.burst.take() is not None
-    assert reader.feed(common + crlf[:-1]) is None  # the last LF not in yet
-    output = reader.burst.take()
-    assert output is not None and output.text == "t"
+    assert reader.feed(common + crlf[:-1]) is None  # the last LF not in yet: the CR
+    output = reader.burst.take()                     # ended the blank line
+    assert output is not None and output.text == "tt"
     assert reader.feed(crlf[-1:]) is None
+    assert reader.burst.take() is None
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["fast", "parsed"])
+def test_an_event_whose_blank_line_is_a_cr_at_the_end_of_a_read_is_read_at_once(
+    raw: bool
+) -> None:
+    """A CR ends a line (server-sent events allow CR, LF and CRLF): a read that ends with
+    the CR of an event's blank line completed the event, which is read at once (it
+    waited for the next read: with CR line ends, every event, a token late). An LF that
+    comes first in the next read is that CR's (no blank line of its own); a CR that ends
+    a data line still waits, the next line may be of the same event."""
+    learned = chunk(False, text_choice("x"))
+    for end in (b"\r\r", b"\r\n\r"):
+        reader = (SseReader if raw else ParsingReader)(ChunkParser())
+        assert reader.feed(learned) is None and reader.burst.take() is not None
+        for text in ("t", "u"):
+            assert reader.feed(chunk(False, text_choice(text))[:-2] + end) is None
+            output = reader.burst.take()
+            assert output is not None and output.text == text, end
+            reader.feed(b"\n" if end == b"\r\n\r" else b": ping\r")  # the CR's LF
+            assert reader.burst.take() is None
+    whole = orjson.dumps({**envelope(False), "choices": [text_choice("two lines")]})
+    head, comma, rest = whole.partition(b",")
+    reader = (SseReader if raw else ParsingReader)(ChunkParser())
+    assert reader.feed(b"data: " + head + comma + b"\r") is None
+    assert reader.burst.take() is None
+    assert reader.feed(b"\ndata: " + rest + b"\r\n\r\n") is None
     output = reader.burst.take()
-    assert output is not None and output.text == "t"
+    assert output is not None and output.text == "two lines"
 
 
 def test_a_read_with_any_other_chunk_is_read_chunk_by_chunk() -> None:
@@ -511,6 +621,97 @@ def test_a_run_is_never_malformed_json() -> None:
         output = reader.burst.take()  # the chunk before the bad one, and nothing after
         assert output is not None and output.choices is not None
         assert raw_bytes(output.choices) == choice_bytes(learned)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["fast", "parsed"])
+def test_a_long_event_in_many_reads_costs_time_linear_in_its_bytes(
+    raw: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long chunk (logprobs, a slow worker) that comes in many small reads was joined
+    with all that came before it at each read and searched again for its blank line:
+    time quadratic in its length (a 1 MB event in 1 kB reads, 0.45 s). Now a read
+    without a line end is held until one comes; the bytes looked at are linear."""
+    looked: list[int] = []
+    data_of, whole = SseReader._data_of, RunReader.whole
+
+    def counted_data_of(self: SseReader, part: bytes) -> list[bytes]:
+        looked.append(len(part))
+        return data_of(self, part)
+
+    def counted_whole(self: RunReader, part: bytes) -> Any:
+        looked.append(len(part))
+        return whole(self, part)
+
+    monkeypatch.setattr(SseReader, "_data_of", counted_data_of)
+    monkeypatch.setattr(RunReader, "whole", counted_whole)
+    reader = (SseReader if raw else ParsingReader)(ChunkParser())
+    assert reader.feed(chunk(False, text_choice("x"))) is None
+    reader.burst.take()
+    long = chunk(False, text_choice("y" * 100_000))
+    looked.clear()
+    for at in range(0, len(long), 100):
+        assert reader.feed(long[at:at + 100]) is None
+    output = reader.burst.take()
+    assert output is not None and output.text == "y" * 100_000
+    assert sum(looked) <= 3 * len(long)
+
+
+def test_a_read_whose_chunks_change_their_suffix_costs_time_linear_in_its_chunks(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of one envelope whose choices end in two ways, two of each in turn (a field
+    that changes now and then: logprobs, a stop_reason): each pair teaches a template,
+    and the read of the chunks after it looked at the prefix of every chunk left in the
+    read, the suffix of only the first two, n * n / 4 slices (a read of 16,000 such
+    chunks, 19 s). Now the chunks are looked at a block of 64 at a time."""
+    sliced = 0
+    real = operator.itemgetter
+
+    def counting(item: Any) -> Callable[[bytes], bytes]:
+        getter = real(item)
+
+        def sliced_by(data: bytes) -> bytes:
+            nonlocal sliced
+            sliced += 1
+            return cast(bytes, getter(data))
+
+        return sliced_by
+
+    monkeypatch.setattr(_raw, "itemgetter", counting)
+    many = 2000
+    read = b"".join(chunk(False, text_choice(f" w{i}", stop_reason=None if i // 2 % 2 else 7))
+                    for i in range(many))
+    fast = Read([read, finish(False) + DONE], raw=True)
+    assert sliced <= 80 * many  # (two blocks of 64 a pair at most; n * n / 4 was 500 * n)
+    assert len(fast.choices) == many
+    assert_same_as_parsed(read + finish(False) + DONE, fast)
+
+
+def test_a_read_of_common_chunks_between_empty_ones_costs_time_linear_in_its_chunks(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty text carries nothing, so the runs on both sides of it join in the burst:
+    each join copied the run so far, n * n / 2 for a read of common chunks between
+    empty ones (32,000 chunks: 13 us a chunk, and growing). Now a run grows in place."""
+    copied = 0
+    real = Burst.add_run
+
+    def counted(burst: Burst, run: RawChoices, text: str) -> None:
+        nonlocal copied
+        held = burst.run
+        real(burst, run, text)
+        if burst.run is not None and held is not None and burst.run.texts is not held.texts:
+            copied += len(burst.run.texts)
+
+    monkeypatch.setattr(Burst, "add_run", counted)
+    many = 400
+    read = b"".join(chunk(False, text_choice(f" w{i}" if i % 2 else "")) for i in range(many))
+    reads = [chunk(False, text_choice("x")), read, finish(False) + DONE]
+    fast = Read(reads, raw=True)
+    assert type(fast.outputs[1].choices) is RawChoices
+    assert len(fast.outputs[1].choices) == many // 2
+    assert copied <= many
+    assert_same_as_parsed(b"".join(reads), fast)
 
 
 @pytest.mark.parametrize("every", [1, 2, 7])
@@ -855,6 +1056,35 @@ def test_the_encoder_writes_raw_and_parsed_choices_alike(chat: bool) -> None:
         assert b"".join(encoder().choices(mix)) == expected
         split = encoder()
         assert b"".join(split.choices(mix[:1]) + split.choices(mix[1:])) == expected
+
+
+def test_B8_a_first_chat_delta_with_a_role_of_its_own_gets_no_second_one() -> None:
+    """The role a first chat delta gets is patched into its bytes; a worker's delta that
+    has a ``role`` after its ``content`` got a second ``role`` key the worker never sent
+    (a client that refuses duplicate keys fails; one that keeps the first reads
+    ``assistant`` where the worker said null). It is written as the parsed path writes
+    it: the worker's own role, once."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        assert len(keys) == len(set(keys)), keys
+        return dict(pairs)
+
+    for role in ("assistant", None, "user"):
+        stream = b"".join(chunk(True, delta_choice({"content": text, "role": role}))
+                          for text in ("a", "b"))
+        written = []
+        for raw in (True, False):
+            reader = (SseReader if raw else ParsingReader)(ChunkParser())
+            assert reader.feed(stream) is None
+            output = reader.burst.take()
+            assert output is not None and output.choices is not None
+            encoder = ChunkEncoder(chat=True, response_id="r", model=MODEL, created=1,
+                                   include_usage=False)
+            events = b"".join(encoder.choices(output.choices))[:-2].split(b"\n\n")
+            written.append([json.loads(e.removeprefix(b"data: "), object_pairs_hook=unique)
+                            for e in events])
+        assert written[0] == written[1]
+        assert [e["choices"][0]["delta"]["role"] for e in written[0]] == [role, role]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -40,7 +40,7 @@ class Burst:
         if held is None and not self.choices:
             self.run = run
         elif held is not None and held.head == run.head and held.tail == run.tail:
-            self.run = RawChoices(held.head, held.texts + run.texts, held.tail)
+            held.texts += run.texts  # (in place: the burst's own, until taken)
         else:
             self.spread()
             self.choices += run

@@ -19,8 +19,12 @@ from .._protocols import (
 )
 from ._burst import Burst
 from ._raw import NOT_PLAIN, Run, RunReader, Template, learn_template, utf8_text
+from ._sse import normalise_line_ends, sse_data
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
+#: Templates learned in a row that carry nothing (but the chunk that taught each) after
+#: which a stream is parsed: its chunks differ from each other outside their text.
+UNUSED_LIMIT = 4
 
 #: Worker finish reasons (OpenAI and engine spellings) and what they mean to the router.
 FINISH: Mapping[str, FinishReason] = {
@@ -112,7 +116,8 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_parser", "_pending", "_runs", "_template", "burst", "done", "final")
+    __slots__ = ("_held", "_parser", "_pending", "_runs", "_template", "_unused", "burst",
+                 "done", "final")
 
     #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
     raw_choices: ClassVar[bool] = True
@@ -120,6 +125,9 @@ class SseReader:
     def __init__(self, parser: ChunkParser) -> None:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
+        self._held: list[bytes] = []  # reads after it without a line end
+        #: Templates learned in a row that carried no chunk but the one that taught them.
+        self._unused = 0
         #: The learned bytes of the stream's common chunk.
         self._template: Template | None = None
         #: Reads a whole read's chunks as one run of the template, when they are.
@@ -137,7 +145,15 @@ class SseReader:
             Reading stops at the first such chunk, and at ``[DONE]``.
         """
         if self._pending:
-            part = self._pending + part
+            if b"\n" not in part and b"\r" not in part:
+                # No line end came: no event is complete (nor after a CR: _data_of). Held
+                # as it is, for a long event in many reads to cost time linear in bytes.
+                self._held.append(part)
+                return None
+            if self._held:
+                part, self._held = b"".join([self._pending, *self._held, part]), []
+            else:
+                part = self._pending + part
         runs = self._runs
         if runs is not None and (whole := runs.whole(part)) is not None:
             # The common read: common chunks only, found with one split (no list of
@@ -145,6 +161,7 @@ class SseReader:
             texts, text, end = whole
             self._pending = part[end:]
             self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
+            self._unused = 0
             return None
         chunks = self._data_of(part)
         # Each turn reads one chunk or more from ``begin`` (no copy of what is left). A run
@@ -176,9 +193,10 @@ class SseReader:
         for run in found:
             if begin + run.start > at:
                 problem, at = self._one_by_one(chunks, at, begin + run.start)
-                if problem is not None or at < begin + run.start:
-                    return problem, at  # (a chunk of the template teaches nothing)
+                if problem is not None or at < begin + run.start or self.final is not None:
+                    return problem, at  # (a finish can be the template's: no run after)
             self.burst.add_run(RawChoices(runs.head, run.texts, runs.tail), run.text)
+            self._unused = 0
             at = begin + run.stop
         if at < end:
             return self._one_by_one(chunks, at, end)
@@ -205,11 +223,11 @@ class SseReader:
                     and (text := data[at:len(data) - after])
                     and len(text.translate(None, NOT_PLAIN)) == len(text)
                     and (plain := utf8_text(text)) is not None):
-                # The common chunk: the template around a plain text (its bytes are its
-                # value: no escape). No parse.
+                # The common chunk: the template around a plain text (no escape). No parse.
                 if burst.run is not None:
                     burst.spread()
                 append(RawChoice(data[start:len(data) - tail]))
+                self._unused = 0
                 append_text(plain)
                 continue
             if data == b"[DONE]":
@@ -250,9 +268,13 @@ class SseReader:
         burst got), if it is a common chunk: the chunk then goes into the burst as a run
         of one, which the rest of its read, of the same template, joins (no choice made
         of each: docs/performance.md). None if it is not one."""
+        if self._unused >= UNUSED_LIMIT:  # (logprobs, an id per chunk: no two alike)
+            self._template = self._runs = None
+            return None
         learned = learn_template(data, chunk)
         if learned is None:
             return None
+        self._unused += 1
         self._template = learned
         self._runs = runs = RunReader(learned)
         burst = self.burst
@@ -282,35 +304,14 @@ class SseReader:
             if part.count(b"\n", 0, end) == 2 * len(payloads):
                 self._pending = part[end:]
                 return payloads
-        if b"\r" in part:
-            part, held = normalise_line_ends(part)
-        else:
-            held = b""
+        part, held = normalise_line_ends(part) if b"\r" in part else (part, b"")
         events = part.split(b"\n\n")
-        self._pending = events.pop() + held
+        # An event whose blank line a held CR ended is read now (the CR then reads as an
+        # empty line: nothing), not with the next read.
+        if not held or events[-1][-1:] != b"\n":
+            held = events.pop() + held
+        self._pending = held
         return [data for event in events if (data := sse_data(event)) is not None]
-
-
-def normalise_line_ends(data: bytes) -> tuple[bytes, bytes]:
-    """``data`` with CRLF and CR line ends made LF (server-sent events allow all three),
-    and a trailing CR held back (its LF may come with the next read)."""
-    held = b""
-    if data.endswith(b"\r"):
-        data, held = data[:-1], b"\r"
-    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n"), held
-
-
-def sse_data(event: bytes) -> bytes | None:
-    """The data of one server-sent event (its ``data:`` lines joined by LF), or None for
-    an event without data (a comment, a bare ``event:`` or ``id:``)."""
-    lines: list[bytes] = []
-    for line in event.split(b"\n"):
-        field, colon, value = line.partition(b":")
-        if field == b"data":
-            lines.append(value[1:] if value[:1] == b" " else value)
-        elif not field and not colon:
-            continue  # a blank line
-    return b"\n".join(lines) if lines else None
 
 
 def excerpt(data: bytes) -> str:

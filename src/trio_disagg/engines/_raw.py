@@ -48,8 +48,8 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     one), a null ``finish_reason``, no ``token_ids``, nothing after the choices but a
     null ``usage``, and no ``usage`` at all unless null.
 
-    The choice's bytes hold no line feed (a chunk whose data lines were joined with one
-    inside its choice is parsed: its bytes could not go in one ``data:`` line).
+    The chunk's bytes hold no line feed (a chunk whose data lines were joined with one is
+    parsed: its choice could not go in one ``data:`` line, nor its events be rebuilt).
 
     A later chunk that starts with the template's prefix and ends with its suffix, with a
     plain text between them (UTF-8 without a quote, a backslash or a control character,
@@ -79,8 +79,8 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     end = data.find(b'"', text_at)
     if end <= text_at or data[end - 1] == _BACKSLASH:
         return None  # an empty text, or one with a quote: the next chunk learns
-    if data.find(b"\n", start) >= 0:
-        # (data lines joined): in the client's one data line, the rest would be cut off
+    if data.find(b"\n") >= 0:
+        # (data lines joined; in the envelope, a later line without "data:" would pass)
         return None
     if data.endswith(b"}]}"):
         tail = 2
@@ -176,13 +176,21 @@ class RunReader:
 
     def leading(self, chunks: list[bytes], begin: int = 0) -> int:
         """How many chunks, from ``chunks[begin]`` on, have the template's prefix and
-        suffix (in time linear in that count, not in ``begin``)."""
-        following = chunks if not begin else map(chunks.__getitem__, range(begin, len(chunks)))
-        count = len(list(takewhile(self.prefix.__eq__, map(self._prefix_of, following))))
-        if count:
-            count = len(list(takewhile(self.suffix.__eq__,
-                                       map(self._suffix_of, chunks[begin:begin + count]))))
-        return count
+        suffix (in time linear in that count plus at most 64: not in ``begin``, nor in
+        the chunks left)."""
+        count, end = 0, len(chunks)
+        while True:
+            # A block at a time: the prefixes of all the chunks left, at each run, were
+            # n * n for a read whose chunks change their suffix now and then.
+            start = begin + count
+            block = chunks[start:start + _BLOCK]
+            found = len(list(takewhile(self.prefix.__eq__, map(self._prefix_of, block))))
+            if found:
+                found = len(list(takewhile(self.suffix.__eq__, map(
+                    self._suffix_of, block if found == len(block) else block[:found]))))
+            count += found
+            if found < _BLOCK or start + _BLOCK >= end:
+                return count
 
     def texts(self, chunks: list[bytes]) -> list[Run] | None:
         """The runs among ``chunks`` (each with the template's prefix and suffix,
@@ -237,6 +245,8 @@ class Run(NamedTuple):
     text: str
 
 
+#: Chunks :meth:`RunReader.leading` looks at at once (a read's burst is most often fewer).
+_BLOCK = 64
 #: Control characters: none may be in a JSON string as it is.
 _CONTROL = bytes(range(0x20))
 #: A quote or a backslash: a text with one is escaped in JSON, and read on its own.

@@ -175,7 +175,8 @@ class ChunkEncoder:
                 # Its index is 0 and it has no finish (the reader checked its bytes).
                 if not self._first:
                     return self._choices_head + choice.raw + self._choice_end
-                if choice.raw.startswith(_CONTENT_START):  # a first chat delta: its role
+                # a first chat delta: its role (read it if it may have one of its own)
+                if choice.raw.startswith(_CONTENT_START) and b'"role"' not in choice.raw:
                     self._first = False
                     return (self._choices_head + _ROLE_START
                             + choice.raw[len(_CONTENT_START):] + self._choice_end)
