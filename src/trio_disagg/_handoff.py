@@ -114,6 +114,9 @@ class HandoffOwner:
     #: None for a request served by its decode worker alone (:class:`DecodeOnlyOwner`).
     prefill_worker: Worker[PrefillEngine] | None
     decode_worker: Worker[DecodeEngine]
+    #: ``decode_worker`` is the pool's choice, not a stand-in until the router chooses
+    #: it when the handoff is ready (S12: sequential styles, no worker pinned).
+    decode_placed: bool = True
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER
@@ -182,8 +185,10 @@ class HandoffOwner:
             self.request.routing, prefill_worker=worker.name))
 
     def switch_decode_worker(self, worker: Worker[DecodeEngine]) -> None:
-        """The decode is tried again on ``worker`` with the same handoff (B9): the first
-        decode worker did not accept it, so the KV is still staged."""
+        """The decode goes to ``worker``: chosen once the handoff is ready (S12), or tried
+        again there with the same handoff (B9) because the first decode worker did not
+        accept it, so the KV is still staged."""
+        self.decode_placed = True
         self.decode_worker = worker
         self.request = attrs.evolve(self.request, routing=attrs.evolve(
             self.request.routing, decode_worker=worker.name))

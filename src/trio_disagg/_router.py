@@ -257,12 +257,22 @@ class DisaggRouter:
                                    None, decode_worker)
         prefill_worker = _select(self.prefill, "prefill", request,
                                  request.routing.prefill_worker)
-        decode_worker = _select(self.decode, "decode", request, request.routing.decode_worker)
+        engine = prefill_worker.engine
+        strategy = owner_for(engine.handoff_style)
+        # S12: a sequential handoff reaches its decode worker only once the prefill staged
+        # the KV, and is placed then (_place_decode), when the pool's load counts the
+        # decodes placed before it: chosen now, a burst that arrives while the prefills
+        # run would all see the same idle pool and land on one worker. Now the pool is
+        # only checked, so that no KV is staged for a decode pool that has no worker.
+        placed_now = strategy is BootstrapOwner or request.routing.decode_worker is not None
+        if placed_now:
+            decode_worker = _select(self.decode, "decode", request,
+                                    request.routing.decode_worker)
+        else:
+            decode_worker = _available(self.decode, "decode")
         routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
                                decode_worker=decode_worker.name)
         request = attrs.evolve(request, routing=routing)
-        engine = prefill_worker.engine
-        strategy = owner_for(engine.handoff_style)
         if strategy is BootstrapOwner:
             if engine.bootstrap_host is None or engine.bootstrap_port is None:
                 raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")
@@ -272,7 +282,22 @@ class DisaggRouter:
                                  room=room)
             request = attrs.evolve(request, bootstrap_info=info)
         self.counters.decisions[DISAGGREGATED] += 1
-        return strategy(self, request, context, prefill_worker, decode_worker)
+        owner = strategy(self, request, context, prefill_worker, decode_worker)
+        owner.decode_placed = placed_now
+        return owner
+
+    def _place_decode(self, owner: HandoffOwner, decode_request: PreprocessedRequest
+                      ) -> PreprocessedRequest:
+        """Choose the decode worker of a sequential handoff, now that it is ready (S12),
+        and return ``decode_request`` routed to it.
+
+        Raises:
+            NoWorkerAvailable: every decode worker failed its health probe meanwhile
+                (the staged KV is then consumed as for any decode that was not sent, B1).
+        """
+        worker = _select(self.decode, "decode", decode_request, None)
+        owner.switch_decode_worker(worker)
+        return attrs.evolve(decode_request, routing=owner.request.routing)
 
     def _skip_prefill(self, owner: HandoffOwner) -> None:
         """A decode-only request: its prefill is the decode worker's, so the gatekeeper
@@ -311,6 +336,8 @@ class DisaggRouter:
                 decode_request = await owner.decode_request()
                 if isinstance(decode_request, Terminal):  # S7
                     return self._terminal(owner, decode_request)
+                if not owner.decode_placed:
+                    decode_request = self._place_decode(owner, decode_request)
                 return await self._dispatch(nursery, owner, decode_request)
             finally:
                 # Once dispatched, the stream's own scopes answer a stop: the wait's scope
@@ -438,5 +465,13 @@ def _select(
     """``pool.select()``, its :class:`NoWorkerAvailable` naming the pool's role."""
     try:
         return pool.select(request, pinned=pinned)
+    except NoWorkerAvailable as exc:
+        raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None
+
+
+def _available(pool: WorkerPool[E], role: str) -> Worker[E]:
+    """``pool.available()``, its :class:`NoWorkerAvailable` naming the pool's role."""
+    try:
+        return pool.available()
     except NoWorkerAvailable as exc:
         raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None
