@@ -34,6 +34,7 @@ BURST = 8
 @attrs.define(eq=False)
 class Fleet:
     url: str
+    router: DisaggRouter
     decodes: list[MockWorker]
 
 
@@ -56,7 +57,7 @@ async def fleet(protocol: ProtocolName) -> AsyncIterator[Fleet]:
                 port = await server.start(partial(serve, app, host="127.0.0.1", port=0,
                                                   shutdown_trigger=stop.wait,
                                                   graceful_timeout=5.0))
-                yield Fleet(f"http://127.0.0.1:{port}", decodes)
+                yield Fleet(f"http://127.0.0.1:{port}", router, decodes)
                 stop.set()
         nursery.cancel_scope.cancel()
 
@@ -82,9 +83,11 @@ async def test_S12_a_burst_is_spread_over_the_decode_workers(protocol: ProtocolN
                 for _ in range(BURST):
                     nursery.start_soon(one)
             await wait_until(lambda: all(d.stats.running == 0 for d in served.decodes))
+            await served.router.wait_idle()
         client.close()
     assert finishes == ["length"] * BURST
     served_by = sorted(decode.stats.completed for decode in served.decodes)
     assert sum(served_by) == BURST
     # least outstanding: four each, give or take the order the prefills finish in
     assert served_by[0] >= BURST // 2 - 1, served_by
+    assert served.router.decode.outstanding == 0  # every placement was counted once

@@ -117,6 +117,9 @@ class HandoffOwner:
     #: ``decode_worker`` is the pool's choice, not a stand-in until the router chooses
     #: it when the handoff is ready (S12: sequential styles, no worker pinned).
     decode_placed: bool = True
+    #: The decode worker counted as outstanding from its placement until the decode leg
+    #: leases it (S12): placements made before any leg starts see each other.
+    decode_reserved: Worker[DecodeEngine] | None = None
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER
@@ -192,6 +195,19 @@ class HandoffOwner:
         self.decode_worker = worker
         self.request = attrs.evolve(self.request, routing=attrs.evolve(
             self.request.routing, decode_worker=worker.name))
+
+    def reserve_decode(self) -> None:
+        """Count the placed decode worker as outstanding until a decode leg leases it, or
+        the request ends without one (:meth:`release_decode`)."""
+        self.release_decode()
+        self.decode_reserved = self.decode_worker
+        self.decode_worker.outstanding += 1
+
+    def release_decode(self) -> None:
+        """End :meth:`reserve_decode`'s count, if it has not ended yet."""
+        if self.decode_reserved is not None:
+            self.decode_reserved.outstanding -= 1
+            self.decode_reserved = None
 
     # --- facts, reported by the prefill leg -------------------------------------------
 

@@ -297,6 +297,9 @@ class DisaggRouter:
         """
         worker = _select(self.decode, "decode", decode_request, None)
         owner.switch_decode_worker(worker)
+        # Until the decode leg leases it: requests whose prefills end in the same
+        # scheduler batch are placed before any of their legs starts.
+        owner.reserve_decode()
         return attrs.evolve(decode_request, routing=owner.request.routing)
 
     def _skip_prefill(self, owner: HandoffOwner) -> None:
@@ -343,6 +346,7 @@ class DisaggRouter:
                 # Once dispatched, the stream's own scopes answer a stop: the wait's scope
                 # need not live as long as the request (P3: memory per stream).
                 owner.context._forget_on_stop(on_stop)
+                owner.release_decode()  # no decode leg started, if none holds its lease
         owner.close_request(client_left=True)
         return self._stopped(owner)
 
