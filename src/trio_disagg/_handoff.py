@@ -279,6 +279,7 @@ class HandoffOwner:
         """The request side ended without a decode taking the handoff (``client_left``:
         its client went away; else a deadline, a refusal, a failed prefill): decide what
         becomes of the KV."""
+        self.release_decode()  # no decode leg will lease the worker chosen for it
         if not self.request_open:
             return
         self.request_open = False

@@ -253,8 +253,10 @@ class DisaggRouter:
                                     request.routing.decode_worker)
             self.counters.decisions[DECODE_ONLY] += 1
             routing = attrs.evolve(request.routing, decode_worker=decode_worker.name)
-            return DecodeOnlyOwner(self, attrs.evolve(request, routing=routing), context,
-                                   None, decode_worker)
+            owner: HandoffOwner = DecodeOnlyOwner(
+                self, attrs.evolve(request, routing=routing), context, None, decode_worker)
+            owner.reserve_decode()  # counted from its choice (S12), as below
+            return owner
         prefill_worker = _select(self.prefill, "prefill", request,
                                  request.routing.prefill_worker)
         engine = prefill_worker.engine
@@ -284,6 +286,10 @@ class DisaggRouter:
         self.counters.decisions[DISAGGREGATED] += 1
         owner = strategy(self, request, context, prefill_worker, decode_worker)
         owner.decode_placed = placed_now
+        if placed_now:
+            # Counted from its choice: a burst routed in one scheduler batch would
+            # otherwise all choose before any decode leg leased its worker.
+            owner.reserve_decode()
         return owner
 
     def _place_decode(self, owner: HandoffOwner, decode_request: PreprocessedRequest
