@@ -117,10 +117,12 @@ class Edge:
 
 
 @asynccontextmanager
-async def edge_server(*, gate: trio.Event | None = None, **options: Any) -> AsyncIterator[Edge]:
-    """The embedded default (in-process mock engines, the prefill one gated by ``gate``)
-    behind the HTTP server, the app built with ``options``."""
-    cluster = mock_cluster(latency=LatencyModel.zero())
+async def edge_server(*, gate: trio.Event | None = None, latency: LatencyModel | None = None,
+                      **options: Any) -> AsyncIterator[Edge]:
+    """The embedded default (in-process mock engines, the prefill one gated by ``gate``;
+    no latency unless ``latency``) behind the HTTP server, the app built with
+    ``options``."""
+    cluster = mock_cluster(latency=latency or LatencyModel.zero())
     prefill = Recorded(cluster.prefill[0], gate)
     decode = Recorded(cluster.decode[0])
     async with TransferKeeper(drain_window=5.0) as keeper:
@@ -419,6 +421,51 @@ async def test_keeper_work_at_its_bound_refuses_new_requests_and_finishes_its_ow
         assert [answer.status_code for answer in answers] == [200]
         assert server.keeper.started_total == 1
         assert (await server.refused())["max_keeper_tasks"] == 1
+
+
+async def test_a_burst_that_arrives_at_once_is_held_to_the_keeper_bound() -> None:
+    """Six requests at once with ``max_keeper_tasks=2``: the requests admitted and not yet
+    routed count as the prefill drains they are about to start, so two are served and
+    four get 503 at once; not six prefill drains because none had started when each
+    was admitted."""
+    gate = trio.Event()
+    async with edge_server(max_keeper_tasks=2, gate=gate) as server, server.http() as http:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await http.post(COMPLETIONS, json=GOOD))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(6):
+                    nursery.start_soon(ask)
+                # the prefills wait at the gate: only the refusals can be answered now
+                await wait_until(lambda: len(answers) == 4)
+                assert server.keeper.in_flight <= 2
+                gate.set()
+        statuses = sorted(answer.status_code for answer in answers)
+        assert statuses == [200, 200, 503, 503, 503, 503], [a.text for a in answers]
+        for refused in (answer for answer in answers if answer.status_code == 503):
+            assert refused.headers["retry-after"] == "1"
+            assert _error(refused)["code"] == "server_overloaded"
+        assert server.keeper.started_total == 2
+        assert (await server.refused())["max_keeper_tasks"] == 4
+
+
+async def test_a_stream_whose_prefill_drain_ended_does_not_count_against_the_keeper_bound(
+) -> None:
+    """With ``max_keeper_tasks=1``, a request streaming its decode holds no keeper task:
+    the next request is served."""
+    slow = attrs.evolve(LatencyModel.zero(), inter_token_latency=0.05)
+    async with edge_server(max_keeper_tasks=1, latency=slow) as server, server.http() as http:
+        with trio.fail_after(10):
+            async with http.stream("POST", COMPLETIONS,
+                                   json={**GOOD, "max_tokens": 100, "stream": True}) as first:
+                lines = first.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")  # decoding, drain done
+                await wait_until(lambda: server.keeper.in_flight == 0)
+                second = await http.post(COMPLETIONS, json=GOOD)
+                assert second.status_code == 200, second.text
 
 
 # --- the command line ---------------------------------------------------------------------------

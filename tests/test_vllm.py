@@ -429,6 +429,27 @@ async def test_decode_worker_death_mid_stream_is_an_error_item() -> None:
         assert cluster.prefill.kv.counters().held_blocks == 0  # pulled before it died
 
 
+async def test_B1_a_cleanup_no_decode_worker_took_is_one_clear_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The only decode worker is dead: the request gets the decode's refusal, and the B1
+    cleanup, which finds no worker until its deadline, says so in one line that names
+    what it tried and what becomes of the KV (not "failed: TooSlowError()")."""
+    async with vllm_cluster(deadlines=Deadlines(handoff=0.3, decode_idle=0.3)) as cluster:
+        cluster.decode_scope.cancel()  # the decode worker dies before the request
+        error = await refusal(cluster, completion("gone"))
+        assert isinstance(error, WorkerError) and cluster.decode_url in str(error)
+        with trio.fail_after(5):
+            await cluster.keeper.wait_idle()
+    assert cluster.router.counters.staged_kv_cleanup_failures == 1
+    lines = [record.getMessage() for record in caplog.records
+             if record.getMessage().startswith("B1 cleanup decode for gone")]
+    assert lines == [
+        f"B1 cleanup decode for gone: no decode worker took the staged KV within 0.6 s "
+        f"(the handoff and decode idle deadlines; tried: {cluster.decode_url}); the "
+        f"prefill worker's own lease frees it"], lines
+
+
 # stop_generating and the client disconnects (G4, G9, B1) are in test_protocol_router.py.
 
 

@@ -57,8 +57,9 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
     minimal = attrs.evolve(request, body=_one_token_body(request.body), max_tokens=1,
                            stream=False)
     tried: list[Worker[DecodeEngine]] = []
+    deadline = router.deadlines.handoff + router.deadlines.decode_idle
     try:
-        with trio.fail_after(router.deadlines.handoff + router.deadlines.decode_idle):
+        with trio.fail_after(deadline):
             while True:
                 worker = router.decode.alternative(minimal, tried) or _any_worker(router,
                                                                                  minimal)
@@ -76,6 +77,14 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
                                 request.request_id, reason, worker.name)
                 if router.decode.alternative(minimal, tried) is None:
                     await trio.sleep(router.retry.delay(len(tried) + 1))  # backoff (B9)
+    except trio.TooSlowError:  # no worker answered, or none could be reached, in time
+        router.counters.staged_kv_cleanup_failures += 1
+        names = sorted({worker.name for worker in tried})
+        logger.warning(
+            "B1 cleanup decode for %s: no decode worker took the staged KV within %g s "
+            "(the handoff and decode idle deadlines; tried: %s); the prefill worker's own "
+            "lease frees it", request.request_id, deadline,
+            ", ".join(names) or "none, every decode worker failed its health probe")
     except Exception as exc:  # logged, never raised into the keeper (T2)
         router.counters.staged_kv_cleanup_failures += 1
         if isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:

@@ -135,6 +135,7 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
     worker = owner.decode_worker
     status = _Accepted(owner, task_status)
     del task_status  # held by ``status`` until started() only (see _Accepted)
+    owner.release_decode()  # the lease counts it from here (S12)
     with router.decode.lease(worker):
         try:
             await worker.engine.generate(request, context, send_channel, task_status=status)

@@ -114,6 +114,12 @@ class HandoffOwner:
     #: None for a request served by its decode worker alone (:class:`DecodeOnlyOwner`).
     prefill_worker: Worker[PrefillEngine] | None
     decode_worker: Worker[DecodeEngine]
+    #: ``decode_worker`` is the pool's choice, not a stand-in until the router chooses
+    #: it when the handoff is ready (S12: sequential styles, no worker pinned).
+    decode_placed: bool = True
+    #: The decode worker counted as outstanding from its placement until the decode leg
+    #: leases it (S12): placements made before any leg starts see each other.
+    decode_reserved: Worker[DecodeEngine] | None = None
     tracker: RequestTracker = attrs.Factory(RequestTracker)
     state: HandoffState = HandoffState.PENDING
     window: CancelWindow = CancelWindow.NEVER
@@ -182,11 +188,26 @@ class HandoffOwner:
             self.request.routing, prefill_worker=worker.name))
 
     def switch_decode_worker(self, worker: Worker[DecodeEngine]) -> None:
-        """The decode is tried again on ``worker`` with the same handoff (B9): the first
-        decode worker did not accept it, so the KV is still staged."""
+        """The decode goes to ``worker``: chosen once the handoff is ready (S12), or tried
+        again there with the same handoff (B9) because the first decode worker did not
+        accept it, so the KV is still staged."""
+        self.decode_placed = True
         self.decode_worker = worker
         self.request = attrs.evolve(self.request, routing=attrs.evolve(
             self.request.routing, decode_worker=worker.name))
+
+    def reserve_decode(self) -> None:
+        """Count the placed decode worker as outstanding until a decode leg leases it, or
+        the request ends without one (:meth:`release_decode`)."""
+        self.release_decode()
+        self.decode_reserved = self.decode_worker
+        self.decode_worker.outstanding += 1
+
+    def release_decode(self) -> None:
+        """End :meth:`reserve_decode`'s count, if it has not ended yet."""
+        if self.decode_reserved is not None:
+            self.decode_reserved.outstanding -= 1
+            self.decode_reserved = None
 
     # --- facts, reported by the prefill leg -------------------------------------------
 
@@ -258,6 +279,7 @@ class HandoffOwner:
         """The request side ended without a decode taking the handoff (``client_left``:
         its client went away; else a deadline, a refusal, a failed prefill): decide what
         becomes of the KV."""
+        self.release_decode()  # no decode leg will lease the worker chosen for it
         if not self.request_open:
             return
         self.request_open = False

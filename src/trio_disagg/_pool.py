@@ -373,11 +373,32 @@ class WorkerPool(Generic[E]):
             if worker is not None and worker.health.choosable(now):
                 worker.health.chosen(now, cooldown=self.cooldown)
                 return worker
+        return self._choose(self._candidates(), request)
+
+    def available(self) -> Worker[E]:
+        """A worker :meth:`select` could choose now, without choosing it: the policy is
+        not asked and a half-open worker's trial is not given. The router checks the
+        decode pool with it when a sequential request arrives, and chooses its decode
+        worker only once the prefill staged the KV (rule S12 in docs/semantics.md).
+
+        Returns:
+            The first worker that may take a request now (in panic routing, the first
+            whose probe did not fail).
+
+        Raises:
+            NoWorkerAvailable: the pool is empty, or every worker failed its probe.
+        """
+        if not self.workers:
+            raise NoWorkerAvailable("no workers configured")
+        return self._candidates()[0]
+
+    def _candidates(self) -> list[Worker[E]]:
+        """What the policy chooses among (panic routing included); never empty."""
         candidates = self._choosable() or [
             worker for worker in self.workers if worker.health.probe_ok]
         if not candidates:
             raise NoWorkerAvailable("every worker failed its health probe")
-        return self._choose(candidates, request)
+        return candidates
 
     def alternative(
         self, request: PreprocessedRequest, tried: Collection[Worker[DecodeEngine]]

@@ -253,16 +253,28 @@ class DisaggRouter:
                                     request.routing.decode_worker)
             self.counters.decisions[DECODE_ONLY] += 1
             routing = attrs.evolve(request.routing, decode_worker=decode_worker.name)
-            return DecodeOnlyOwner(self, attrs.evolve(request, routing=routing), context,
-                                   None, decode_worker)
+            owner: HandoffOwner = DecodeOnlyOwner(
+                self, attrs.evolve(request, routing=routing), context, None, decode_worker)
+            owner.reserve_decode()  # counted from its choice (S12), as below
+            return owner
         prefill_worker = _select(self.prefill, "prefill", request,
                                  request.routing.prefill_worker)
-        decode_worker = _select(self.decode, "decode", request, request.routing.decode_worker)
+        engine = prefill_worker.engine
+        strategy = owner_for(engine.handoff_style)
+        # S12: a sequential handoff reaches its decode worker only once the prefill staged
+        # the KV, and is placed then (_place_decode), when the pool's load counts the
+        # decodes placed before it: chosen now, a burst that arrives while the prefills
+        # run would all see the same idle pool and land on one worker. Now the pool is
+        # only checked, so that no KV is staged for a decode pool that has no worker.
+        placed_now = strategy is BootstrapOwner or request.routing.decode_worker is not None
+        if placed_now:
+            decode_worker = _select(self.decode, "decode", request,
+                                    request.routing.decode_worker)
+        else:
+            decode_worker = _available(self.decode, "decode")
         routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
                                decode_worker=decode_worker.name)
         request = attrs.evolve(request, routing=routing)
-        engine = prefill_worker.engine
-        strategy = owner_for(engine.handoff_style)
         if strategy is BootstrapOwner:
             if engine.bootstrap_host is None or engine.bootstrap_port is None:
                 raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")
@@ -272,7 +284,29 @@ class DisaggRouter:
                                  room=room)
             request = attrs.evolve(request, bootstrap_info=info)
         self.counters.decisions[DISAGGREGATED] += 1
-        return strategy(self, request, context, prefill_worker, decode_worker)
+        owner = strategy(self, request, context, prefill_worker, decode_worker)
+        owner.decode_placed = placed_now
+        if placed_now:
+            # Counted from its choice: a burst routed in one scheduler batch would
+            # otherwise all choose before any decode leg leased its worker.
+            owner.reserve_decode()
+        return owner
+
+    def _place_decode(self, owner: HandoffOwner, decode_request: PreprocessedRequest
+                      ) -> PreprocessedRequest:
+        """Choose the decode worker of a sequential handoff, now that it is ready (S12),
+        and return ``decode_request`` routed to it.
+
+        Raises:
+            NoWorkerAvailable: every decode worker failed its health probe meanwhile
+                (the staged KV is then consumed as for any decode that was not sent, B1).
+        """
+        worker = _select(self.decode, "decode", decode_request, None)
+        owner.switch_decode_worker(worker)
+        # Until the decode leg leases it: requests whose prefills end in the same
+        # scheduler batch are placed before any of their legs starts.
+        owner.reserve_decode()
+        return attrs.evolve(decode_request, routing=owner.request.routing)
 
     def _skip_prefill(self, owner: HandoffOwner) -> None:
         """A decode-only request: its prefill is the decode worker's, so the gatekeeper
@@ -311,11 +345,14 @@ class DisaggRouter:
                 decode_request = await owner.decode_request()
                 if isinstance(decode_request, Terminal):  # S7
                     return self._terminal(owner, decode_request)
+                if not owner.decode_placed:
+                    decode_request = self._place_decode(owner, decode_request)
                 return await self._dispatch(nursery, owner, decode_request)
             finally:
                 # Once dispatched, the stream's own scopes answer a stop: the wait's scope
                 # need not live as long as the request (P3: memory per stream).
                 owner.context._forget_on_stop(on_stop)
+                owner.release_decode()  # no decode leg started, if none holds its lease
         owner.close_request(client_left=True)
         return self._stopped(owner)
 
@@ -438,5 +475,13 @@ def _select(
     """``pool.select()``, its :class:`NoWorkerAvailable` naming the pool's role."""
     try:
         return pool.select(request, pinned=pinned)
+    except NoWorkerAvailable as exc:
+        raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None
+
+
+def _available(pool: WorkerPool[E], role: str) -> Worker[E]:
+    """``pool.available()``, its :class:`NoWorkerAvailable` naming the pool's role."""
+    try:
+        return pool.available()
     except NoWorkerAvailable as exc:
         raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None

@@ -293,10 +293,28 @@ class OpenAIApp:
     ) -> str | None:
         """Route one valid request and answer it, in a nursery the client's disconnect
         cancels; return its outcome, None if it is still unknown (the client went away)."""
-        responder = state.responder
         context = RequestContext(
             request.request_id, {"session_id": request.routing.session_id}
         )
+        # Counted as routed from here on, for max_keeper_tasks: no checkpoint comes before
+        # router.stream() starts the prefill drain.
+        with self.edge.routing():
+            return await self._route_counted(scope, receive, state, request, context,
+                                             include_usage, chat=chat)
+
+    async def _route_counted(
+        self,
+        scope: Scope,
+        receive: Receive,
+        state: RequestState,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        include_usage: bool,
+        *,
+        chat: bool,
+    ) -> str | None:
+        """:meth:`_route`, the request counted as routed."""
+        responder = state.responder
         outcome: str | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -413,8 +431,8 @@ def create_app(
         max_in_flight: the most generation requests handled at once; past it a new one
             gets 503 ``server_overloaded`` with ``Retry-After`` at once. None: no limit.
         max_keeper_tasks: the keeper tasks in flight (prefill drains, decode legs kept for
-            a KV transfer, cleanups) at which new generation requests are refused the same
-            way. Tasks already started always run to their end. None: no limit.
+            a KV transfer, cleanups; a request not yet routed counts as one) at which new
+            requests are refused the same way; started tasks always end. None: no limit.
         fault_injection: pass a client's ``"fault"`` field on to the engines (the mock
             engines and workers read it). Off, it is removed from every body first.
 

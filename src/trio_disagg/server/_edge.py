@@ -83,8 +83,9 @@ class Edge:
             that got 401 would have the replica restarted forever.
         max_in_flight: the most generation requests handled at once; None for no limit.
         max_keeper_tasks: keeper tasks in flight (prefill drains, decode legs kept for a
-            transfer, cleanups) at which new generation requests are refused; None for no
-            limit. A task already started is never refused or dropped.
+            transfer, cleanups) at which new generation requests are refused, a request
+            admitted and not yet routed counting as one; None for no limit. A task
+            already started is never refused or dropped.
         max_prompt_bytes: the largest prompt accepted, in bytes (see :meth:`check_prompt`).
         fault_injection: whether a body's ``"fault"`` reaches the engines.
         keeper_in_flight: reads the keeper's tasks in flight.
@@ -123,6 +124,9 @@ class Edge:
         self._keeper_in_flight = keeper_in_flight
         #: Generation requests admitted and not yet finished.
         self.in_flight = 0
+        #: Of those, the ones the router is handling (:meth:`routing`); the others are
+        #: still being read or validated, and each is about to start a prefill drain.
+        self.routed = 0
         #: ``trio_disagg_http_refused_total{reason}`` (:data:`REFUSALS`), unregistered:
         #: the app registers it in its own registry.
         self.refused = Counter(
@@ -166,7 +170,9 @@ class Edge:
         none) gets 415: a browser sends those cross-site without a preflight; so does one
         sent compressed (a ``Content-Encoding`` other than ``identity``). A generation
         request gets 503 ``server_overloaded`` with ``Retry-After`` when ``max_in_flight``
-        requests are in flight, or ``max_keeper_tasks`` keeper tasks. An admitted
+        requests are in flight, or ``max_keeper_tasks`` keeper tasks, each request
+        admitted and not yet routed counting as one (the prefill drain it will start).
+        An admitted
         generation request must then be run inside :meth:`slot`, with no checkpoint in
         between, so that the count is exact.
         """
@@ -190,7 +196,11 @@ class Edge:
                 f"the router is at its limit of {limit} requests in flight; retry later"),
                 "max_in_flight", retry)
         limit = self.max_keeper_tasks
-        if limit is not None and self._keeper_in_flight() >= limit:
+        # A request admitted but not yet routed has no keeper task yet: counted as the
+        # prefill drain it will start, or a burst that arrives at once would all be
+        # admitted before the first drain started.
+        if limit is not None and (self._keeper_in_flight() + self.in_flight
+                                  - self.routed) >= limit:
             return Refusal(server_overloaded(
                 f"the router is at its limit of {limit} KV transfers and cleanups in "
                 "flight; retry later"), "max_keeper_tasks", retry)
@@ -204,6 +214,17 @@ class Edge:
             yield
         finally:
             self.in_flight -= 1
+
+    @contextmanager
+    def routing(self) -> Iterator[None]:
+        """Count an admitted request as handed to the router for the block: enter it with
+        no checkpoint before the router starts the request's prefill drain, so that the
+        request is never counted twice, nor not at all, against ``max_keeper_tasks``."""
+        self.routed += 1
+        try:
+            yield
+        finally:
+            self.routed -= 1
 
     def check_prompt(self, data: bytes, body: Mapping[str, Any], *, chat: bool) -> None:
         """Refuse a prompt over ``max_prompt_bytes`` before any worker is called.
