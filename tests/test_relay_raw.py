@@ -576,6 +576,26 @@ def test_an_event_whose_blank_line_is_a_cr_at_the_end_of_a_read_is_read_at_once(
     assert output is not None and output.text == "two lines"
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["fast", "parsed"])
+def test_B8_a_stream_that_starts_with_a_byte_order_mark_loses_no_event(raw: bool) -> None:
+    """The event-stream format strips a leading UTF-8 byte order mark: the first event
+    after it is read (it was lost, with its role or first token), however the reads cut
+    the mark."""
+    texts = [f" w{i}" for i in range(4)]
+    stream = completions_stream(texts)
+    plain_read = Read([stream], raw=raw)
+    marked = b"\xef\xbb\xbf" + stream
+    for cut in (1, 2, 3, 4, 40, len(marked)):
+        read = Read([marked[:cut], marked[cut:]] if cut < len(marked) else [marked], raw=raw)
+        assert [dict(c) for c in read.choices] == [dict(c) for c in plain_read.choices], cut
+        assert "".join(o.text or "" for o in read.outputs) == "".join(texts), cut
+        assert read.final == plain_read.final
+    # a mark anywhere else is bytes of the stream, as before: the first event's field
+    # name is then not "data", and the event carries nothing
+    late = Read([chunk(False, text_choice("a")), b"\xef\xbb\xbf" + stream], raw=raw)
+    assert "".join(o.text or "" for o in late.outputs) == "a" + "".join(texts[1:])
+
+
 def test_a_read_with_any_other_chunk_is_read_chunk_by_chunk() -> None:
     learned, common = chunk(False, text_choice("x")), chunk(False, text_choice("t"))
     others = [

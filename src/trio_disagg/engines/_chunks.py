@@ -19,7 +19,7 @@ from .._protocols import (
 )
 from ._burst import Burst
 from ._raw import NOT_PLAIN, Run, RunReader, Template, learn_template, utf8_text
-from ._sse import normalise_line_ends, sse_data
+from ._sse import normalise_line_ends, sse_data, stream_start
 
 MESSAGE_LIMIT = 1000  # characters of a worker's message passed on
 #: Templates learned in a row that carry nothing (but the chunk that taught each) after
@@ -116,8 +116,8 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_held", "_parser", "_pending", "_runs", "_template", "_unused", "burst",
-                 "done", "final")
+    __slots__ = ("_fresh", "_held", "_parser", "_pending", "_runs", "_template", "_unused",
+                 "burst", "done", "final")
 
     #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
     raw_choices: ClassVar[bool] = True
@@ -126,6 +126,7 @@ class SseReader:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
         self._held: list[bytes] = []  # reads after it without a line end
+        self._fresh = True  # no byte of the stream read yet
         #: Templates learned in a row that carried no chunk but the one that taught them.
         self._unused = 0
         #: The learned bytes of the stream's common chunk.
@@ -144,6 +145,11 @@ class SseReader:
             malformed chunk, a chunk that is not an object, an error event), else None.
             Reading stops at the first such chunk, and at ``[DONE]``.
         """
+        if self._fresh:  # a byte order mark the stream starts with is no event's
+            if (start := stream_start(self._pending + part)) is None:
+                self._pending += part
+                return None
+            part, self._pending, self._fresh = start, b"", False
         if self._pending:
             if b"\n" not in part and b"\r" not in part:
                 # No line end came: no event is complete (nor after a CR: _data_of). Held

@@ -1,7 +1,18 @@
-"""The framing of server-sent events (docs/protocols.md section 1): CR, LF and CRLF line
-ends, and the data of one event."""
+"""The framing of server-sent events (docs/protocols.md section 1): a leading byte order
+mark, CR, LF and CRLF line ends, and the data of one event."""
 
 from __future__ import annotations
+
+#: The UTF-8 byte order mark a stream may start with: not part of its first event.
+BOM = b"\xef\xbb\xbf"
+
+
+def stream_start(data: bytes) -> bytes | None:
+    """The first bytes of a stream without the byte order mark it may start with (the
+    event-stream format strips one), or None while they may still be the start of one."""
+    if len(data) < len(BOM) and BOM.startswith(data):
+        return None
+    return data[len(BOM):] if data.startswith(BOM) else data
 
 
 def normalise_line_ends(data: bytes) -> tuple[bytes, bytes]:
