@@ -115,7 +115,8 @@ class HandoffOwner:
     prefill_worker: Worker[PrefillEngine] | None
     decode_worker: Worker[DecodeEngine]
     #: ``decode_worker`` is the pool's choice, not a stand-in until the router chooses
-    #: it when the handoff is ready (S12: sequential styles, no worker pinned).
+    #: it when the handoff is ready (S12: sequential styles, no worker pinned); until
+    #: then ``request.routing.decode_worker`` is the client's (None).
     decode_placed: bool = True
     #: The decode worker counted as outstanding from its placement until the decode leg
     #: leases it (S12): placements made before any leg starts see each other.

@@ -270,10 +270,13 @@ class DisaggRouter:
         if placed_now:
             decode_worker = _select(self.decode, "decode", request,
                                     request.routing.decode_worker)
+            routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
+                                   decode_worker=decode_worker.name)
         else:
+            # A stand-in until then, named nowhere: not to the prefill worker, nor to the
+            # decode policy as if the request had asked for it.
             decode_worker = _available(self.decode, "decode")
-        routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
-                               decode_worker=decode_worker.name)
+            routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name)
         request = attrs.evolve(request, routing=routing)
         if strategy is BootstrapOwner:
             if engine.bootstrap_host is None or engine.bootstrap_port is None:

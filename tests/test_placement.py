@@ -1,0 +1,167 @@
+"""Decode placement (S12) with the library alone: a sequential handoff's decode worker is
+chosen once the prefill staged the KV. What the request and the policies see before
+that, a burst's spread, and a decode pool that lost every worker meanwhile."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import pytest
+import trio
+import trio.testing
+from engine_support import StandIn
+
+from trio_disagg import (
+    Annotated,
+    Deadlines,
+    DisaggRouter,
+    FinishKind,
+    HandoffStyle,
+    LeastOutstanding,
+    LLMEngineOutput,
+    NoWorkerAvailable,
+    PreprocessedRequest,
+    RequestContext,
+    RoutingHints,
+    TransferKeeper,
+    WorkerPool,
+)
+from trio_disagg.engines import LatencyModel, mock_cluster
+
+W = TypeVar("W")
+Item = Annotated[LLMEngineOutput]
+LATENCY = LatencyModel(ttft_per_prompt_token=0.01, inter_token_latency=0.01,
+                       kv_transfer_per_token=0.001)
+DEADLINES = Deadlines(prefill=5, handoff=5, decode_idle=5, terminal_hold=5, transfer=30)
+
+
+def make_request(request_id: str, *, fault: str | None = None) -> PreprocessedRequest:
+    body: dict[str, Any] = {"model": "mock", "prompt": " ".join(["w"] * 10),
+                            "max_tokens": 4}
+    if fault is not None:
+        body["fault"] = fault
+    return PreprocessedRequest(request_id=request_id, model="mock", body=body,
+                               max_tokens=4, routing=RoutingHints())
+
+
+class Recording(LeastOutstanding):
+    """The default policy, recording the decode worker each request it is asked about
+    already names."""
+
+    def __init__(self) -> None:
+        self.named: list[str | None] = []
+
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
+        self.named.append(request.routing.decode_worker)
+        return super().choose(workers, request)  # type: ignore[type-var]
+
+
+class RoutingSeen(StandIn):
+    """A prefill engine that records the routing of each request it is sent."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.routings: list[RoutingHints] = []
+
+    async def generate(self, request: PreprocessedRequest, *args: Any, **kwargs: Any) -> None:
+        self.routings.append(request.routing)
+        await self.engine.generate(request, *args, **kwargs)
+
+
+async def read(router: DisaggRouter, request: PreprocessedRequest) -> tuple[Any, list[Item]]:
+    async with trio.open_nursery() as nursery:
+        stream = await router.stream(nursery, request, RequestContext(request.request_id))
+        with stream.outputs:
+            items = [item async for item in stream.outputs]
+    return stream, items
+
+
+@pytest.mark.parametrize("style", [HandoffStyle.SEQUENTIAL, HandoffStyle.CONTEXT_FIRST])
+async def test_S12_no_decode_worker_is_named_before_the_decode_is_placed(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle,
+) -> None:
+    """Until the prefill staged the KV no decode worker is chosen, so none is named: not
+    to the prefill worker, not to the decode policy when it chooses, not in a stream the
+    prefill answered by itself (S7); the one chosen is named from then on."""
+    cluster = mock_cluster(decode=2, style=style, latency=LATENCY)
+    prefill = RoutingSeen(cluster.prefill[0])
+    policy = Recording()
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool([prefill]), WorkerPool(cluster.decode, policy=policy),
+                              keeper, deadlines=DEADLINES)
+        stream, items = await read(router, make_request("placed"))
+        terminal, _ = await read(router, make_request("answered", fault="eos_first_token"))
+    assert [routing.decode_worker for routing in prefill.routings] == [None, None]
+    assert policy.named == [None]  # asked once, for the request that reached a decode
+    assert stream.decode_worker in ("decode-0", "decode-1")
+    assert stream.handoff.request.routing.decode_worker == stream.decode_worker
+    assert items[-1].data is not None and items[-1].data.finish_reason is not None
+    assert items[-1].data.finish_reason.kind is FinishKind.LENGTH
+    assert terminal.decode_worker is None
+    assert terminal.handoff.request.routing.decode_worker is None
+
+
+async def test_S12_a_burst_is_spread_and_every_count_returns_to_zero(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """20 sequential requests at once over 2 decode workers with the default policy:
+    10 each, and nothing counted once they are over."""
+    cluster = mock_cluster(decode=2, latency=LATENCY)
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                              keeper, deadlines=DEADLINES)
+        placed: list[str | None] = []
+
+        async def one(i: int) -> None:
+            stream, _ = await read(router, make_request(f"burst-{i}"))
+            placed.append(stream.decode_worker)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(one, i)
+        await keeper.wait_idle()
+        assert sorted(placed.count(name) for name in ("decode-0", "decode-1")) == [10, 10]
+        assert router.decode.outstanding == 0 and router.prefill.outstanding == 0
+
+
+async def test_S12_B1_no_decode_worker_left_when_the_kv_is_staged(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Every decode worker fails its probe while the prefill runs: the client gets
+    NoWorkerAvailable (bare) once the KV is staged, the staged KV is consumed by the B1
+    cleanup once a decode worker is back, and nothing stays counted."""
+    cluster = mock_cluster(decode=2, latency=LATENCY)
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                              keeper, deadlines=DEADLINES)
+        async with trio.open_nursery() as nursery:
+            await trio.testing.wait_all_tasks_blocked()
+            request = make_request("orphan")
+            started = trio.Event()
+            raised: list[Exception] = []
+
+            async def client() -> None:
+                started.set()
+                try:
+                    async with trio.open_nursery() as streams:
+                        await router.stream(streams, request, RequestContext("orphan"))
+                except* NoWorkerAvailable as group:  # the router's own: one, bare
+                    raised.extend(group.exceptions)
+
+            nursery.start_soon(client)
+            await started.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the prefill runs
+            assert keeper.in_flight == 1
+            for worker in router.decode.workers:
+                worker.health.probe_result(False, 0.0)
+        assert [str(exc) for exc in raised] == [
+            "no decode worker available: every worker failed its health probe"]
+        assert router.counters.staged_kv_cleanups == 1
+        assert router.decode.outstanding == 0
+        router.decode.workers[1].health.probe_result(True, 0.0)
+        await keeper.wait_idle()
+    assert router.counters.staged_kv_cleanup_failures == 0
+    counters = cluster.counters()
+    assert counters.held_blocks == 0 and counters.stranded_blocks == 0, counters
+    assert router.decode.outstanding == 0 and router.in_flight == 0
