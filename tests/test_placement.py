@@ -14,6 +14,7 @@ from engine_support import StandIn
 
 from trio_disagg import (
     Annotated,
+    DeadlineExceeded,
     Deadlines,
     DisaggRouter,
     FinishKind,
@@ -47,13 +48,13 @@ def make_request(request_id: str, *, fault: str | None = None) -> PreprocessedRe
 
 class Recording(LeastOutstanding):
     """The default policy, recording the decode worker each request it is asked about
-    already names."""
+    already names, and whether it carries a handoff."""
 
     def __init__(self) -> None:
-        self.named: list[str | None] = []
+        self.named: list[tuple[str | None, bool]] = []
 
     def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
-        self.named.append(request.routing.decode_worker)
+        self.named.append((request.routing.decode_worker, request.prefill_result is not None))
         return super().choose(workers, request)  # type: ignore[type-var]
 
 
@@ -83,7 +84,8 @@ async def test_S12_no_decode_worker_is_named_before_the_decode_is_placed(
 ) -> None:
     """Until the prefill staged the KV no decode worker is chosen, so none is named: not
     to the prefill worker, not to the decode policy when it chooses, not in a stream the
-    prefill answered by itself (S7); the one chosen is named from then on."""
+    prefill answered by itself (S7); the one chosen is named from then on. The policy
+    chooses from the request as routed on arrival: only the pool's load has changed."""
     cluster = mock_cluster(decode=2, style=style, latency=LATENCY)
     prefill = RoutingSeen(cluster.prefill[0])
     policy = Recording()
@@ -93,7 +95,8 @@ async def test_S12_no_decode_worker_is_named_before_the_decode_is_placed(
         stream, items = await read(router, make_request("placed"))
         terminal, _ = await read(router, make_request("answered", fault="eos_first_token"))
     assert [routing.decode_worker for routing in prefill.routings] == [None, None]
-    assert policy.named == [None]  # asked once, for the request that reached a decode
+    # Asked once, for the request that reached a decode, as it was routed on arrival.
+    assert policy.named == [(None, False)]
     assert stream.decode_worker in ("decode-0", "decode-1")
     assert stream.handoff.request.routing.decode_worker == stream.decode_worker
     assert items[-1].data is not None and items[-1].data.finish_reason is not None
@@ -161,6 +164,47 @@ async def test_S12_B1_no_decode_worker_left_when_the_kv_is_staged(
         assert router.decode.outstanding == 0
         router.decode.workers[1].health.probe_result(True, 0.0)
         await keeper.wait_idle()
+    assert router.counters.staged_kv_cleanup_failures == 0
+    counters = cluster.counters()
+    assert counters.held_blocks == 0 and counters.stranded_blocks == 0, counters
+    assert router.decode.outstanding == 0 and router.in_flight == 0
+
+
+class Silent:
+    """A decode engine that takes requests and never accepts them (until cancelled);
+    a B1 cleanup decode (one token, not streamed) it passes to ``engine``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.name: str = engine.name
+
+    async def generate(self, request: PreprocessedRequest, *args: Any, **kwargs: Any) -> None:
+        if request.max_tokens != 1:  # not a cleanup decode
+            await trio.sleep_forever()
+        await self.engine.generate(request, *args, **kwargs)
+
+
+@pytest.mark.parametrize("style", [HandoffStyle.SEQUENTIAL, HandoffStyle.CONTEXT_FIRST])
+async def test_S12_B2_a_placed_decode_not_accepted_by_the_handoff_deadline(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle,
+) -> None:
+    """The decode placed once the KV is staged is never accepted: the client gets
+    DeadlineExceeded, the staged KV is consumed (B1), and neither the reservation nor a
+    lease outlives the request."""
+    cluster = mock_cluster(decode=2, style=style, latency=LATENCY)
+    decodes = [Silent(engine) for engine in cluster.decode]
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(decodes), keeper,
+                              deadlines=DEADLINES)
+        raised: list[Exception] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                await router.stream(nursery, make_request("silent"), RequestContext("s"))
+        except* DeadlineExceeded as group:
+            raised.extend(group.exceptions)
+        assert len(raised) == 1
+        await keeper.wait_idle()
+    assert router.counters.staged_kv_cleanups == 1
     assert router.counters.staged_kv_cleanup_failures == 0
     counters = cluster.counters()
     assert counters.held_blocks == 0 and counters.stranded_blocks == 0, counters

@@ -295,21 +295,16 @@ class DisaggRouter:
             owner.reserve_decode()
         return owner
 
-    def _place_decode(self, owner: HandoffOwner, decode_request: PreprocessedRequest
-                      ) -> PreprocessedRequest:
-        """Choose the decode worker of a sequential handoff, now that it is ready (S12),
-        and return ``decode_request`` routed to it.
+    def _place_decode(self, owner: HandoffOwner) -> Worker[DecodeEngine]:
+        """The decode worker of a sequential handoff, chosen now that its KV is staged
+        (S12). The policy is given the request as it was routed on arrival: what differs
+        from then is the pool's load.
 
         Raises:
             NoWorkerAvailable: every decode worker failed its health probe meanwhile
                 (the staged KV is then consumed as for any decode that was not sent, B1).
         """
-        worker = _select(self.decode, "decode", decode_request, None)
-        owner.switch_decode_worker(worker)
-        # Until the decode leg leases it: requests whose prefills end in the same
-        # scheduler batch are placed before any of their legs starts.
-        owner.reserve_decode()
-        return attrs.evolve(decode_request, routing=owner.request.routing)
+        return _select(self.decode, "decode", owner.request, None)
 
     def _skip_prefill(self, owner: HandoffOwner) -> None:
         """A decode-only request: its prefill is the decode worker's, so the gatekeeper
@@ -348,8 +343,6 @@ class DisaggRouter:
                 decode_request = await owner.decode_request()
                 if isinstance(decode_request, Terminal):  # S7
                     return self._terminal(owner, decode_request)
-                if not owner.decode_placed:
-                    decode_request = self._place_decode(owner, decode_request)
                 return await self._dispatch(nursery, owner, decode_request)
             finally:
                 # Once dispatched, the stream's own scopes answer a stop: the wait's scope
