@@ -22,9 +22,11 @@ from trio_disagg import (
     LeastOutstanding,
     LLMEngineOutput,
     NoWorkerAvailable,
+    PrefixAffinity,
     PreprocessedRequest,
     RequestContext,
     RoutingHints,
+    SelectionPolicy,
     TransferKeeper,
     WorkerPool,
 )
@@ -105,14 +107,21 @@ async def test_S12_no_decode_worker_is_named_before_the_decode_is_placed(
     assert terminal.handoff.request.routing.decode_worker is None
 
 
+@pytest.mark.parametrize(("policy", "split"), [
+    (LeastOutstanding, [10, 10]),
+    # One prompt: its first-ranked worker up to 1.25 times the average load, then the
+    # next (the bound counts the decodes placed before, not those of the moment).
+    (PrefixAffinity, [7, 13]),
+], ids=["least-outstanding", "prefix-affinity"])
 async def test_S12_a_burst_is_spread_and_every_count_returns_to_zero(
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock, policy: type[SelectionPolicy], split: list[int],
 ) -> None:
-    """20 sequential requests at once over 2 decode workers with the default policy:
-    10 each, and nothing counted once they are over."""
+    """20 sequential requests at once over 2 decode workers, placed as their KV is
+    staged: spread as the policy's load bound says, and nothing counted once over."""
     cluster = mock_cluster(decode=2, latency=LATENCY)
     async with TransferKeeper() as keeper:
-        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+        router = DisaggRouter(WorkerPool(cluster.prefill),
+                              WorkerPool(cluster.decode, policy=policy()),
                               keeper, deadlines=DEADLINES)
         placed: list[str | None] = []
 
@@ -124,7 +133,7 @@ async def test_S12_a_burst_is_spread_and_every_count_returns_to_zero(
             for i in range(20):
                 nursery.start_soon(one, i)
         await keeper.wait_idle()
-        assert sorted(placed.count(name) for name in ("decode-0", "decode-1")) == [10, 10]
+        assert sorted(placed.count(name) for name in ("decode-0", "decode-1")) == split
         assert router.decode.outstanding == 0 and router.prefill.outstanding == 0
 
 
