@@ -25,6 +25,7 @@ from trio_disagg import (
     PrefixAffinity,
     PreprocessedRequest,
     RequestContext,
+    RouterClosed,
     RoutingHints,
     SelectionPolicy,
     TransferKeeper,
@@ -218,3 +219,33 @@ async def test_S12_B2_a_placed_decode_not_accepted_by_the_handoff_deadline(
     counters = cluster.counters()
     assert counters.held_blocks == 0 and counters.stranded_blocks == 0, counters
     assert router.decode.outstanding == 0 and router.in_flight == 0
+
+
+async def test_S12_B3_a_request_placed_after_the_router_closed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The router closes while a request's prefill runs: the request is still placed and
+    served, a new one is refused, and nothing stays counted."""
+    cluster = mock_cluster(decode=2, latency=LATENCY)
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                              keeper, deadlines=DEADLINES)
+        served: list[Any] = []
+
+        async def client() -> None:
+            served.append(await read(router, make_request("in-flight")))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client)
+            await trio.testing.wait_all_tasks_blocked()  # its prefill runs
+            assert keeper.in_flight == 1 and router.decode.outstanding == 0
+            router.close()
+            with pytest.raises(RouterClosed):
+                await router.stream(nursery, make_request("late"), RequestContext("late"))
+        await router.wait_idle()
+        await keeper.wait_idle()
+    [(stream, items)] = served
+    assert stream.decode_worker in ("decode-0", "decode-1")
+    assert items[-1].data is not None and items[-1].data.finish_reason is not None
+    assert items[-1].data.finish_reason.kind is FinishKind.LENGTH
+    assert router.decode.outstanding == 0 and router.prefill.outstanding == 0
