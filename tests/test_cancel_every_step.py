@@ -11,7 +11,10 @@ request or drain in flight, no worker lease, no bootstrap room, no KV block held
 the lease) stranded; and what was left when the client went ended promptly (B6), not at a
 deadline or a timeout. The same again with the client's context stopped or killed at
 step k instead (C5, G9): the client reads on, and the prefill, on its own context, must
-not fail because of it.
+not fail because of it. With two decode workers (S12, B9), the decode placed once the
+prefill staged its KV on another worker than the one the request was checked against on
+arrival, and refused there: no pool counts the request twice at any step (a placement's
+reservation and its leg's lease, or a retry's), nor at all once it is over.
 
 The scheduler's random tie-breaking is seeded before each run, so a run cancelled at step
 k mostly follows the undisturbed run up to that step (timers that expire in the same
@@ -27,8 +30,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import pytest
@@ -50,12 +53,14 @@ from trio_disagg import (
     WorkerError,
     WorkerPool,
 )
-from trio_disagg.engines import LatencyModel, mock_cluster
+from trio_disagg.engines import FaultPlan, LatencyModel, mock_cluster
 
 Item = Annotated[LLMEngineOutput]
+W = TypeVar("W")
 
 SEQ = HandoffStyle.SEQUENTIAL
 BOOT = HandoffStyle.BOOTSTRAP
+CTX = HandoffStyle.CONTEXT_FIRST
 #: Small non-zero delays: the prefill, the KV pull and each token take scheduler steps
 #: of their own (10 prompt words: 10 ms of prefill, 1 ms of transfer, 10 ms a token).
 LATENCY = LatencyModel(
@@ -123,6 +128,8 @@ class Steps(trio.abc.Instrument):
     ``context.kill()`` (``how`` names it). All are synchronous, so fine in here."""
 
     def __init__(self, cancel_at: int | None = None, how: str = "disconnect") -> None:
+        self.pools: tuple[WorkerPool[Any], ...] = ()
+        self.most_outstanding = 0  # the most any pool counted at once (one request: 1)
         self.cancel_at = cancel_at
         self.how = how
         self.target: trio.CancelScope | None = None
@@ -140,6 +147,10 @@ class Steps(trio.abc.Instrument):
                 self.target.cancel()
                 self.fired = True
         self.names.append(task.name)
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        for pool in self.pools:
+            self.most_outstanding = max(self.most_outstanding, pool.outstanding)
 
 
 @attrs.define
@@ -264,15 +275,38 @@ class Run:
     end: str  # the outcome and the end state, to tell end paths apart
 
 
+class LastWorker:
+    """A decode policy that places on the last candidate: never the worker a sequential
+    request was checked against on arrival (the pool's first, S12)."""
+
+    def choose(self, workers: Sequence[W], request: PreprocessedRequest) -> W:
+        return workers[-1]
+
+
+@attrs.frozen
+class Fleet:
+    """Two decode workers for the late placement (S12): the request is placed on the
+    last, which refuses it with ``rejects`` (B9 then moves a sequential decode to the
+    first; the other styles' decode legs are part of the transfer and are not moved)."""
+
+    decodes: int = 1
+    rejects: bool = False
+
+
 async def run_once(style: HandoffStyle, fault: str | None, cancel_at: int | None,
-                   seed: int, how: str = "disconnect") -> Run:
-    cluster = mock_cluster(style=style, latency=LATENCY, kv_ttl=KV_TTL,
+                   seed: int, how: str = "disconnect", fleet: Fleet = Fleet()) -> Run:
+    cluster = mock_cluster(decode=fleet.decodes, style=style, latency=LATENCY, kv_ttl=KV_TTL,
                            bootstrap_timeout=BOOTSTRAP_TIMEOUT)
+    if fleet.rejects:
+        cluster.decode[-1].fault_plan = FaultPlan(faults=["decode_reject"])
     problems: list[str] = []
     steps = Steps(cancel_at, how)
     async with TransferKeeper() as keeper:
-        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper,
-                              deadlines=DEADLINES)
+        router = DisaggRouter(
+            WorkerPool(cluster.prefill),
+            WorkerPool(cluster.decode, policy=LastWorker() if fleet.decodes > 1 else None),
+            keeper, deadlines=DEADLINES)
+        steps.pools = (router.prefill, router.decode)
         with seeded_scheduler(seed):
             trio.lowlevel.add_instrument(steps)
             try:
@@ -294,7 +328,9 @@ async def run_once(style: HandoffStyle, fault: str | None, cancel_at: int | None
                                         f"(B6: a leg waited for a deadline or a timeout)")
             finally:
                 trio.lowlevel.remove_instrument(steps)
-        if (why := check_outcome(outcome, fault)) is not None:
+        # A refused kept decode leg is not moved (B9): the client sees the refusal.
+        refused = "decode_reject" if fleet.rejects and style is not SEQ else None
+        if (why := check_outcome(outcome, fault or refused)) is not None:
             problems.append(why)
         if router.in_flight:
             problems.append(f"router.in_flight == {router.in_flight}")
@@ -305,6 +341,9 @@ async def run_once(style: HandoffStyle, fault: str | None, cancel_at: int | None
                             "cancel window, so the prefill runs to its end)")
         if fault is None and keeper.failed_total:
             problems.append("the prefill failed although nothing was injected (G9)")
+        if steps.most_outstanding > 1:
+            problems.append(f"one request counted {steps.most_outstanding} times on a pool "
+                            f"at once (a reservation and a lease, or two reservations)")
         if router.prefill.outstanding or router.decode.outstanding:
             problems.append(f"worker leases outstanding: prefill "
                             f"{router.prefill.outstanding}, decode {router.decode.outstanding}")
@@ -326,7 +365,8 @@ FAULTS = [None, "prefill_fail_before_handoff", PREFILL_FAULT,
           "decode_fail_before_first_token", DECODE_FAULT]
 
 
-STYLE_IDS = {SEQ: "sequential", BOOT: "bootstrap"}
+STYLE_IDS = {SEQ: "sequential", BOOT: "bootstrap", CTX: "context_first"}
+STYLES = [SEQ, CTX, BOOT]
 
 
 def _fault_id(fault: str | None) -> str:
@@ -334,7 +374,7 @@ def _fault_id(fault: str | None) -> str:
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=_fault_id)
-@pytest.mark.parametrize("style", [SEQ, BOOT], ids=STYLE_IDS.get)
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS.get)
 async def test_B5_B6_client_cancelled_at_every_step(
     autojump_clock: trio.abc.Clock, request: pytest.FixtureRequest,
     caplog: pytest.LogCaptureFixture, style: HandoffStyle, fault: str | None,
@@ -349,7 +389,7 @@ async def test_B5_B6_client_cancelled_at_every_step(
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=_fault_id)
-@pytest.mark.parametrize("style", [SEQ, BOOT], ids=STYLE_IDS.get)
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS.get)
 @pytest.mark.parametrize("action", ["stop_generating", "kill"])
 async def test_C5_G9_client_context_stopped_at_every_step(
     autojump_clock: trio.abc.Clock, request: pytest.FixtureRequest,
@@ -363,14 +403,33 @@ async def test_C5_G9_client_context_stopped_at_every_step(
     await every_step(request.node.name, style, fault, action)
 
 
-async def every_step(name: str, style: HandoffStyle, fault: str | None, how: str) -> None:
+@pytest.mark.parametrize("fault", [None, PREFILL_FAULT], ids=_fault_id)
+@pytest.mark.parametrize("rejects", [False, True], ids=["placed", "placed_then_refused"])
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS.get)
+@pytest.mark.parametrize("how", ["disconnect", "stop_generating"])
+async def test_S12_B9_decode_placed_late_at_every_step(
+    autojump_clock: trio.abc.Clock, request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture, how: str, style: HandoffStyle, rejects: bool,
+    fault: str | None,
+) -> None:
+    """Two decode workers, the request placed on the one it was not checked against on
+    arrival (S12), which may refuse it (B9: a sequential decode moves to the other, a
+    kept one fails): cancelled or stopped before each task step k, the request is counted
+    on at most one worker of each pool at a time (its reservation hands over to its
+    lease, a retry reserves nothing twice), and none counts it once it is over."""
+    caplog.set_level(logging.ERROR, logger="trio_disagg")
+    await every_step(request.node.name, style, fault, how, Fleet(decodes=2, rejects=rejects))
+
+
+async def every_step(name: str, style: HandoffStyle, fault: str | None, how: str,
+                     fleet: Fleet = Fleet()) -> None:
     interleavings: set[tuple[str, ...]] = set()
     ends: set[str] = set()
     failures: dict[str, list[tuple[int, int, str]]] = {}  # problems -> (seed, k, where)
     runs = 0
     sizes: list[int] = []
     for seed in SCHEDULER_SEEDS:
-        reference = await run_once(style, fault, None, seed, how)
+        reference = await run_once(style, fault, None, seed, how, fleet)
         runs += 1
         assert not reference.problems, f"undisturbed run (seed {seed}): {reference.problems}"
         assert reference.steps.client_steps is not None
@@ -379,7 +438,7 @@ async def every_step(name: str, style: HandoffStyle, fault: str | None, how: str
         interleavings.add(tuple(reference.steps.names))
         ends.add(reference.end)
         for k in range(n + 1):
-            run = await run_once(style, fault, k, seed, how)
+            run = await run_once(style, fault, k, seed, how, fleet)
             runs += 1
             interleavings.add(tuple(run.steps.names))
             ends.add(run.end)

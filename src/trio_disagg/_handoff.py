@@ -92,7 +92,9 @@ class HandoffOwner:
 
     Attributes:
         state: the :class:`HandoffState`.
-        request: the routed request (with ``bootstrap_info`` in the bootstrap style).
+        request: the routed request (with ``bootstrap_info`` in the bootstrap style; in
+            the sequential styles with ``prefill_result`` once the KV is staged and a
+            decode is sent it).
         window: the prefill engine's cancel window (B10).
         prefill_scope: the prefill leg's scope, its deadline the transfer deadline (B2);
             the owner cancels it to end the leg on purpose (B6, B10).
@@ -115,7 +117,8 @@ class HandoffOwner:
     prefill_worker: Worker[PrefillEngine] | None
     decode_worker: Worker[DecodeEngine]
     #: ``decode_worker`` is the pool's choice, not a stand-in until the router chooses
-    #: it when the handoff is ready (S12: sequential styles, no worker pinned).
+    #: it when the handoff is ready (S12: sequential styles, no worker pinned); until
+    #: then ``request.routing.decode_worker`` is the client's (None).
     decode_placed: bool = True
     #: The decode worker counted as outstanding from its placement until the decode leg
     #: leases it (S12): placements made before any leg starts see each other.
@@ -166,17 +169,31 @@ class HandoffOwner:
 
     async def decode_request(self) -> PreprocessedRequest | Terminal:
         """What to send the decode worker, once that can be known: the request with the
-        prefill's handoff; or the prefill's own answer (S7), and then no decode.
+        prefill's handoff (from then on :attr:`request`), its decode worker chosen now if
+        it was not on arrival (S12); or the prefill's own answer (S7), and then no decode.
 
         Raises:
             PrefillError: the prefill failed.
+            NoWorkerAvailable: the decode worker was to be chosen now (S12), and every
+                decode worker failed its health probe meanwhile.
 
         Cancelling the wait does not affect the prefill leg (T1).
         """
         completion = await self.prefill_task.result()
         if isinstance(completion, Terminal):
             return completion
-        return attrs.evolve(self.request, prefill_result=completion.result)
+        routing = self.request.routing
+        if not self.decode_placed:  # S12: chosen now, with the pool's load of the moment
+            self.decode_worker = self.router._place_decode(self)
+            self.decode_placed = True
+            # Counted until its decode leg leases it: requests whose prefills end in the
+            # same scheduler batch are placed before any of their legs starts.
+            self.reserve_decode()
+            routing = attrs.evolve(routing, decode_worker=self.decode_worker.name)
+        # The owner's request becomes the decode's (one copy, not two per request).
+        self.request = attrs.evolve(self.request, routing=routing,
+                                    prefill_result=completion.result)
+        return self.request
 
     def switch_prefill_worker(self, worker: Worker[PrefillEngine]) -> None:
         """The prefill is tried again on ``worker`` (B9): the first attempt was refused
@@ -188,10 +205,8 @@ class HandoffOwner:
             self.request.routing, prefill_worker=worker.name))
 
     def switch_decode_worker(self, worker: Worker[DecodeEngine]) -> None:
-        """The decode goes to ``worker``: chosen once the handoff is ready (S12), or tried
-        again there with the same handoff (B9) because the first decode worker did not
-        accept it, so the KV is still staged."""
-        self.decode_placed = True
+        """The decode is tried again on ``worker`` with the same handoff (B9): the first
+        decode worker did not accept it, so the KV is still staged."""
         self.decode_worker = worker
         self.request = attrs.evolve(self.request, routing=attrs.evolve(
             self.request.routing, decode_worker=worker.name))

@@ -390,7 +390,11 @@ class WorkerPool(Generic[E]):
         """
         if not self.workers:
             raise NoWorkerAvailable("no workers configured")
-        return self._candidates()[0]
+        now = trio.current_time()
+        for worker in self.workers:  # no list: it is asked once per request
+            if worker.health.choosable(now):
+                return worker
+        return self._candidates()[0]  # panic routing, or none: its error
 
     def _candidates(self) -> list[Worker[E]]:
         """What the policy chooses among (panic routing included); never empty."""

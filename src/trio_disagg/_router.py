@@ -270,10 +270,13 @@ class DisaggRouter:
         if placed_now:
             decode_worker = _select(self.decode, "decode", request,
                                     request.routing.decode_worker)
+            routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
+                                   decode_worker=decode_worker.name)
         else:
+            # A stand-in until then, named nowhere: not to the prefill worker, nor to the
+            # decode policy as if the request had asked for it.
             decode_worker = _available(self.decode, "decode")
-        routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
-                               decode_worker=decode_worker.name)
+            routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name)
         request = attrs.evolve(request, routing=routing)
         if strategy is BootstrapOwner:
             if engine.bootstrap_host is None or engine.bootstrap_port is None:
@@ -292,21 +295,16 @@ class DisaggRouter:
             owner.reserve_decode()
         return owner
 
-    def _place_decode(self, owner: HandoffOwner, decode_request: PreprocessedRequest
-                      ) -> PreprocessedRequest:
-        """Choose the decode worker of a sequential handoff, now that it is ready (S12),
-        and return ``decode_request`` routed to it.
+    def _place_decode(self, owner: HandoffOwner) -> Worker[DecodeEngine]:
+        """The decode worker of a sequential handoff, chosen now that its KV is staged
+        (S12). The policy is given the request as it was routed on arrival: what differs
+        from then is the pool's load.
 
         Raises:
             NoWorkerAvailable: every decode worker failed its health probe meanwhile
                 (the staged KV is then consumed as for any decode that was not sent, B1).
         """
-        worker = _select(self.decode, "decode", decode_request, None)
-        owner.switch_decode_worker(worker)
-        # Until the decode leg leases it: requests whose prefills end in the same
-        # scheduler batch are placed before any of their legs starts.
-        owner.reserve_decode()
-        return attrs.evolve(decode_request, routing=owner.request.routing)
+        return _select(self.decode, "decode", owner.request, None)
 
     def _skip_prefill(self, owner: HandoffOwner) -> None:
         """A decode-only request: its prefill is the decode worker's, so the gatekeeper
@@ -345,8 +343,6 @@ class DisaggRouter:
                 decode_request = await owner.decode_request()
                 if isinstance(decode_request, Terminal):  # S7
                     return self._terminal(owner, decode_request)
-                if not owner.decode_placed:
-                    decode_request = self._place_decode(owner, decode_request)
                 return await self._dispatch(nursery, owner, decode_request)
             finally:
                 # Once dispatched, the stream's own scopes answer a stop: the wait's scope
