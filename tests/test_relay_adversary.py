@@ -7,7 +7,6 @@ and by raw HTTP. The client sees the same with the fast path on and off.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -20,7 +19,7 @@ import orjson
 import pytest
 import trio
 import trio.testing
-from engine_support import StandIn
+from engine_support import StandIn, run_to_its_end
 
 from trio_disagg import (
     Annotated,
@@ -125,12 +124,7 @@ class Relayed(StandIn):
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        inner_send, inner_receive = trio.open_memory_channel[Any](math.inf)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(self.engine.generate, request, context, inner_send))
-            with inner_receive:
-                async for _ in inner_receive:
-                    pass
+        await run_to_its_end(self.engine, request, context)  # it pulls the KV
         await self.vllm.generate(request, context, send_channel, task_status=task_status)
 
 

@@ -11,7 +11,6 @@ pulled the KV), and raw httpx and the ``openai`` client.
 from __future__ import annotations
 
 import json
-import math
 import operator
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -23,7 +22,7 @@ import openai
 import orjson
 import pytest
 import trio
-from engine_support import StandIn
+from engine_support import StandIn, run_to_its_end
 
 from trio_disagg import (
     Annotated,
@@ -869,12 +868,7 @@ class Relayed(StandIn):
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        inner_send, inner_receive = trio.open_memory_channel[Any](math.inf)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(self.engine.generate, request, context, inner_send))
-            with inner_receive:
-                async for _ in inner_receive:
-                    pass
+        await run_to_its_end(self.engine, request, context)  # it pulls the KV
         client = httpx.AsyncClient(transport=httpx.MockTransport(self._answer))
         async with client:
             vllm = VllmEngine("http://worker:1", "decode", client=client)

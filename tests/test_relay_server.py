@@ -23,7 +23,7 @@ import openai
 import orjson
 import pytest
 import trio
-from engine_support import StandIn
+from engine_support import StandIn, run_to_its_end
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -86,14 +86,8 @@ class Scripted(StandIn):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         self.requests.append(request)
-        inner_send, inner_receive = trio.open_memory_channel[Item](math.inf)
         with send_channel:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(partial(self.engine.generate, request, context,
-                                            inner_send))
-                task_status.started()
-                with inner_receive:
-                    mock = [item async for item in inner_receive]
+            mock = await run_to_its_end(self.engine, request, context, task_status)
             for item in (mock if self.script is None else self.script):
                 await send_channel.send(item)
 
