@@ -68,6 +68,7 @@ class Watched(StandIn):
         self.requests: list[PreprocessedRequest] = []
         self.cancelled = 0
         self.was_cancelled = trio.Event()
+        self.saw_request = trio.Event()
 
     async def generate(  # noqa: ASYNC128 (the wrapped engine calls task_status.started())
         self,
@@ -78,6 +79,7 @@ class Watched(StandIn):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         self.requests.append(request)
+        self.saw_request.set()
         try:
             await self.engine.generate(request, context, send_channel, task_status=task_status)
         except trio.Cancelled:
@@ -853,8 +855,12 @@ async def test_disconnect_during_prefill_leaves_the_transfer_to_the_keeper() -> 
     latency = LatencyModel(ttft_per_prompt_token=0.005, inter_token_latency=0.0,
                            kv_transfer_per_token=0.0)  # 45 tokens: 0.225 s of prefill
     async with running(latency=latency) as server, server.http() as http:
-        with trio.move_on_after(0.05):
-            await http.post(COMPLETIONS, json={**GOOD, "prompt": PROMPT, "stream": True})
+        async with trio.open_nursery() as client:  # the client leaves once the prefill runs
+            client.start_soon(partial(http.post, COMPLETIONS,
+                                      json={**GOOD, "prompt": PROMPT, "stream": True}))
+            with trio.fail_after(5):
+                await server.prefill.saw_request.wait()
+            client.cancel_scope.cancel()
         assert server.prefill.requests and not server.decode.requests
         await server.settled()
         assert server.prefill.cancelled == 0
