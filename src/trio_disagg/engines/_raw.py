@@ -162,17 +162,10 @@ class RunReader:
         rebuilt = self._event_start + self._between.join(texts) + self._event_end
         if len(rebuilt) != end or not part.startswith(rebuilt):
             return None
-        count = len(texts)
-        # Each text plain and valid UTF-8 on its own (a line feed between them: none
-        # may end inside a character), none empty.
         joined = b"\n".join(texts)
-        if len(joined.translate(None, NOT_PLAIN)) != len(joined) - count + 1 or b"" in texts:
+        if not _all_plain(texts, joined) or (text := _decoded(texts, joined)) is None:
             return None
-        try:
-            text = joined.decode()
-        except UnicodeDecodeError:
-            return None
-        return texts, text.replace("\n", "") if count > 1 else text, end
+        return texts, text, end
 
     def leading(self, chunks: list[bytes], begin: int = 0) -> int:
         """How many chunks, from ``chunks[begin]`` on, have the template's prefix and
@@ -206,13 +199,9 @@ class RunReader:
         # its own, not only all of them together (a character split between two chunks
         # makes two chunks that are not JSON).
         joined = b"\n".join(texts)
-        if (len(joined.translate(None, NOT_PLAIN)) == len(joined) - count + 1
-                and b"" not in texts):  # (an empty text: also a chunk shorter than it)
-            try:
-                text = joined.decode()
-            except UnicodeDecodeError:
-                return None
-            return [Run(0, count, texts, text.replace("\n", "") if count > 1 else text)]
+        if _all_plain(texts, joined):
+            text = _decoded(texts, joined)
+            return None if text is None else [Run(0, count, texts, text)]
         if len(joined.translate(None, _CONTROL)) != len(joined) - count + 1:
             return None
         try:
@@ -251,6 +240,24 @@ _BLOCK = 64
 _CONTROL = bytes(range(0x20))
 #: A quote or a backslash: a text with one is escaped in JSON, and read on its own.
 _ESCAPE = re.compile(rb'["\\]')
+
+
+def _all_plain(texts: list[bytes], joined: bytes) -> bool:
+    """Whether each of ``texts`` (``joined`` with a line feed between two) is plain, free
+    of :data:`NOT_PLAIN` bytes, and not empty (an empty text: also a chunk shorter than
+    the template's)."""
+    return (len(joined.translate(None, NOT_PLAIN)) == len(joined) - len(texts) + 1
+            and b"" not in texts)
+
+
+def _decoded(texts: list[bytes], joined: bytes) -> str | None:
+    """``texts`` as one string, if each is valid UTF-8 on its own (the line feeds in
+    ``joined`` between two: none may end inside a character); else None."""
+    try:
+        text = joined.decode()
+    except UnicodeDecodeError:
+        return None
+    return text.replace("\n", "") if len(texts) > 1 else text
 
 
 def _index(items: list[bytes], value: bytes, start: int) -> int:
