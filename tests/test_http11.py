@@ -15,8 +15,18 @@ import trio
 import trio.testing
 
 from trio_disagg import _http11
+from trio_disagg._http11._watch import ReadWatch
 
 Message = dict[str, Any]
+
+
+@pytest.fixture(params=["one reader", "a reader a request"], autouse=True)
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: the served connections read by the server's one reader (epoll),
+    and each by a task of its own (where there is no epoll)."""
+    if request.param == "a reader a request":
+        monkeypatch.setattr(ReadWatch, "available", False)
+    return str(request.param)
 
 
 class EchoApp:
@@ -284,3 +294,93 @@ async def test_headers_trickled_in_still_get_a_408_from_their_first_byte(
                 data = await read_all(s)
     assert data.startswith(b"HTTP/1.1 408")
     assert trio.current_time() - start < 1.5
+
+
+class WaitForDisconnectApp:
+    """Registers for its client's disconnect and waits for it, writing nothing (a request
+    whose prefill runs); its callback may fail."""
+
+    def __init__(self, *, callback_fails: bool = False) -> None:
+        self.callback_fails = callback_fails
+        self.waiting = trio.Event()
+        self.heard: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["path"] != "/wait":
+            await EchoApp()(scope, receive, send)
+            return
+        gone = trio.Event()
+
+        def on_disconnect() -> None:
+            self.heard.append("disconnect")
+            gone.set()
+            if self.callback_fails:
+                raise RuntimeError("the app's disconnect callback failed")
+
+        scope["extensions"][_http11.ON_DISCONNECT]["register"](on_disconnect)
+        self.waiting.set()
+        await gone.wait()
+
+
+async def test_a_client_that_leaves_while_nothing_is_written_is_heard_at_once() -> None:
+    """C3: the app hears of a client that closed its connection while its request was
+    served and nothing was written (the prefill's time), not at its next write."""
+    app = WaitForDisconnectApp()
+    with trio.fail_after(10):
+        async with serving(app) as port:
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+            await s.send_all(post(b"/wait", b"{}"))
+            await app.waiting.wait()
+            await s.aclose()
+            while not app.heard:
+                await trio.testing.wait_all_tasks_blocked()
+    assert app.heard == ["disconnect"]
+
+
+async def test_a_failing_disconnect_callback_ends_its_connection_not_the_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = WaitForDisconnectApp(callback_fails=True)
+    with trio.fail_after(10):
+        async with serving(app) as port:
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+            await s.send_all(post(b"/wait", b"{}"))
+            await app.waiting.wait()
+            await s.aclose()
+            async with await trio.open_tcp_stream("127.0.0.1", port) as again:
+                await again.send_all(post(b"/echo", b"after", b"connection: close\r\n"))
+                data = await read_all(again)
+    assert data.startswith(b"HTTP/1.1 200 OK") and b'"body":"after"' in data
+    assert app.heard == ["disconnect"]
+    assert "the app's disconnect callback failed" in caplog.text
+
+
+class SlowBodyApp(EchoApp):
+    """Echoes the body, starting to read it only once ``go`` is set: the server reads
+    ahead meanwhile, then stops reading until the app takes some."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = trio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        await self.go.wait()
+        await super().__call__(scope, receive, send)
+
+
+async def test_a_body_larger_than_the_read_ahead_arrives_whole() -> None:
+    """The server stops reading a request body past its read-ahead limit until the app
+    takes some, then reads on: a body of 2.5 times the limit arrives whole."""
+    body = bytes(range(97, 123)) * (_http11._connection.MAX_BUFFERED_BYTES * 5 // 2 // 26)
+    app = SlowBodyApp()
+    with trio.fail_after(20):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(s.send_all, post(b"/big", body, b"connection: close\r\n"))
+                await trio.testing.wait_all_tasks_blocked()
+                app.go.set()
+            data = await read_all(s)
+    assert orjson.loads(_http11_dechunk(data.partition(b"\r\n\r\n")[2]))["body"] == (
+        body.decode())

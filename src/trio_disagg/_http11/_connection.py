@@ -9,9 +9,13 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 import httptools
 import trio
+
+if TYPE_CHECKING:
+    from ._watch import ReadWatch
 
 READ_SIZE = 65536
 #: Seconds an idle keep-alive connection is kept open (uvicorn's default).
@@ -75,6 +79,9 @@ class Connection:
         #: Called once when the client goes away while a request is served (the app's
         #: disconnect callback, :data:`ON_DISCONNECT`); None between requests.
         self.on_gone: Callable[[], object] | None = None
+        #: The server's reader of served connections, while this one's request is served
+        #: (None: not watched, or the server reads it in a task, read_while_serving).
+        self.watch: ReadWatch | None = None
         self.scope = trio.CancelScope()
         self.fileno = stream.socket.fileno()
         try:
@@ -128,6 +135,13 @@ class Connection:
     def _wake(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    def body_taken(self, size: int) -> None:
+        """The app took ``size`` bytes of body: a read paused on a full buffer goes on."""
+        self.buffered -= size
+        self._wake()
+        if self.watch is not None:
+            self.watch.resume(self)
 
     def gone(self) -> None:
         """The client went away (or the connection broke): wake what waits on the

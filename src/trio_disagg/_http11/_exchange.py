@@ -44,8 +44,7 @@ class Exchange:
                 parts = request.body
                 body = parts.popleft() if len(parts) == 1 else b"".join(parts)
                 parts.clear()
-                conn.buffered -= len(body)
-                conn._wake()  # a reader paused on a full buffer reads on
+                conn.body_taken(len(body))
                 self.body_ended = request.complete
                 return {"type": "http.request", "body": body, "more_body": not request.complete}
             if request.complete and not self.body_ended:

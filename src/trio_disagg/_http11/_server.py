@@ -15,6 +15,7 @@ import trio
 from .._listen import open_listeners
 from ._connection import Connection, Request
 from ._exchange import Exchange, Message
+from ._watch import ReadWatch
 
 logger = logging.getLogger("trio_disagg.server")
 
@@ -38,9 +39,12 @@ ACCEPT_RETRY_DELAY = 0.1
 
 
 class Server:
-    def __init__(self, app: App, *, head_with_body: bool = True) -> None:
+    def __init__(self, app: App, *, head_with_body: bool = True,
+                 watch: ReadWatch | None = None) -> None:
         self.app = app
         self.head_with_body = head_with_body
+        #: Reads the served connections in one task (else each in a task of its own).
+        self.watch = watch
         self.connections: set[Connection] = set()
         self.shutting_down = False
         self.idle_event = trio.Event()
@@ -87,13 +91,21 @@ class Server:
                 return
             conn.idle = False
             exchange = Exchange(conn, request)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(conn.read_while_serving, request)
+            if self.watch is not None:
+                self.watch.add(conn)
                 try:
                     await self._run_app(conn, request, exchange)
                 finally:
                     conn.on_gone = None  # the request is over: its app hears no more
-                nursery.cancel_scope.cancel()
+                    self.watch.discard(conn)
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.read_while_serving, request)
+                    try:
+                        await self._run_app(conn, request, exchange)
+                    finally:
+                        conn.on_gone = None
+                    nursery.cancel_scope.cancel()
             if not exchange.done or not exchange.keep_alive or conn.closed:
                 return
             if not request.complete:
@@ -172,10 +184,13 @@ async def serve_http(
     Raises:
         OSError: the address could not be bound.
     """
-    server = Server(app, head_with_body=head_with_body)
+    server = Server(app, head_with_body=head_with_body,
+                    watch=ReadWatch() if ReadWatch.available else None)
     listeners = await open_listeners(host, port, reuse_port=reuse_port)
     bound = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
+        if server.watch is not None:
+            nursery.start_soon(server.watch.run)
         accepting = trio.CancelScope()
 
         async def accept() -> None:
