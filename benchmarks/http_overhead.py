@@ -132,6 +132,14 @@ class Server:
     def cpu(self) -> float:
         return cpu_seconds(self.process.pid)
 
+    def log_tail(self, size: int = 2000) -> str:
+        """The last ``size`` characters the process wrote to its stderr."""
+        stderr = self.process.stderr
+        if not isinstance(stderr, io.BufferedRandom):
+            return ""
+        stderr.seek(0)
+        return stderr.read().decode(errors="replace")[-size:]
+
 
 class Servers:
     """The processes of one run, stopped (SIGTERM, then SIGKILL) when it ends."""
@@ -152,10 +160,7 @@ class Servers:
                     continue
                 await stream.aclose()
                 return server
-        error = "(still starting)"
-        if process.poll() is not None and isinstance(process.stderr, io.BufferedRandom):
-            process.stderr.seek(0)
-            error = process.stderr.read().decode(errors="replace")[-2000:]
+        error = server.log_tail() if process.poll() is not None else "(still starting)"
         raise RunFailed(f"{name} did not start listening on port {port}: {error}")
 
     def stop(self) -> None:
@@ -341,9 +346,13 @@ async def load(cluster: Cluster, target: str, streams: int, tokens: int) -> Load
         results.append(await one_stream(server.port, request, tokens))
 
     start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(streams):
-            nursery.start_soon(one)
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
+    except* RunFailed as failed:
+        raise RunFailed(f"a stream through {target} failed: {failed.exceptions[0]}; its "
+                        f"log ends: {server.log_tail() or '(nothing)'}") from None
     wall = time.perf_counter() - start
     return LoadRun(wall, results, {name: proc.cpu() - before[name]
                                    for name, proc in watched.items()})

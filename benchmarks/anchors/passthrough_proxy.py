@@ -31,8 +31,12 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
 
 def create_proxy(prefill: str, decode: str) -> FastAPI:
     app = FastAPI()
+    # Idle connections are let go after 4 s: the workers (as uvicorn) close theirs after
+    # 5 s, and httpx's default of 5 s raced them (a POST on a connection the worker was
+    # closing failed with a 500, once in a full benchmark run).
     client = httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                            keepalive_expiry=4.0),
         timeout=None)
 
     async def relay(request: Request, path: str) -> Response:
