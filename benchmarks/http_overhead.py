@@ -12,13 +12,17 @@ CPU-time clock, in nanoseconds; ``/proc`` where there is none): the mock vLLM wo
 (``python -m trio_disagg serve --backend vllm``), the pass-through proxy anchor
 (``benchmarks/anchors/passthrough_proxy.py``: FastAPI on uvicorn with uvloop and httptools,
 one httpx client, the decode's bytes relayed unparsed) and the Rust ``vllm-router``
-(``--vllm-pd-disaggregation --kv-connector nixl``). The load generator is this process:
+(``--vllm-pd-disaggregation --kv-connector nixl``); and, as the floor, the bare relay
+(``benchmarks/anchors/bare_relay.py``: the router's own HTTP server and worker client
+relaying as the proxy does, with nothing of the router on them). The load generator is this process:
 raw trio sockets, one connection per request, the response parsed by httptools and its
 server-sent events counted, so that the client costs as little as it can.
 
 - **P4a**: S streams x T tokens, all at once, zero-latency workers; each target in turn,
   alternated, after a warm-up. Tokens/s, and the CPU per token of the target's process
-  (router, proxy or vllm-router; the workers' own beside), as ratios to the proxy's.
+  (router, bare relay, proxy or vllm-router; the workers' own beside), as ratios to the
+  proxy's. Then the same at a short length, to split each one's CPU into a part per
+  request and a part per token.
 - **P4b**: S streams paced by the decode worker at ``--itl`` seconds per token. Tokens
   delivered per second against the direct connection's, the added inter-token latency
   (p99 of the gaps between a stream's events, target minus direct), and CPU per token.
@@ -61,6 +65,7 @@ PROMPT = "Explain why structured concurrency makes cancellation of a request tra
 SHORT_TOKENS = 16
 HERE = Path(__file__).resolve().parent
 PROXY = HERE / "anchors" / "passthrough_proxy.py"
+BARE_RELAY = HERE / "anchors" / "bare_relay.py"
 EVENT = b"data: "
 DONE = b"data: [DONE]"
 TARGETS = {"P4a_cpu": 0.33, "P4b_delivered": 0.95, "P4b_itl_ms": 5.0, "P4b_cpu": 0.5,
@@ -241,6 +246,11 @@ async def start_cluster(servers: Servers, itl: float, anchors: Sequence[str],
             sys.executable, str(PROXY), "--port", str(port), "--prefill", prefill.url,
             "--decode", decode.url], port)
     command = vllm_router_command()
+    if "bare relay" in anchors:
+        port = free_port()
+        targets["bare relay"] = await servers.start("bare relay", [
+            sys.executable, str(BARE_RELAY), "--port", str(port), "--prefill", prefill.url,
+            "--decode", decode.url], port)
     if "vllm-router" in anchors and command is not None:
         port = free_port()
         targets["vllm-router"] = await servers.start("vllm-router", [
@@ -394,7 +404,8 @@ def tokens_per_second(runs_: list[LoadRun]) -> float:
 
 
 def p4a(done: dict[str, list[LoadRun]], streams: int, tokens: int) -> None:
-    names = [name for name in ("direct", "router", "proxy", "vllm-router") if name in done]
+    names = [name for name in ("direct", "router", "bare relay", "proxy", "vllm-router")
+             if name in done]
     print(f"P4a: {streams} streams x {tokens} tokens, zero-latency mock vLLM workers; "
           "medians of the runs")
     print(f"  {'target':<13} {'tokens/s':>9} {'CPU/token':>10} {'vs proxy':>9}   "
@@ -571,7 +582,7 @@ def cores() -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    anchors = []
+    anchors = ["bare relay"]
     if has_proxy():
         anchors.append("proxy")
     if vllm_router_command() is not None:
