@@ -46,6 +46,7 @@ from trio_disagg import (
     RequestContext,
     RetryPolicy,
     RoundRobin,
+    RoutingHints,
     TransferKeeper,
     WorkerError,
     WorkerPool,
@@ -499,7 +500,7 @@ async def test_B9_attempts_are_bounded(autojump_clock: trio.abc.Clock) -> None:
         router, error = await routed(keeper, 3, 1, "prefill_reject:503")
     assert isinstance(error, PrefillError) and isinstance(error.__cause__, WorkerError)
     assert router.counters.retries == {("prefill", "server_error"): 1}  # 2 attempts of 3
-    assert failures(router.prefill) == [1, 1, 0]
+    assert failures(router.prefill)[0] == 1 and sum(failures(router.prefill)) == 2
 
 
 async def test_B9_no_retry_whose_backoff_would_pass_the_deadline(
@@ -612,6 +613,43 @@ async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
         router, error = await routed(keeper, 1, 2, "decode_reject:429")
     assert isinstance(error, WorkerError) and error.status == 429
     assert router.counters.retries == {} and failures(router.decode) == [0, 0]
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_B9_a_retry_gets_the_trial_of_a_half_open_worker(
+    autojump_clock: trio.abc.Clock, leg: str
+) -> None:
+    """The only other worker is half-open: the retry is its trial, and the request
+    succeeds. (The check before the backoff chose that worker, giving its trial away for
+    a cool-down, so the retry itself found no worker and the client got the refusal.)"""
+    cluster = mock_cluster(2 if leg == "prefill" else 1, 2 if leg == "decode" else 1)
+    engines = cluster.prefill if leg == "prefill" else cluster.decode
+    down = DownDecode(engines[0])  # refuses every request before accepting it (502)
+    pool = WorkerPool([down, engines[1]], failure_threshold=1, cooldown=10)
+    other = WorkerPool(cluster.decode if leg == "prefill" else cluster.prefill)
+    pools = (pool, other) if leg == "prefill" else (other, pool)
+    back = pool.workers[1]
+    pool.record_failure(back, WorkerError("reset", status=502, worker=back.name))
+    await trio.sleep(10)  # its cool-down: half-open, one trial to give
+    assert back.health.state(trio.current_time()) is HealthState.HALF_OPEN
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    pin = {f"{leg}_worker": "down"}
+    request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4,
+                                  routing=RoutingHints(**pin))
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(*pools, keeper, deadlines=Deadlines(prefill=5, handoff=5))
+        async with trio.open_nursery() as nursery:
+            stream = await router.stream(nursery, request, RequestContext("r"))
+            items = [item async for item in stream.outputs]
+        assert sum(len(item.data.token_ids) for item in items if item.data) == 4
+        with trio.fail_after(60):
+            await router.wait_idle()
+            await keeper.wait_idle()
+    assert down.refused == 1
+    assert router.counters.retries == {(leg, "transport_error"): 1}
+    assert back.health.state(trio.current_time()) is HealthState.HEALTHY  # its trial answered
+    counters = cluster.counters()
+    assert counters.held_blocks == counters.stranded_blocks == 0, counters  # B1
 
 
 # --- the command ------------------------------------------------------------------------

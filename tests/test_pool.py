@@ -145,3 +145,19 @@ async def test_no_worker_available_only_for_an_empty_pool() -> None:
 def test_duplicate_worker_names_are_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
         WorkerPool([NullEngine("a"), NullEngine("a")])
+
+
+async def test_B9_asking_for_an_alternative_gives_no_half_open_trial(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``has_alternative`` answers without choosing: a half-open worker's one trial is
+    left for the retry that ``alternative`` then chooses it for."""
+    workers = pool(2, cooldown=10.0, failure_threshold=1)
+    tried, ejected = workers.workers
+    workers.record_failure(ejected, WorkerError("down", status=502, worker="w1"))
+    assert not workers.has_alternative([tried])  # ejected, cooling down
+    await trio.sleep(10.0)  # half-open
+    assert workers.has_alternative([tried]) and workers.has_alternative([tried])
+    assert workers.alternative(request(), [tried]) is ejected  # its trial
+    assert not workers.has_alternative([tried])  # one trial at a time
+    assert workers.alternative(request(), [tried]) is None

@@ -75,7 +75,7 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
                     router.counters.count_retry("cleanup", reason)
                     logger.info("B1 cleanup decode for %s: %s on %s, trying again",
                                 request.request_id, reason, worker.name)
-                if router.decode.alternative(minimal, tried) is None:
+                if not router.decode.has_alternative(tried):
                     await trio.sleep(router.retry.delay(len(tried) + 1))  # backoff (B9)
     except trio.TooSlowError:  # no worker answered, or none could be reached, in time
         router.counters.staged_kv_cleanup_failures += 1

@@ -63,7 +63,7 @@ async def accepted_decode(
             delay = router.retry.delay(len(tried) + 1)
             if (reason is None or len(tried) >= router.retry.max_attempts
                     or trio.current_time() + delay >= deadline
-                    or _decode_replacement(router, owner, tried) is None):
+                    or not _may_replace_decode(router, owner, tried)):
                 raise
         except BaseException:
             # Nobody will read the decode stream: a decode leg that did start gets
@@ -89,10 +89,21 @@ def _decode_replacement(
     lost), the decode leg is part of the KV transfer (TensorRT-LLM, SGLang), the
     request ended, or no healthy decode worker is left. (A decode-only request has no
     KV: it may always be tried on another worker before one accepted it.)"""
-    if (owner.holds_transfer or not owner.request_open or owner.context.is_stopped
-            or (owner.disaggregated and owner.state is not HandoffState.STAGED)):
+    if not _decode_retry_allowed(owner):
         return None
     return router.decode.alternative(owner.request, tried)
+
+
+def _may_replace_decode(
+    router: DisaggRouter, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+) -> bool:
+    """Whether :func:`_decode_replacement` would find a worker now, choosing none."""
+    return _decode_retry_allowed(owner) and router.decode.has_alternative(tried)
+
+
+def _decode_retry_allowed(owner: HandoffOwner) -> bool:
+    return not (owner.holds_transfer or not owner.request_open or owner.context.is_stopped
+                or (owner.disaggregated and owner.state is not HandoffState.STAGED))
 
 
 async def kept_decode_leg(  # noqa: ASYNC128 (reports started() itself)

@@ -421,6 +421,14 @@ class WorkerPool(Generic[E]):
         candidates = self._choosable(tried)
         return self._choose(candidates, request) if candidates else None
 
+    def has_alternative(self, tried: Collection[Worker[DecodeEngine]]) -> bool:
+        """Whether :meth:`alternative` would find a worker now, without choosing one: a
+        half-open worker's trial goes to the retry itself, not to the check before its
+        backoff (which gave it away, so that the retry found no worker)."""
+        now = trio.current_time()
+        return any(worker.health.choosable(now) and worker not in tried
+                   for worker in self.workers)
+
     def lease(self, worker: W) -> _Lease[W]:
         """Count ``worker`` as having one more outstanding request for the block.
 

@@ -102,7 +102,7 @@ async def _run_prefill(
             error, reason = retryable.error, retryable.reason
         delay = router.retry.delay(len(tried) + 1)
         if (len(tried) >= router.retry.max_attempts or trio.current_time() + delay >= deadline
-                or _prefill_replacement(router, owner, tried) is None):
+                or not _may_replace_prefill(router, owner, tried)):
             raise error from error.__cause__
         await trio.sleep(delay)  # backoff with jitter (B9)
         worker = _prefill_replacement(router, owner, tried)  # the pool may have changed
@@ -120,14 +120,32 @@ def _prefill_replacement(
     """The worker a refused prefill is tried again on (B9), or None: no healthy worker
     of the same handoff style left, or the request ended, or the router stopped the
     prefill (B6, B10), or the prefill pairs with a decode in a bootstrap room."""
-    if (not owner.request_open or owner.state is not HandoffState.PENDING
-            or owner.prefill_scope.cancel_called or owner.context.is_stopped
-            or owner.request.bootstrap_info is not None):
+    if not _prefill_retry_allowed(owner):
         return None
+    return router.prefill.alternative(owner.request, _excluded(router, owner, tried))
+
+
+def _may_replace_prefill(
+    router: DisaggRouter, owner: HandoffOwner, tried: list[Worker[DecodeEngine]]
+) -> bool:
+    """Whether :func:`_prefill_replacement` would find a worker now, choosing none."""
+    return (_prefill_retry_allowed(owner)
+            and router.prefill.has_alternative(_excluded(router, owner, tried)))
+
+
+def _prefill_retry_allowed(owner: HandoffOwner) -> bool:
+    return not (not owner.request_open or owner.state is not HandoffState.PENDING
+                or owner.prefill_scope.cancel_called or owner.context.is_stopped
+                or owner.request.bootstrap_info is not None)
+
+
+def _excluded(router: DisaggRouter, owner: HandoffOwner,
+              tried: list[Worker[DecodeEngine]]) -> list[Worker[DecodeEngine]]:
+    """The workers a retry may not go to: those tried, and those of another handoff
+    style (the request was prepared for this one)."""
     style = owner.prefill_leg_worker.engine.handoff_style
-    other_styles = [worker for worker in router.prefill.workers
-                    if worker.engine.handoff_style is not style]
-    return router.prefill.alternative(owner.request, [*tried, *other_styles])
+    return [*tried, *(worker for worker in router.prefill.workers
+                      if worker.engine.handoff_style is not style)]
 
 
 async def _prefill_attempt(
