@@ -627,7 +627,7 @@ async def test_B9_a_retry_gets_the_trial_of_a_half_open_worker(
     down = DownDecode(engines[0])  # refuses every request before accepting it (502)
     pool = WorkerPool([down, engines[1]], failure_threshold=1, cooldown=10)
     other = WorkerPool(cluster.decode if leg == "prefill" else cluster.prefill)
-    pools = (pool, other) if leg == "prefill" else (other, pool)
+    prefill, decode = (pool, other) if leg == "prefill" else (other, pool)
     back = pool.workers[1]
     pool.record_failure(back, WorkerError("reset", status=502, worker=back.name))
     await trio.sleep(10)  # its cool-down: half-open, one trial to give
@@ -637,7 +637,8 @@ async def test_B9_a_retry_gets_the_trial_of_a_half_open_worker(
     request = PreprocessedRequest(request_id="r", model=MODEL, body=body, max_tokens=4,
                                   routing=RoutingHints(**pin))
     async with TransferKeeper() as keeper:
-        router = DisaggRouter(*pools, keeper, deadlines=Deadlines(prefill=5, handoff=5))
+        router = DisaggRouter(prefill, decode, keeper,
+                              deadlines=Deadlines(prefill=5, handoff=5))
         async with trio.open_nursery() as nursery:
             stream = await router.stream(nursery, request, RequestContext("r"))
             items = [item async for item in stream.outputs]
