@@ -625,8 +625,9 @@ async def test_B9_a_retry_gets_the_trial_of_a_half_open_worker(
     cluster = mock_cluster(2 if leg == "prefill" else 1, 2 if leg == "decode" else 1)
     engines = cluster.prefill if leg == "prefill" else cluster.decode
     down = DownDecode(engines[0])  # refuses every request before accepting it (502)
-    pool = WorkerPool([down, engines[1]], failure_threshold=1, cooldown=10)
-    other = WorkerPool(cluster.decode if leg == "prefill" else cluster.prefill)
+    pool: WorkerPool[Any] = WorkerPool([down, engines[1]], failure_threshold=1, cooldown=10)
+    other: WorkerPool[Any] = WorkerPool(cluster.decode if leg == "prefill"
+                                        else cluster.prefill)
     prefill, decode = (pool, other) if leg == "prefill" else (other, pool)
     back = pool.workers[1]
     pool.record_failure(back, WorkerError("reset", status=502, worker=back.name))
