@@ -51,6 +51,7 @@ from trio_disagg import (
     WorkerError,
     WorkerPool,
 )
+from trio_disagg._handoff import HandoffOwner
 from trio_disagg._health import retry_reason, worker_fault
 from trio_disagg.engines import mock_cluster, vllm_client, vllm_engines
 from trio_disagg.server import create_app, serve
@@ -613,6 +614,26 @@ async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
         router, error = await routed(keeper, 1, 2, "decode_reject:429")
     assert isinstance(error, WorkerError) and error.status == 429
     assert router.counters.retries == {} and failures(router.decode) == [0, 0]
+
+
+async def test_S12_B9_a_replacement_decode_worker_is_counted_from_its_choice(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode worker chosen for a retry counts as outstanding from its choice, as the
+    first one did, not only once its leg leases it: a request placed in between (the
+    same scheduler batch) sees it taken."""
+    counted: list[int] = []
+    switch = HandoffOwner.switch_decode_worker
+
+    def counting_switch(owner: HandoffOwner, worker: Any) -> None:
+        switch(owner, worker)
+        counted.append(worker.outstanding)
+
+    monkeypatch.setattr(HandoffOwner, "switch_decode_worker", counting_switch)
+    async with TransferKeeper() as keeper:
+        router, _ = await routed(keeper, 1, 2, "decode_reject:503")
+    assert counted == [1]
+    assert [worker.outstanding for worker in router.decode.workers] == [0, 0]
 
 
 @pytest.mark.parametrize("leg", ["prefill", "decode"])

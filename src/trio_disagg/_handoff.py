@@ -210,6 +210,9 @@ class HandoffOwner:
         self.decode_worker = worker
         self.request = attrs.evolve(self.request, routing=attrs.evolve(
             self.request.routing, decode_worker=worker.name))
+        # Counted from its choice, as the first was (S12): until the retry's leg leases
+        # it, a request placed meanwhile must see it taken.
+        self.reserve_decode()
 
     def reserve_decode(self) -> None:
         """Count the placed decode worker as outstanding until a decode leg leases it, or
