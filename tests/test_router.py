@@ -467,6 +467,44 @@ async def test_B10_client_leaving_during_the_prefill(
             assert trio.current_time() - start < 0.1  # no prefill ran on
 
 
+class DeafPrefill(StandIn):
+    """A prefill worker that does not hear a stop: its answer comes as if none came (as
+    one already on its way when the router stopped the prefill)."""
+
+    async def generate(  # noqa: ASYNC114
+        self, request: PreprocessedRequest, context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item], *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.engine.generate(request, RequestContext(request.request_id), send_channel,
+                                   task_status=task_status)
+
+
+async def test_B10_B1_a_stopped_prefill_that_answers_anyway_counts_as_drained(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The client left inside the cancel window and the router stopped the prefill, but
+    its answer came all the same (within the stop's grace): its KV was staged and a
+    cleanup decode consumed it (B1). The prefill ran to its end: it counts as drained,
+    not cancelled (``trio_disagg_prefills_abandoned_total``)."""
+    cluster = mock_cluster(latency=LATENCY, kv_ttl=1000.0)
+    cluster.prefill[0] = DeafPrefill(cluster.prefill[0])  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(
+            WorkerPool(cluster.prefill,
+                       cancel_windows={"prefill-0": CancelWindow.BEFORE_HANDOFF}),
+            WorkerPool(cluster.decode), keeper,
+        )
+        h = Harness(cluster, keeper, router)
+        with trio.move_on_after(0.05):  # the prefill takes 10 x 0.01 s
+            await h.run(make_request(words=10))
+        await h.settle()
+        h.assert_clean()
+    counters = router.counters
+    assert (counters.prefills_drained, counters.prefills_cancelled) == (1, 0)
+    assert counters.staged_kv_cleanups == 1 and cluster.counters().served == 1
+
+
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("window", list(CancelWindow))
 async def test_B10_client_leaving_after_the_handoff_is_never_cancelled(

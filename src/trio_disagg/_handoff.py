@@ -129,6 +129,9 @@ class HandoffOwner:
     prefill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     #: The owner ended the prefill on purpose (B6, B10), whatever the state became after.
     prefill_stopped: bool = False
+    #: Why (``"window"``, B10, or why no decode will come, B6), until the prefill leg's
+    #: end is known and counted: a prefill whose answer was on its way ran to its end.
+    stop_reason: str | None = None
     leg: TransferLeg | None = None
     task: PrefillTask[PrefillCompletion] | None = None
     #: The prefill leg's own context (C5), while the leg runs.
@@ -242,6 +245,7 @@ class HandoffOwner:
         just as the router ended the prefill (its answer was already on its way)."""
         if self.state not in (HandoffState.PENDING, HandoffState.RELEASED):
             return
+        self._count_stopped_prefill(ran_to_end=True)  # its KV is consumed below (B1)
         self.state = HandoffState.STAGED
         self.staged = self.handoff = result
         if not self.request_open:
@@ -251,6 +255,7 @@ class HandoffOwner:
         """The prefill answered the request by itself (S7): nothing to hand off."""
         if self.state is HandoffState.PENDING:
             self.state = HandoffState.TERMINAL
+        self._count_stopped_prefill(ran_to_end=False)  # (a stopped one's answer)
         self._end_decode_leg()
 
     def prefill_failed(self) -> None:
@@ -258,6 +263,7 @@ class HandoffOwner:
         that will never come, so it ends now (B6)."""
         if self.state in (HandoffState.PENDING, HandoffState.DISPATCHED):
             self.state = HandoffState.FAILED  # (STAGED stays: a late answer's KV, B1)
+        self._count_stopped_prefill(ran_to_end=False)
         self._end_decode_leg()
 
     # --- facts, reported by the request side ------------------------------------------
@@ -323,11 +329,7 @@ class HandoffOwner:
         so nothing is stranded by ending it (B6, B10)."""
         self.state = HandoffState.RELEASED
         self.prefill_stopped = True
-        counters = self.router.counters
-        if why == "window":
-            counters.prefills_cancelled += 1
-        else:
-            counters.prefills_released += 1
+        self.stop_reason = why  # counted once the leg ends: its answer may be on its way
         logger.debug("prefill of %s ended: %s", self.request.request_id, why)
         # A stop, not a cancellation: an engine stops a prefill it may still abort, and
         # reads to its end an answer already on its way (whose KV is then consumed, B1).
@@ -337,6 +339,21 @@ class HandoffOwner:
         self.prefill_scope.deadline = min(self.prefill_scope.deadline,
                                           trio.current_time() + PREFILL_STOP_GRACE)
         self._end_decode_leg()
+
+    def _count_stopped_prefill(self, *, ran_to_end: bool) -> None:
+        """Count a prefill the owner ended, now that its leg ended: cancelled or released
+        as the owner asked, or drained if it staged its KV all the same (``ran_to_end``:
+        its answer was on its way; the KV is consumed, B1)."""
+        why, self.stop_reason = self.stop_reason, None
+        if why is None:
+            return
+        counters = self.router.counters
+        if ran_to_end:
+            counters.prefills_drained += 1
+        elif why == "window":
+            counters.prefills_cancelled += 1
+        else:
+            counters.prefills_released += 1
 
     def _end_decode_leg(self) -> None:
         if self.leg is not None:
@@ -416,9 +433,11 @@ class BootstrapOwner(HandoffOwner):
     def prefill_done(self, completion: PrefillCompletion) -> None:
         if isinstance(completion, Terminal):
             self.prefill_answered()
-        elif self.state in (HandoffState.PENDING, HandoffState.DISPATCHED):
-            # A bootstrap prefill answers once its KV reached the decode.
-            self.state = HandoffState.CONSUMED
+        else:
+            if self.state in (HandoffState.PENDING, HandoffState.DISPATCHED):
+                # A bootstrap prefill answers once its KV reached the decode.
+                self.state = HandoffState.CONSUMED
+            self._count_stopped_prefill(ran_to_end=False)  # its leg reports it ended
 
     def decode_not_accepted(self, error: BaseException) -> None:
         # A decode that was not accepted never joined the room, and no other will: end the

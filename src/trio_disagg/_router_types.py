@@ -154,7 +154,9 @@ class RouterCounters:
         prefills_released: prefills ended because no decode would ever take their KV: a
             bootstrap room no decode will join (B6).
         prefills_drained: prefills whose request ended first and that the keeper ran to
-            their end (C5, T1), their KV then consumed (B1) or transferred (G9).
+            their end (C5, T1), their KV then consumed (B1) or transferred (G9); also
+            one the router stopped that staged its KV all the same (its answer was on
+            its way). Each prefill counts once, when its leg ended.
     """
 
     requests_total: int = 0

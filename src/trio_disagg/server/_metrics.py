@@ -230,9 +230,10 @@ def _keeper_families(keeper: TransferKeeper) -> Iterator[Metric]:
 def _counter_families(counters: RouterCounters) -> Iterator[Metric]:
     prefills = CounterMetricFamily(
         "trio_disagg_prefills_abandoned",
-        "Prefills whose request ended before a decode took their handoff, by what the "
-        "router did: drained (run to their end, KV consumed), cancelled (inside the "
-        "engine's cancel window, B10), released (no decode would join its room, B6).",
+        "Prefills whose request ended before a decode took their handoff, by what became "
+        "of them: drained (run to their end, KV consumed; also one the router stopped "
+        "whose answer came all the same), cancelled (inside the engine's cancel window, "
+        "B10), released (no decode would join its room, B6).",
         labels=["outcome"],
     )
     prefills.add_metric(["drained"], counters.prefills_drained)
