@@ -303,6 +303,7 @@ class WaitForDisconnectApp:
     def __init__(self, *, callback_fails: bool = False) -> None:
         self.callback_fails = callback_fails
         self.waiting = trio.Event()
+        self.gone = trio.Event()
         self.heard: list[str] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
@@ -310,17 +311,23 @@ class WaitForDisconnectApp:
         if scope["path"] != "/wait":
             await EchoApp()(scope, receive, send)
             return
-        gone = trio.Event()
-
         def on_disconnect() -> None:
             self.heard.append("disconnect")
-            gone.set()
+            self.gone.set()
             if self.callback_fails:
                 raise RuntimeError("the app's disconnect callback failed")
 
         scope["extensions"][_http11.ON_DISCONNECT]["register"](on_disconnect)
         self.waiting.set()
-        await gone.wait()
+        await self.gone.wait()
+
+    async def leave_while_waiting(self, port: int) -> None:
+        """A client sends a request to /wait, and closes its connection once the app
+        waits."""
+        s = await trio.open_tcp_stream("127.0.0.1", port)
+        await s.send_all(post(b"/wait", b"{}"))
+        await self.waiting.wait()
+        await s.aclose()
 
 
 async def test_a_client_that_leaves_while_nothing_is_written_is_heard_at_once() -> None:
@@ -329,12 +336,8 @@ async def test_a_client_that_leaves_while_nothing_is_written_is_heard_at_once() 
     app = WaitForDisconnectApp()
     with trio.fail_after(10):
         async with serving(app) as port:
-            s = await trio.open_tcp_stream("127.0.0.1", port)
-            await s.send_all(post(b"/wait", b"{}"))
-            await app.waiting.wait()
-            await s.aclose()
-            while not app.heard:
-                await trio.testing.wait_all_tasks_blocked()
+            await app.leave_while_waiting(port)
+            await app.gone.wait()
     assert app.heard == ["disconnect"]
 
 
@@ -344,10 +347,7 @@ async def test_a_failing_disconnect_callback_ends_its_connection_not_the_server(
     app = WaitForDisconnectApp(callback_fails=True)
     with trio.fail_after(10):
         async with serving(app) as port:
-            s = await trio.open_tcp_stream("127.0.0.1", port)
-            await s.send_all(post(b"/wait", b"{}"))
-            await app.waiting.wait()
-            await s.aclose()
+            await app.leave_while_waiting(port)
             async with await trio.open_tcp_stream("127.0.0.1", port) as again:
                 await again.send_all(post(b"/echo", b"after", b"connection: close\r\n"))
                 data = await read_all(again)
