@@ -231,6 +231,32 @@ async def test_completion_default_max_tokens_is_16() -> None:
         assert tokens.usage.prompt_tokens == 4
 
 
+async def test_B8_a_chat_min_tokens_is_not_bounded_by_a_budget_nobody_named() -> None:
+    # A chat request without max_tokens has no budget of 16 (that is the legacy
+    # completions default): its min_tokens of 20 is the worker's to honour, not a 400
+    # "between 0 and max_tokens (16)" about a field the client never sent. Only the
+    # operator's --max-tokens-limit bounds it.
+    async with running() as server:
+        client = server.openai()
+        chat = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}],
+            extra_body={"min_tokens": 20}))
+        assert chat.choices[0].finish_reason == "length"
+        (decode,) = server.decode.requests
+        assert decode.body["min_tokens"] == 20 and "max_tokens" not in decode.body
+        with pytest.raises(openai.BadRequestError) as refused:
+            await in_thread(lambda: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                extra_body={"min_tokens": 40000}))
+        assert refused.value.code == "invalid_value"
+        assert "32768" in refused.value.message
+        # a completion's default budget of 16 is its worker's too (OpenAI, vLLM)
+        with pytest.raises(openai.BadRequestError):
+            await in_thread(lambda: client.completions.create(
+                model=MODEL, prompt="hello", extra_body={"min_tokens": 20}))
+        assert len(server.decode.requests) == 1
+
+
 @pytest.mark.parametrize("style", list(HandoffStyle), ids=lambda style: style.value)
 async def test_completion_streamed_with_usage_chunk(style: HandoffStyle) -> None:
     async with running(style=style) as server:
