@@ -621,10 +621,31 @@ WORKER_FAULTS: list[tuple[str, int, str, str | None]] = [
     # A worker's 5xx is a bad gateway to the client, like the HTTP engines make it.
     ("decode_reject:503", 502, "worker_error", "refused request"),
     ("decode_reject:429", 429, "worker_error", "refused request"),
+    # A worker refusing the router's credentials is a bad gateway, never the client's
+    # 401/403 (S2).
+    ("prefill_reject:401", 502, "prefill_failed", "refused request"),
+    ("decode_reject:403", 502, "worker_error", "refused request"),
     ("decode_fail_before_first_token", 502, "generation_failed", "decode_fail_before"),
     ("decode_error_at:3", 502, "generation_failed", "decode_error_at"),
     ("decode_reset_at:3", 502, "incomplete_stream", None),
 ]
+
+
+async def test_S2_a_worker_refusing_the_routers_credentials_is_no_401_to_the_client() -> None:
+    # A worker started with an API key the router does not send answers 401: passed
+    # through, the client's openai SDK would say *its* key is wrong
+    # (AuthenticationError) and never retry. It is the fleet's fault: a 502.
+    async with running() as server:
+        client = server.openai()
+        for fault in ("prefill_reject:401", "decode_reject:401", "prefill_reject:403"):
+            with pytest.raises(openai.InternalServerError) as failed:
+                await in_thread(partial(
+                    client.chat.completions.create, model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                    extra_body={"fault": fault}))
+            assert failed.value.status_code == 502
+            assert "refused request" in failed.value.message
+            await server.settled()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
