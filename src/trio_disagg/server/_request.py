@@ -237,7 +237,7 @@ def _typed(
     """The typed request, its completion budget in tokens, and the budget's field name
     (None for a chat that names none: a completion's default of 16 is its workers' too,
     a chat's default is not)."""
-    budget_name: str | None = "max_tokens"
+    budget_name = "max_tokens"
     if chat:
         chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
         check_chat(chat_request)
@@ -253,10 +253,6 @@ def _typed(
         parsed = completion_request
         budget = completion_request.max_tokens
     if budget is None:
-        budget = limits.default_max_tokens
-        if chat:
-            budget_name = None
-    else:
-        assert budget_name is not None
-        check_max_tokens(budget_name, budget, limits.max_tokens_limit)
+        return parsed, limits.default_max_tokens, None if chat else budget_name
+    check_max_tokens(budget_name, budget, limits.max_tokens_limit)
     return parsed, budget, budget_name
