@@ -110,12 +110,13 @@ async def test_errors(protocol: ProtocolName) -> None:
             assert events[-2:] == [b"data: [DONE]", b""]
             error = orjson.loads(events[-3].removeprefix(b"data: "))
             assert server.cluster.decode_url in error["error"]["message"]
-            if protocol == "sglang":
-                # SGLang only: one bootstrap room per request, so n > 1 is refused (the
-                # sequential handoffs of vLLM and TRT-LLM have no such limit).
-                too_many = await http.post("/v1/completions", json={
-                    "model": MODEL, "prompt": PROMPT, "n": 2})
-                assert too_many.status_code == 400
+            # n > 1 is refused at the edge for every protocol: the server relays one
+            # choice per response (docs/router.md), and SGLang needs a bootstrap room
+            # per sample besides.
+            too_many = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "n": 2})
+            assert too_many.status_code == 400
+            assert too_many.json()["error"]["param"] == "n"
         await server.cluster.settled()
 
 

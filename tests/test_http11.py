@@ -134,6 +134,56 @@ async def test_a_body_that_stops_coming_ends_the_request_with_a_408(
     assert app.endings == ["disconnect"]
 
 
+@pytest.mark.parametrize("chunks", [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX\r\n0\r\n\r\n"],
+                         ids=["bad-size", "no-crlf-after-data"])
+async def test_a_malformed_chunked_body_gets_a_400_not_a_408(chunks: bytes) -> None:
+    """Body bytes that are not HTTP are a malformed request like head bytes that are not:
+    an immediate 400, not the wait for a body that will never parse and then a 408
+    saying it did not arrive (with the request holding its admission slot meanwhile)."""
+    app = EchoApp()
+    with trio.fail_after(20):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                             b"\r\n" + chunks)
+            data = await read_all(s)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert orjson.loads(body)["error"]["code"] == "malformed_request"
+    assert app.endings == ["disconnect"]
+
+
+async def test_a_body_that_trickles_in_still_gets_a_408_from_its_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that sends its body a byte at a time, each well within BODY_TIMEOUT, does
+    not hold the request (and its admission slot: --max-in-flight) for as long as it
+    likes: the whole body must be in BODY_TOTAL_TIMEOUT after the head, as the head must
+    be HEADERS_TIMEOUT after its first byte."""
+    monkeypatch.setattr(_http11._exchange, "BODY_TOTAL_TIMEOUT", 0.3, raising=False)
+    app = EchoApp()
+    body = b"x" * 200
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
+                             % len(body))
+
+            async def trickle() -> None:
+                for at in range(len(body)):  # 200 bytes, 20 ms apart: 4 s in all
+                    await trio.sleep(0.02)
+                    try:
+                        await s.send_all(body[at:at + 1])
+                    except trio.BrokenResourceError:
+                        return  # the server closed the connection
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trickle)
+                data = await read_all(s)
+                nursery.cancel_scope.cancel()
+    assert data.startswith(b"HTTP/1.1 408")
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    assert app.endings == ["disconnect"]
+
+
 def _http11_dechunk(data: bytes) -> bytes:
     out = b""
     while data:

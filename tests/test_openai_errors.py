@@ -73,6 +73,11 @@ ROWS: list[tuple[BaseException, int, str, str, str | None, str]] = [
      "worker_error", None, "decode-0 refused"),
     (WorkerError("decode-0 refused", status=429), 429, "invalid_request_error",
      "worker_error", None, "decode-0 refused"),
+    # S2: a worker refusing the router's credentials is not the client's 401 / 403
+    (WorkerError("decode-0 refused", status=401), 502, "upstream_error", "worker_error",
+     None, "decode-0 refused"),
+    (caused_by(PrefillError("prefill-0 failed"), rejected(403)), 502,
+     "upstream_error", "prefill_failed", None, "prefill-0 failed"),
     (WorkerError("decode-0 failed", status=503), 502, "upstream_error", "worker_error",
      None, "decode-0 failed"),
     (WorkerError("decode-0 failed", status=500), 502, "upstream_error", "worker_error",

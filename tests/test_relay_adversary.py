@@ -227,3 +227,33 @@ async def test_B8_odd_worker_events_reach_the_client_alike_with_and_without_the_
             assert usage is not None and usage.completion_tokens == 9
             fast_raw, slow_raw = await both_paths(monkeypatch, raw_http)
             assert fast_raw == slow_raw
+
+
+@pytest.mark.parametrize("bad", [-5, "7", 2.5, True, None])
+async def test_B8_a_usage_count_that_is_no_count_is_counted_by_the_router(bad: Any) -> None:
+    # A worker's completion_tokens that is not a non-negative integer is no usage: the
+    # router counts the tokens it relayed (as for a decode that sent none) rather than
+    # hand the client a negative or mistyped bill; the same for the prompt and cached
+    # counts, where the mock prefill's own hold.
+    worker = Worker()
+    usage = {"prompt_tokens": bad, "completion_tokens": bad, "total_tokens": bad,
+             "prompt_tokens_details": {"cached_tokens": bad}}
+    worker.pieces = [event(bare(False, "a")), event(bare(False, " b")),
+                     event(bare(False, " c", finish_reason="length")),
+                     event(orjson.dumps({"choices": [], "usage": usage})),
+                     event(b"[DONE]")]
+    async with running(worker) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=10.0)
+        with trio.fail_after(20):
+            answer = await trio.to_thread.run_sync(lambda: client.completions.create(
+                model=MODEL, prompt="one two three", max_tokens=3))
+            chunks = await trio.to_thread.run_sync(lambda: list(client.completions.create(
+                model=MODEL, prompt="one two three", max_tokens=3, stream=True,
+                stream_options={"include_usage": True})))
+    for counted in (answer.usage, chunks[-1].usage):
+        assert counted is not None
+        assert (counted.prompt_tokens, counted.completion_tokens,
+                counted.total_tokens) == (3, 3, 6)
+        assert counted.prompt_tokens_details is not None
+        assert counted.prompt_tokens_details.cached_tokens == 0

@@ -172,3 +172,27 @@ async def test_B8_finish_reasons_and_stop_reason_keep_their_value(
                 extra_body={"fault": "decode_finish:abort"}))
         assert aborted.value.status_code == 502  # an abort is an error, never a success
         await server.cluster.settled()
+
+
+async def test_S7_a_terminal_prefill_reaches_the_client_without_its_handoff_fields(
+    protocol: ProtocolName,
+) -> None:
+    # The prefill that ends the request on its first token answers the client itself
+    # (S7); what it wrote for a decode (TRT-LLM's choice-level disaggregated_params with
+    # the router's disagg_request_id, vLLM's kv_transfer_params) is plumbing, not answer.
+    plumbing = {"disaggregated_params", "kv_transfer_params", "bootstrap_room"}
+    async with served(protocol) as server:
+        client = server.openai()
+        eos: Any = {"fault": "eos_first_token"}
+        chat = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=eos))
+        text = await in_thread(lambda: client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, extra_body=eos))
+        chunks = await in_thread(lambda: chat_stream(client, max_tokens=5, extra_body=eos))
+        if protocol != "sglang":  # SGLang's decode joins the room at once, then ends
+            assert not server.cluster.decode.seen  # answered by the prefill alone
+        assert chat.choices[0].finish_reason == text.choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        for choice in (chat.choices[0], text.choices[0], chunks[-1].choices[0]):
+            assert not plumbing & set(choice.model_extra or {})
+        await server.cluster.settled()

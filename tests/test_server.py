@@ -231,6 +231,32 @@ async def test_completion_default_max_tokens_is_16() -> None:
         assert tokens.usage.prompt_tokens == 4
 
 
+async def test_B8_a_chat_min_tokens_is_not_bounded_by_a_budget_nobody_named() -> None:
+    # A chat request without max_tokens has no budget of 16 (that is the legacy
+    # completions default): its min_tokens of 20 is the worker's to honour, not a 400
+    # "between 0 and max_tokens (16)" about a field the client never sent. Only the
+    # operator's --max-tokens-limit bounds it.
+    async with running() as server:
+        client = server.openai()
+        chat = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}],
+            extra_body={"min_tokens": 20}))
+        assert chat.choices[0].finish_reason == "length"
+        (decode,) = server.decode.requests
+        assert decode.body["min_tokens"] == 20 and "max_tokens" not in decode.body
+        with pytest.raises(openai.BadRequestError) as refused:
+            await in_thread(lambda: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                extra_body={"min_tokens": 40000}))
+        assert refused.value.code == "invalid_value"
+        assert "32768" in refused.value.message
+        # a completion's default budget of 16 is its worker's too (OpenAI, vLLM)
+        with pytest.raises(openai.BadRequestError):
+            await in_thread(lambda: client.completions.create(
+                model=MODEL, prompt="hello", extra_body={"min_tokens": 20}))
+        assert len(server.decode.requests) == 1
+
+
 @pytest.mark.parametrize("style", list(HandoffStyle), ids=lambda style: style.value)
 async def test_completion_streamed_with_usage_chunk(style: HandoffStyle) -> None:
     async with running(style=style) as server:
@@ -495,6 +521,10 @@ BAD_INPUTS: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("POST", COMPLETIONS, _with(GOOD, temperature=9), 400, "temperature", "invalid_value"),
     ("POST", COMPLETIONS, _with(GOOD, stop=[1]), 400, "stop", "invalid_type"),
     ("POST", COMPLETIONS, _with(GOOD, min_tokens=9), 400, "min_tokens", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, logprobs=-1), 400, "logprobs", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, logprobs=21), 400, "logprobs", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, prompt=[5, -1]), 400, "prompt", "invalid_value"),
+    ("POST", COMPLETIONS, _with(GOOD, prompt=[[-7]]), 400, "prompt", "invalid_value"),
     ("POST", CHAT, _with(CHAT_GOOD, messages=_DROP), 400, "messages",
      "missing_required_parameter"),
     ("POST", CHAT, _with(CHAT_GOOD, messages=[]), 400, "messages", "invalid_value"),
@@ -591,10 +621,31 @@ WORKER_FAULTS: list[tuple[str, int, str, str | None]] = [
     # A worker's 5xx is a bad gateway to the client, like the HTTP engines make it.
     ("decode_reject:503", 502, "worker_error", "refused request"),
     ("decode_reject:429", 429, "worker_error", "refused request"),
+    # A worker refusing the router's credentials is a bad gateway, never the client's
+    # 401/403 (S2).
+    ("prefill_reject:401", 502, "prefill_failed", "refused request"),
+    ("decode_reject:403", 502, "worker_error", "refused request"),
     ("decode_fail_before_first_token", 502, "generation_failed", "decode_fail_before"),
     ("decode_error_at:3", 502, "generation_failed", "decode_error_at"),
     ("decode_reset_at:3", 502, "incomplete_stream", None),
 ]
+
+
+async def test_S2_a_worker_refusing_the_routers_credentials_is_no_401_to_the_client() -> None:
+    # A worker started with an API key the router does not send answers 401: passed
+    # through, the client's openai SDK would say *its* key is wrong
+    # (AuthenticationError) and never retry. It is the fleet's fault: a 502.
+    async with running() as server:
+        client = server.openai()
+        for fault in ("prefill_reject:401", "decode_reject:401", "prefill_reject:403"):
+            with pytest.raises(openai.InternalServerError) as failed:
+                await in_thread(partial(
+                    client.chat.completions.create, model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                    extra_body={"fault": fault}))
+            assert failed.value.status_code == 502
+            assert "refused request" in failed.value.message
+            await server.settled()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

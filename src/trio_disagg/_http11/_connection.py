@@ -183,6 +183,7 @@ class Connection:
         if self.parsing is not None and self.head_bytes > MAX_HEAD_BYTES:
             self._refuse_later(431, b"request headers too large")
         if self.refusal is not None:
+            self._wake()  # a receive() waiting for the body hears it will not come
             return False
         self._wake()
         return True

@@ -17,13 +17,17 @@ Message = dict[str, Any]
 WRITE_TIMEOUT = 10.0
 #: Seconds a request body may pause between two reads before the request ends (408).
 BODY_TIMEOUT = 10.0
+#: Seconds the whole request body may take, from the first wait for it, before the
+#: request ends (408): a body trickled in a byte at a time, each within BODY_TIMEOUT,
+#: would otherwise hold the request and its admission slot for as long as it likes.
+BODY_TOTAL_TIMEOUT = 30.0
 
 
 class Exchange:
     """The ASGI ``receive`` and ``send`` of one request."""
 
-    __slots__ = ("body_ended", "body_timed_out", "chunked", "conn", "done", "head",
-                 "head_only", "keep_alive", "request", "started")
+    __slots__ = ("body_deadline", "body_ended", "body_timed_out", "chunked", "conn", "done",
+                 "head", "head_only", "keep_alive", "request", "started")
 
     def __init__(self, conn: Connection, request: Request) -> None:
         self.conn = conn
@@ -33,6 +37,7 @@ class Exchange:
         self.done = False  # the response is complete
         self.body_ended = False  # the app received the request body's last part
         self.body_timed_out = False  # the body stopped coming (BODY_TIMEOUT)
+        self.body_deadline: float | None = None  # set at the first wait for the body
         self.chunked = True
         self.head_only = request.method == "HEAD"
         self.keep_alive = request.keep_alive
@@ -54,6 +59,11 @@ class Exchange:
             if conn.closed or self.done:
                 await trio.lowlevel.checkpoint()
                 return {"type": "http.disconnect"}
+            if conn.refusal is not None and not request.complete:
+                # The body is not HTTP (a bad chunk): it will never end. The request
+                # ends as a disconnect, and the server answers the refusal (400).
+                await trio.lowlevel.checkpoint()
+                return {"type": "http.disconnect"}
             if request.expect_continue and not self.started:
                 request.expect_continue = False
                 await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -61,7 +71,10 @@ class Exchange:
             if request.complete:
                 await conn.changed.wait()  # the body is all in: wait for the end
                 continue
-            with trio.move_on_after(BODY_TIMEOUT) as waited:
+            now = trio.current_time()
+            if self.body_deadline is None:  # only a body not all in with its head
+                self.body_deadline = now + BODY_TOTAL_TIMEOUT
+            with trio.move_on_at(min(now + BODY_TIMEOUT, self.body_deadline)) as waited:
                 await conn.changed.wait()
             if waited.cancelled_caught:
                 # A body that stopped coming holds the request's slot (admission control)

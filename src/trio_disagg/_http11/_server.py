@@ -132,6 +132,11 @@ class Server:
         if exchange.body_timed_out and not exchange.started and not conn.closed:
             await conn.refuse(408, b"request body not received in time")
             return
+        if conn.refusal is not None and not request.complete and not exchange.started \
+                and not conn.closed:
+            refusal, conn.refusal = conn.refusal, None
+            await conn.refuse(*refusal)  # its body was not HTTP: 400, then close
+            return
         if conn.closed or exchange.done:
             return
         if not exchange.started:

@@ -360,17 +360,18 @@ def error_message(data: bytes, status: int) -> str:
 
 
 def count(value: Any) -> int:
-    """``value`` if it is an int, else 0."""
-    return value if type(value) is int else 0
+    """``value`` if it is a non-negative int, else 0 (no count: a worker's negative or
+    mistyped token count is not passed on to the client)."""
+    return value if type(value) is int and value >= 0 else 0
 
 
 def make_usage(prompt: int, completion: int, total: int, cached: Any) -> CompletionUsage:
-    """A usage with ``cached_tokens`` if it is an int."""
+    """A usage with ``cached_tokens`` if it is a non-negative int."""
     return CompletionUsage(
         prompt_tokens=prompt, completion_tokens=completion,
         total_tokens=total or prompt + completion,
         prompt_tokens_details=(PromptTokensDetails(cached_tokens=cached)
-                               if type(cached) is int else None),
+                               if type(cached) is int and cached >= 0 else None),
     )
 
 

@@ -192,8 +192,10 @@ class TrtllmEngine(HttpEngine):
     ``disaggregated_params`` = ``choices[0].disaggregated_params`` as the server sent it,
     with ``request_type: "context_only"`` if it had none and the ``disagg_request_id``
     sent if it had none, plus the answer's ``prompt_token_ids`` under
-    :data:`PROMPT_TOKEN_IDS_KEY`. A terminal context (finish not ``length`` /
-    ``not_finished``) is the final answer with no generation request (S7). A
+    :data:`PROMPT_TOKEN_IDS_KEY`; the choice kept for the relay (B8) goes without its
+    ``disaggregated_params``, which are for the generation server, not the client. A
+    terminal context (finish not ``length`` / ``not_finished``) is the final answer with
+    no generation request (S7). A
     non-terminal one is validated as a handoff first (B7, :func:`context_problem`):
     exactly one choice, its ``disaggregated_params`` an object with the fields of
     :class:`ContextParams` well typed (a null or missing ``ctx_request_id`` is S9's
@@ -254,6 +256,11 @@ class TrtllmEngine(HttpEngine):
             return output
         choice = first_choice(answer)
         params = choice.get("disaggregated_params") if choice is not None else None
+        if choice is not None and "disaggregated_params" in choice:
+            # The handoff is for the generation server, not the client: a terminal
+            # context's choice reaches the client (S7), so it goes without it.
+            output.choices = [{key: value for key, value in choice.items()
+                               if key != "disaggregated_params"}]
         if isinstance(params, Mapping):
             handoff = dict(params)
             handoff.setdefault("request_type", "context_only")

@@ -76,11 +76,21 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+#: A worker's 4xx statuses that are about the router's credentials, not about the client's
+#: request (a worker started with an API key the router does not send). Passed through,
+#: they would tell the client that its own key is wrong (the openai SDK raises
+#: AuthenticationError and does not retry); they are a bad gateway (502) with the
+#: worker's message instead (S2).
+ROUTER_SIDE_STATUSES = frozenset({401, 403, 407})
+
+
 def _worker_rejection(exc: BaseException) -> WorkerError | None:
     """The worker's 4xx behind ``exc``: ``exc`` itself if it is a WorkerError, else its
-    ``__cause__``; None if neither is a WorkerError with a 4xx status."""
+    ``__cause__``; None if neither is a WorkerError with a 4xx status, or the status is
+    one of :data:`ROUTER_SIDE_STATUSES`."""
     worker = exc if isinstance(exc, WorkerError) else exc.__cause__
-    if isinstance(worker, WorkerError) and 400 <= worker.status < 500:
+    if (isinstance(worker, WorkerError) and 400 <= worker.status < 500
+            and worker.status not in ROUTER_SIDE_STATUSES):
         return worker
     return None
 
@@ -168,6 +178,8 @@ def error_for_exception(exc: BaseException) -> ApiError:
       ``prefill_failed``.
     - :class:`~trio_disagg.WorkerError`: its status if that is a 4xx, else 502; code
       ``worker_error``.
+    - A worker's 401, 403 or 407 (:data:`ROUTER_SIDE_STATUSES`: the router's
+      credentials) is never passed through: it is a 502 like a 5xx (S2).
     - anything else: 500, code ``internal_error`` (a bug; the caller logs it).
 
     Args:

@@ -298,13 +298,24 @@ def check_prompt_fields(body: Mapping[str, Any]) -> None:
 
 
 def check_completion(request: CompletionRequest) -> None:
-    """Completions-only checks: a non-empty prompt, no ``best_of`` > 1.
+    """Completions-only checks: a non-empty prompt, token ids not negative, ``logprobs``
+    between 0 and 20 (the bound chat's ``top_logprobs`` has, vLLM's default
+    ``max_logprobs``), no ``best_of`` > 1.
 
     Raises:
         ApiError: 400.
     """
     if isinstance(request.prompt, str) and not request.prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    prompt = request.prompt
+    ids = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], list) else prompt
+    # A list of token ids here is all ints (typed already): min() scans it in C.
+    if isinstance(ids, list) and ids and type(ids[0]) is int and min(ids) < 0:
+        raise ApiError(400, "prompt: a token id must not be negative", param="prompt",
+                       code="invalid_value")
+    if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+        raise ApiError(400, f"logprobs must be between 0 and 20, got {request.logprobs}",
+                       param="logprobs", code="invalid_value")
     if request.best_of is not None and request.best_of != 1:
         raise ApiError(400, f"best_of other than 1 is not supported (got {request.best_of})",
                        param="best_of", code="unsupported_value")

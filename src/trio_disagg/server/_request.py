@@ -206,7 +206,13 @@ def build_request(
     limits.edge.check_prompt(data, raw, chat=chat)  # 400 before any worker is called
     limits.edge.strip_fault(raw)
     parsed, budget, budget_name = _typed(raw, limits, chat=chat)
-    check_common(parsed, budget, param=budget_name)
+    if budget_name is None:
+        # A chat that names no budget has none (the worker's is the rest of its context,
+        # and none is invented for it, B8): min_tokens is bounded by the largest budget
+        # accepted, not by the default the in-process engines use.
+        check_common(parsed, limits.max_tokens_limit, param="the largest budget accepted")
+    else:
+        check_common(parsed, budget, param=budget_name)
     check_prompt_fields(raw)  # B8: what only the prefill computed is not served
     if parsed.model not in limits.models:
         raise ApiError(404, f"The model `{parsed.model}` does not exist.",
@@ -227,8 +233,10 @@ def build_request(
 
 def _typed(
     raw: dict[str, Any], limits: RequestLimits, *, chat: bool
-) -> tuple[CompletionRequest | ChatCompletionRequest, int, str]:
-    """The typed request, its completion budget in tokens, and the budget's field name."""
+) -> tuple[CompletionRequest | ChatCompletionRequest, int, str | None]:
+    """The typed request, its completion budget in tokens, and the budget's field name
+    (None for a chat that names none: a completion's default of 16 is its workers' too,
+    a chat's default is not)."""
     budget_name = "max_tokens"
     if chat:
         chat_request: ChatCompletionRequest = structure_body(raw, ChatCompletionRequest)
@@ -245,7 +253,6 @@ def _typed(
         parsed = completion_request
         budget = completion_request.max_tokens
     if budget is None:
-        budget = limits.default_max_tokens
-    else:
-        check_max_tokens(budget_name, budget, limits.max_tokens_limit)
+        return parsed, limits.default_max_tokens, None if chat else budget_name
+    check_max_tokens(budget_name, budget, limits.max_tokens_limit)
     return parsed, budget, budget_name
