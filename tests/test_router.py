@@ -676,6 +676,25 @@ async def test_B3_keeper_cancels_drains_left_after_the_window(
     assert keeper.cancelled_total == 1
 
 
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST])
+async def test_B3_B1_kv_staged_inside_the_drain_window_is_consumed(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A client leaves during its prefill, then the keeper exits while that prefill still
+    computes. The prefill stages its KV well inside the drain window: the B1 cleanup decode
+    it calls for is part of that transfer and runs in the window, instead of being refused
+    by a closing keeper and leaving the KV to the worker's lease."""
+    async with TransferKeeper(drain_window=30) as keeper:
+        h = harness_for(keeper, style)
+        with trio.move_on_after(0.05):  # the prefill takes longer
+            await h.run(make_request())
+        assert keeper.in_flight == 1  # the prefill, run on by the keeper (T1)
+    assert h.router.counters.staged_kv_cleanups == 1
+    assert h.router.counters.staged_kv_cleanup_failures == 0
+    assert keeper.cancelled_total == 0
+    h.assert_clean()
+
+
 # --- B5, S11, S12, C4/C5 ----------------------------------------------------------------------
 
 
