@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -692,6 +693,67 @@ async def test_B3_B1_kv_staged_inside_the_drain_window_is_consumed(
     assert h.router.counters.staged_kv_cleanups == 1
     assert h.router.counters.staged_kv_cleanup_failures == 0
     assert keeper.cancelled_total == 0
+    h.assert_clean()
+
+
+class CrashingDecode(StandIn):
+    """A decode worker that accepts, pulls the KV and sends ``after`` tokens of the mock
+    decode it wraps, then raises (a bug in a user's engine: the contract says one error
+    item, never an exception, after ``started()``)."""
+
+    def __init__(self, engine: Any, after: int, crash: Callable[[], Exception]) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.crash = crash
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, send)
+                task_status.started()
+                with receive:
+                    for _ in range(self.after):
+                        await send_channel.send(await receive.receive())
+                    raise self.crash()
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+@pytest.mark.parametrize(
+    "crash", [lambda: ValueError("engine bug"),
+              lambda: ExceptionGroup("engine bugs", [KeyError("k")])],
+    ids=["ValueError", "KeyError in a group"])
+@pytest.mark.parametrize("after", [0, 2])
+async def test_G4_B4_a_decode_engine_that_raises_after_it_started_is_an_error_item(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, crash: Callable[[], Exception],
+    after: int,
+) -> None:
+    """A decode engine that raises after ``started()`` ends its stream with one error item
+    naming the crash, whatever the handoff style: not a stream that just stops, which
+    reads as a (truncated) success (G4, B4), nor an exception group out of the request's
+    nursery."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        decode = CrashingDecode(h.cluster.decode[0], after, crash)
+        h.router.decode = WorkerPool([decode])
+        items: list[Item] = []
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("req-1"))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False] * after + [True]
+        message = items[-1].error_message()
+        assert message is not None and "decode-0" in message
+        assert ("ValueError: engine bug" in message) or ("KeyError: 'k'" in message)
+        await h.settle()
     h.assert_clean()
 
 
