@@ -889,6 +889,111 @@ async def test_B2_a_reader_that_leaves_on_its_own_timeout_stops_a_stalled_decode
         h.assert_clean()
 
 
+class Forwarding(StandIn):
+    """A decode worker that forwards the mock decode it wraps and lets the
+    ``BrokenResourceError`` of a reader that left escape (the contract says: return)."""
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, send)
+                task_status.started()
+                with receive:
+                    async for item in receive:
+                        await send_channel.send(item)
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_B4_a_decode_engine_that_lets_a_reader_gone_escape_ends_quietly(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, style: HandoffStyle
+) -> None:
+    """The reader leaves after one token; the engine's next send raises
+    ``BrokenResourceError``, which it lets escape. That is not a crash: nothing is logged
+    as one, and nothing reaches the request's nursery."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([Forwarding(h.cluster.decode[0])])
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("r"))
+            with stream.outputs:
+                async for _ in stream.outputs:
+                    break
+        await h.settle()
+    assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+    h.assert_clean()
+
+
+class DeafDecode(StandIn):
+    """A decode worker that sends ``after`` tokens of the mock decode it wraps, then hangs
+    without ever looking at its context (a bug in a user's engine: it ignores a stop)."""
+
+    def __init__(self, engine: Any, after: int) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.cancelled = False
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, send)
+                task_status.started()
+                with receive:
+                    for _ in range(self.after):
+                        await send_channel.send(await receive.receive())
+                    try:
+                        await trio.sleep_forever()
+                    except trio.Cancelled:
+                        self.cancelled = True
+                        raise
+
+
+@pytest.mark.parametrize("reader", ["to the decode-idle deadline", "leaves after 1 item"])
+async def test_B2_a_decode_leg_that_ignores_its_stop_does_not_hold_the_request_nursery(
+    autojump_clock: trio.abc.Clock, reader: str
+) -> None:
+    """A sequential decode leg runs in the request's nursery. When its stream ends early
+    (the decode-idle deadline, or a reader that leaves), the leg is stopped; one that
+    ignores the stop is cancelled once the decode-idle deadline passes again, instead of
+    holding the request's nursery for ever (B2)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, deadlines=Deadlines(decode_idle=5))
+        decode = DeafDecode(h.cluster.decode[0], after=1 if "leaves" in reader else 2)
+        h.router.decode = WorkerPool([decode])
+        items: list[Item] = []
+        with trio.fail_after(100):  # a guard against the hang, not a timing assertion
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                               RequestContext("r"))
+                with stream.outputs:
+                    async for item in stream.outputs:
+                        items.append(item)
+                        if reader == "leaves after 1 item":
+                            break
+        assert decode.cancelled
+        if reader == "to the decode-idle deadline":
+            assert [item.is_error for item in items] == [False, False, True]
+            assert "decode idle" in (items[-1].error_message() or "")
+        await h.settle()
+    h.assert_clean()
+
+
 @pytest.mark.parametrize("style", [BOOT, HandoffStyle.CONTEXT_FIRST])
 async def test_G9_C4_a_stop_after_a_kept_leg_produced_reaches_the_leg_though_unread(
     autojump_clock: trio.abc.Clock, style: HandoffStyle

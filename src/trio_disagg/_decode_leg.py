@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._crash import crash_message
+from ._crash import crash_message, leaves
 from ._engine import DecodeEngine
 from ._errors import WorkerError
 from ._gate import Gatekeeper
@@ -147,14 +147,22 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
     engine_send = send_channel.clone()
     with router.decode.lease(worker), send_channel:
         try:
-            await worker.engine.generate(request, context, engine_send, task_status=status)
+            if owner.holds_transfer:  # the keeper's leg: its scope is the leg's (G9)
+                await worker.engine.generate(request, context, engine_send,
+                                             task_status=status)
+            else:
+                with _bounded(owner):
+                    await worker.engine.generate(request, context, engine_send,
+                                                 task_status=status)
         except Exception as exc:
-            if isinstance(exc, WorkerError) or status.accepted:
-                router.decode.record_failure(worker, exc)
             if not status.accepted:
+                if isinstance(exc, WorkerError):
+                    router.decode.record_failure(worker, exc)
                 owner.decode_not_accepted(exc)
                 raise
-            await _report_crash(worker, request, send_channel, exc)
+            if not _reader_gone(exc):  # (else it meant to return quietly)
+                router.decode.record_failure(worker, exc)
+                await _report_crash(worker, request, send_channel, exc)
         except BaseException as exc:
             if not status.accepted:
                 owner.decode_not_accepted(exc)
@@ -173,6 +181,18 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 # The request's nursery was cancelled (the client went away): its stream
                 # ends now, whether or not its reader closes it.
                 owner.outputs.abandon()
+
+
+def _bounded(owner: HandoffOwner) -> trio.CancelScope:
+    """The scope of a decode leg in the request's nursery, which the owner bounds once
+    nobody reads the leg any more (:meth:`HandoffOwner.forward_ended`, B2)."""
+    owner.decode_scope = trio.CancelScope()
+    return owner.decode_scope
+
+
+def _reader_gone(exc: Exception) -> bool:
+    """``exc`` says only that nobody reads the stream any more."""
+    return all(isinstance(leaf, trio.BrokenResourceError) for leaf in leaves(exc))
 
 
 async def _report_crash(
