@@ -14,7 +14,9 @@ request by hand:
 - :func:`~trio_disagg.consume_prefill_stream` classifies the first output (S1-S10) and,
   for a bootstrap handoff, hands the rest of the stream to the keeper as a drain named
   after the request (``name=``), which checks every later output (T4). It returns as soon
-  as the handoff is known;
+  as the handoff is known. Given the engine's leg (``leg=``), it reads the stream's end
+  as the engine's end: an engine that refused, or raised after its handoff, fails the
+  prefill (T3) rather than ending a stream that would read as a success;
 - the prefill leg runs on ``client_context.detached_copy()`` (C5), the decode leg on a
   context linked with ``client_context.link_child(...)`` (C4);
 - a :class:`~trio_disagg.Gatekeeper` takes that handoff as it is (it watches the drain):
@@ -145,10 +147,13 @@ async def serve(
     # reading of its stream; consume_prefill_stream hands the rest of a bootstrap stream to
     # the keeper as a drain named after the request (S5, T4).
     prefill_send, prefill_receive = trio.open_memory_channel[Item](8)
-    keeper.spawn_leg(partial(fake_prefill, transfer=transfer, fail=fail), request,
-                     legs.prefill_context, prefill_send, name=name, kind="prefill engine")
+    # Given the engine's leg, the stream's end is read as the engine's end: an engine that
+    # refused, or raised after its handoff, fails the prefill (T3), never reads as success.
+    leg = keeper.spawn_leg(partial(fake_prefill, transfer=transfer, fail=fail), request,
+                           legs.prefill_context, prefill_send, name=name, kind="prefill engine")
     reader = keeper.start(partial(td.consume_prefill_stream, prefill_receive,
-                                  keeper=keeper, name=name), name=name, kind="prefill stream")
+                                  keeper=keeper, name=name, leg=leg),
+                          name=name, kind="prefill stream")
     completion = await reader.result()  # the handoff; a failed first output raises (S2)
 
     gate = td.Gatekeeper(completion, client)  # watches the drain: no glue needed

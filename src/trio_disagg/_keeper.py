@@ -16,6 +16,7 @@ from trio_util import AsyncValue
 
 from ._crash import crash_message, first_leaf
 from ._errors import PrefillCancelled, PrefillError
+from ._leg import TransferLeg as TransferLeg
 from ._tracker import PhasePermit
 
 T = TypeVar("T")
@@ -429,56 +430,12 @@ class TransferKeeper:
             # arrive in one group with a cancellation, which goes on alone (the keeper
             # closing), as do KeyboardInterrupt and friends.
             logger.warning("transfer leg %s failed", leg.name, exc_info=errors)
+            leg.crash = errors
         finally:
             if not leg.settled.is_set():  # cancelled before it started
                 leg._settle(RuntimeError(f"transfer leg {leg.name} was cancelled"))
+            leg._end()
             self._leave(key)
-
-
-class TransferLeg:
-    """A worker leg running in a :class:`TransferKeeper` (see
-    :meth:`TransferKeeper.spawn_leg`).
-
-    Attributes:
-        name: shown in logs.
-        scope: the leg's cancel scope; :meth:`bound` sets its deadline.
-        settled: set once the leg started, or failed to.
-        error: why it failed to start, once settled; None if it started.
-    """
-
-    __slots__ = ("error", "name", "scope", "settled")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.scope = trio.CancelScope()
-        self.settled = trio.Event()
-        self.error: BaseException | None = None
-
-    @property
-    def started(self) -> bool:
-        """True once the leg's worker accepted the request."""
-        return self.settled.is_set() and self.error is None
-
-    async def wait_started(self) -> None:
-        """Return once the leg started (its worker accepted the request).
-
-        Raises:
-            Exception: what the leg raised before it started (e.g. a
-                :class:`~trio_disagg.WorkerError`).
-
-        Cancelling this wait does not affect the leg.
-        """
-        await self.settled.wait()
-        if self.error is not None:
-            raise self.error
-
-    def bound(self, grace: float) -> None:
-        """Cancel the leg if it is still running ``grace`` seconds from now."""
-        self.scope.deadline = min(self.scope.deadline, trio.current_time() + grace)
-
-    def _settle(self, error: BaseException | None) -> None:
-        self.error = error
-        self.settled.set()
 
 
 #: What a drain without a guard holds: nothing (a nullcontext can be entered any number of
