@@ -15,6 +15,7 @@ import trio.testing
 from trio_disagg import (
     Annotated,
     DisaggRouter,
+    Gatekeeper,
     HandoffStyle,
     LLMEngineOutput,
     PrefillError,
@@ -583,3 +584,26 @@ async def test_an_exception_in_the_keepers_body_comes_out_bare(
     with pytest.RaisesGroup(KeyError, KeyError, match="^mine$"):
         async with TransferKeeper():
             raise ExceptionGroup("mine", [KeyError("a"), KeyError("b")])
+
+
+async def test_T2_a_watcher_that_raises_never_reaches_the_keepers_nursery(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gatekeeper watching a drain calls its reader's ``on_end`` from inside the drain's
+    task when the drain fails. One that raises (a bug) is logged: it must not crash the
+    keeper's nursery and cancel the other drains (T1, T2)."""
+    failing, other = Drain(), Drain("other")
+    async with TransferKeeper() as keeper:
+        task = keeper.start(failing, name="r-1")
+        bystander = keeper.start(other, name="r-2")
+        gate = Gatekeeper(task, RequestContext("r-1"))
+        _, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](1)
+        outputs = gate.outputs(receive, None, on_end=lambda: 1 / 0)
+        failing.fail()
+        await task.wait_done()
+        other.finish()
+    assert await bystander.result() == "other"
+    with outputs:
+        assert (await outputs.receive()).is_error  # the prefill's error (G6)
+    assert keeper.cancelled_total == 0
+    assert any("watcher" in r.getMessage() and r.exc_info for r in caplog.records)

@@ -757,6 +757,38 @@ async def test_G4_B4_a_decode_engine_that_raises_after_it_started_is_an_error_it
     h.assert_clean()
 
 
+async def test_T2_a_raising_stop_callback_on_a_client_context_never_reaches_the_keeper(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's ``on_stop`` callback that raises (a bug: it must not) is called when the
+    gatekeeper stops the client's context for a bootstrap prefill that failed late, from
+    inside the keeper's drain. Its exception is logged; it does not crash the keeper's
+    nursery, which would cancel every other request's transfer (T1, T2), and the client
+    still gets the prefill's error (G5)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        results: dict[str, list[Item]] = {}
+
+        async def client(request_id: str, fault: str | None, context: RequestContext) -> None:
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(
+                    nursery, make_request(request_id, fault=fault, max_tokens=30), context)
+                with stream.outputs:
+                    results[request_id] = [item async for item in stream.outputs]
+
+        buggy = RequestContext("buggy")
+        buggy.on_stop(buggy_callback)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client, "bystander", None, RequestContext("bystander"))
+            nursery.start_soon(client, "buggy", "prefill_fail_after_handoff", buggy)
+        await h.settle()
+    assert results["buggy"][-1].is_error
+    assert finish_of(results["bystander"][-1]) is FinishKind.LENGTH
+    assert keeper.cancelled_total == 0
+    assert any("on_stop callback" in r.getMessage() and r.exc_info for r in caplog.records)
+    h.assert_clean()
+
+
 # --- B5, S11, S12, C4/C5 ----------------------------------------------------------------------
 
 
@@ -1270,3 +1302,8 @@ async def test_B3_stream_over_a_keeper_that_is_not_open_raises_runtime_error_bar
             with pytest.raises(RuntimeError, match="TransferKeeper is not open"):
                 await h.router.stream(nursery, make_request("k"), RequestContext("k"))
         h.assert_clean()
+
+
+def buggy_callback(killed: bool) -> None:
+    """An ``on_stop`` callback that raises (a bug: it must not)."""
+    raise ZeroDivisionError("the bug")

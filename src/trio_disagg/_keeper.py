@@ -148,7 +148,10 @@ class PrefillTask(Generic[T]):
             trio.lowlevel.reschedule(task)
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
-            callback()
+            try:
+                callback()
+            except Exception:  # (one that reached user code) never into the keeper (T2)
+                logger.exception("a watcher of the prefill %s raised", self.name)
 
 
 class TransferKeeper:
