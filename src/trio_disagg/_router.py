@@ -202,9 +202,9 @@ class DisaggRouter:
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
             TypeError: an argument of another type than its own, before any work.
-            RuntimeError: the keeper is not open (never entered, or exited: close the
-                router first, B3); or ``nursery`` is closed (trio's error as the decode
-                leg starts: staged KV is consumed as for a client that left, B1, B6).
+            RuntimeError: the keeper is not open (B3: close the router first); ``nursery``
+                is closed, or the decode engine ended without ``started()`` (trio's error;
+                staged KV is consumed as for a client that left, B1, B6).
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
