@@ -789,6 +789,69 @@ async def test_T2_a_raising_stop_callback_on_a_client_context_never_reaches_the_
     h.assert_clean()
 
 
+class RefusesInANursery(StandIn):
+    """A worker whose first request is refused from inside a nursery of the engine's own,
+    as trio code naturally does: the ``WorkerError`` comes out in an exception group.
+    Later requests go to the mock engine it wraps."""
+
+    def __init__(self, engine: Any, status: int) -> None:
+        super().__init__(engine)
+        self.status = status
+        self.refused = 0
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        if self.refused:
+            await self.engine.generate(request, context, send_channel, task_status=task_status)
+            return
+        self.refused += 1
+        with send_channel:
+            async with trio.open_nursery():
+                raise WorkerError(f"{self.name} is full", status=self.status,
+                                  worker=self.name, worker_status=self.status)
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+@pytest.mark.parametrize("status", [503, 400])
+async def test_B9_S2_a_refusal_raised_inside_the_engines_own_nursery_is_a_refusal(
+    autojump_clock: trio.abc.Clock, leg: str, status: int
+) -> None:
+    """An engine that refuses from inside a nursery of its own raises its ``WorkerError``
+    in an exception group. It is the same refusal: a 5xx is tried again on another worker
+    (B9), a 4xx is final and keeps its status (S2), and ``stream()`` raises it bare, never
+    a group nor a "crashed" prefill."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, prefill=2, decode=2)
+        if leg == "prefill":  # the first worker refuses, the other serves
+            first, other = h.cluster.prefill
+            h.router.prefill = WorkerPool([RefusesInANursery(first, status), other])
+        else:
+            first, other = h.cluster.decode
+            h.router.decode = WorkerPool([RefusesInANursery(first, status), other])
+        if status == 503:
+            _, items = await h.run(make_request())
+            assert finish_of(items[-1]) is FinishKind.LENGTH
+            assert h.router.counters.retries == {(leg, "server_error"): 1}
+        else:
+            async with trio.open_nursery() as nursery:
+                with pytest.raises((PrefillError, WorkerError)) as caught:  # bare
+                    await h.router.stream(nursery, make_request(), RequestContext("r"))
+            error = caught.value
+            if leg == "prefill":
+                assert isinstance(error, PrefillError) and "crashed" not in str(error)
+                error = error.__cause__  # type: ignore[assignment]
+            assert isinstance(error, WorkerError) and error.status == 400
+            assert h.router.counters.retries == {}
+        await h.settle()
+    h.assert_clean()
+
+
 # --- B5, S11, S12, C4/C5 ----------------------------------------------------------------------
 
 

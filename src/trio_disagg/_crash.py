@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from ._errors import PrefillError
+from ._errors import PrefillError, WorkerError
 
 
 def first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:
@@ -37,3 +37,12 @@ def crash_message(exc: BaseException) -> str:
     named = (f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__
              for leaf in causes)
     return "; ".join(dict.fromkeys(named))
+
+
+def worker_refusal(exc: BaseException) -> WorkerError | None:
+    """The :class:`WorkerError` that ``exc`` is, bare or as the one exception of a group
+    (an engine that refuses inside a nursery of its own raises it in one); else None."""
+    found = leaves(exc)
+    if len(found) == 1 and isinstance(found[0], WorkerError):
+        return found[0]
+    return None

@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._crash import crash_message, leaves
+from ._crash import crash_message, leaves, worker_refusal
 from ._engine import DecodeEngine
 from ._errors import WorkerError
 from ._gate import Gatekeeper
@@ -156,9 +156,12 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                                                  task_status=status)
         except Exception as exc:
             if not status.accepted:
-                if isinstance(exc, WorkerError):
-                    router.decode.record_failure(worker, exc)
-                owner.decode_not_accepted(exc)
+                refusal = worker_refusal(exc)  # also from inside the engine's own nursery
+                if refusal is not None:
+                    router.decode.record_failure(worker, refusal)
+                owner.decode_not_accepted(refusal or exc)
+                if refusal is not None and refusal is not exc:
+                    raise refusal from refusal.__cause__  # bare (B9 and stream() need it)
                 raise
             if not _reader_gone(exc):  # (else it meant to return quietly)
                 router.decode.record_failure(worker, exc)

@@ -133,7 +133,8 @@ class DecodeEngine(Protocol):
     it as an error and do not retry; the router handles the rest (what becomes of the
     staged KV is its handoff owner's decision, B1, B6).
 
-    **Errors.** Raise :class:`~trio_disagg.WorkerError` only *before* ``started()``: the
+    **Errors.** Raise :class:`~trio_disagg.WorkerError` only *before* ``started()`` (bare,
+    or as the one exception of a group from a nursery of the engine's own): the
     worker refused the request (its ``status``; ``handoff_lost=True`` if a decode
     refused because the handoff's KV is unusable, so the router sends no B1 cleanup for
     it). After ``started()`` never raise for a worker failure: send ONE error item,

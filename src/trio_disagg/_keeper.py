@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import trio
 from trio_util import AsyncValue
 
-from ._crash import crash_message, first_leaf
+from ._crash import crash_message, first_leaf, worker_refusal
 from ._errors import PrefillCancelled, PrefillError
 from ._leg import TransferLeg as TransferLeg
 from ._tracker import PhasePermit
@@ -424,8 +424,8 @@ class TransferKeeper:
                 async with trio.open_nursery() as nursery:
                     try:
                         await nursery.start(async_fn, *args)
-                    except Exception as exc:
-                        leg._settle(exc)  # refused before it started: the waiter's error
+                    except Exception as exc:  # refused before it started: the waiter's error
+                        leg._settle(worker_refusal(exc) or exc)
                     else:
                         leg._settle(None)
         except* Exception as errors:
