@@ -829,11 +829,11 @@ async def test_B9_S2_a_refusal_raised_inside_the_engines_own_nursery_is_a_refusa
     async with TransferKeeper() as keeper:
         h = harness_for(keeper, SEQ, prefill=2, decode=2)
         if leg == "prefill":  # the first worker refuses, the other serves
-            first, other = h.cluster.prefill
-            h.router.prefill = WorkerPool([RefusesInANursery(first, status), other])
+            prefill = h.cluster.prefill
+            h.router.prefill = WorkerPool([RefusesInANursery(prefill[0], status), prefill[1]])
         else:
-            first, other = h.cluster.decode
-            h.router.decode = WorkerPool([RefusesInANursery(first, status), other])
+            decode = h.cluster.decode
+            h.router.decode = WorkerPool([RefusesInANursery(decode[0], status), decode[1]])
         if status == 503:
             _, items = await h.run(make_request())
             assert finish_of(items[-1]) is FinishKind.LENGTH
