@@ -852,6 +852,34 @@ async def test_B9_S2_a_refusal_raised_inside_the_engines_own_nursery_is_a_refusa
     h.assert_clean()
 
 
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_S3_a_library_stream_records_its_decode_first_token(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """``stream()`` without the HTTP server fills its tracker too: the decode's first
+    token is recorded when it reaches the reader through the gate, once, so the TTFT and
+    the KV transfer estimate are known to a library user, not only to the server."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=3),
+                                           RequestContext("r"))
+            assert stream.tracker.decode_first_token_at is None
+            with stream.outputs:
+                first = await stream.outputs.receive()
+                first_at = trio.current_time()
+                assert stream.tracker.decode_first_token_at == first_at
+                assert first.data is not None and first.data.token_ids
+                async for _ in stream.outputs:
+                    pass
+        tracker = stream.tracker
+        assert tracker.decode_first_token_at == first_at  # the first call won (S3)
+        assert tracker.time_to_first_token is not None and tracker.time_to_first_token > 0
+        assert tracker.kv_transfer_latency is not None
+        await h.settle()
+    h.assert_clean()
+
+
 # --- B5, S11, S12, C4/C5 ----------------------------------------------------------------------
 
 

@@ -358,8 +358,10 @@ class DisaggRouter:
         decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
 
         def first_output() -> None:
-            owner.decode_first_output()
-            owner.context.link_child(decode_context)  # C4
+            owner.tracker.record_decode_first_token()  # the TTFT, with or without a server
+            if owner.holds_transfer:
+                owner.decode_first_output()
+                owner.context.link_child(decode_context)  # C4
 
         gate = Gatekeeper(
             owner.prefill_task,
@@ -368,7 +370,7 @@ class DisaggRouter:
             terminal_hold_timeout=self.deadlines.terminal_hold,
             # A leg that is part of the KV transfer hears of the client's stop or kill
             # only once it fetched its KV (its first output): never abort a transfer (G9).
-            on_first_output=first_output if owner.holds_transfer else None,
+            on_first_output=first_output,
         )
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4

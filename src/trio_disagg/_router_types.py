@@ -90,7 +90,10 @@ class RequestStream:
         outputs: the client's stream of items; the last one is a terminal, an error,
             or the channel ends (B4 is the server's job). A ``"stopped"`` request's holds
             one ``cancelled`` finish (C3), or nothing if the context was killed.
-        tracker: the request's phases and timestamps.
+        tracker: the request's phases and timestamps (seconds, trio clock): the
+            prefill's first valid output (S3), the decode's first output as the reader
+            gets it through the gate (so ``time_to_first_token`` and
+            ``kv_transfer_latency``), and the stream's end.
         style: which handoff style served it (``"sequential"``, ``"context_first"``,
             ``"bootstrap"``), ``"decode_only"`` (a short prompt served by its decode worker
             alone: conditional disaggregation), ``"terminal"`` (the prefill answered, S7)
