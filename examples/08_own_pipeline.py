@@ -14,7 +14,9 @@ request by hand:
 - :func:`~trio_disagg.consume_prefill_stream` classifies the first output (S1-S10) and,
   for a bootstrap handoff, hands the rest of the stream to the keeper as a drain named
   after the request (``name=``), which checks every later output (T4). It returns as soon
-  as the handoff is known;
+  as the handoff is known. Given the engine's leg (``leg=``), it reads the stream's end
+  as the engine's end: an engine that refused, or raised after its handoff, fails the
+  prefill (T3) rather than ending a stream that would read as a success;
 - the prefill leg runs on ``client_context.detached_copy()`` (C5), the decode leg on a
   context linked with ``client_context.link_child(...)`` (C4);
 - a :class:`~trio_disagg.Gatekeeper` takes that handoff as it is (it watches the drain):
@@ -70,16 +72,19 @@ async def fake_prefill(
     *,
     transfer: float,
     fail: bool,
+    until: trio.Event,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """A bootstrap prefill worker: accepts, hands off its room at once, then ``transfer``
-    seconds of KV transfer, then its last output (an error item if ``fail``)."""
+    seconds of KV transfer (and, so that each lesson's order holds on a loaded machine,
+    not before ``until`` is set), then its last output (an error item if ``fail``)."""
     with send:
         task_status.started()
         assert request.bootstrap_info is not None  # the room the pipeline chose (S5)
         handoff = td.LLMEngineOutput(disaggregated_params=request.bootstrap_info.as_params())
         await send.send(td.Annotated.from_data(handoff))
         await trio.sleep(transfer)
+        await until.wait()
         if context.is_stopped:  # never, here: nobody stops a detached context (C5)
             return
         last = (td.Annotated[td.LLMEngineOutput].from_error("prefill worker lost its KV")
@@ -118,6 +123,8 @@ class Pipeline:
     prefill_context: td.RequestContext
     decode_context: td.RequestContext
     prefill: td.PrefillTask[td.Handoff] | None = None  # the drain the gate watches
+    #: Set once the decode leg sent its last output.
+    decoded: trio.Event = attrs.Factory(trio.Event)
     #: (when, item, the prefill's state then) for each item the client received
     received: list[tuple[float, Item, str]] = attrs.Factory(list)
 
@@ -129,10 +136,12 @@ async def serve(
     *,
     transfer: float,
     fail: bool = False,
+    until: trio.Event | None = None,
     pipeline: list[Pipeline],
 ) -> None:
     """One request through the hand-built pipeline; the caller's cancel scope is the
-    client's connection."""
+    client's connection. The prefill ends once ``until`` is set (a failing one once the
+    decode sent its last output)."""
     name = request.request_id
     room = td.BootstrapInfo(host="127.0.0.1", port=8998, room=next(ROOMS))
     request = attrs.evolve(request, bootstrap_info=room)
@@ -145,10 +154,18 @@ async def serve(
     # reading of its stream; consume_prefill_stream hands the rest of a bootstrap stream to
     # the keeper as a drain named after the request (S5, T4).
     prefill_send, prefill_receive = trio.open_memory_channel[Item](8)
-    keeper.spawn_leg(partial(fake_prefill, transfer=transfer, fail=fail), request,
-                     legs.prefill_context, prefill_send, name=name, kind="prefill engine")
+    # Given the engine's leg, the stream's end is read as the engine's end: an engine that
+    # refused, or raised after its handoff, fails the prefill (T3), never reads as success.
+    if until is None:  # a failing prefill fails after the decode's last token (lesson 3)
+        until = legs.decoded if fail else trio.Event()
+        if not fail:
+            until.set()  # no wait but its transfer
+    leg = keeper.spawn_leg(partial(fake_prefill, transfer=transfer, fail=fail, until=until),
+                           request,
+                           legs.prefill_context, prefill_send, name=name, kind="prefill engine")
     reader = keeper.start(partial(td.consume_prefill_stream, prefill_receive,
-                                  keeper=keeper, name=name), name=name, kind="prefill stream")
+                                  keeper=keeper, name=name, leg=leg),
+                          name=name, kind="prefill stream")
     completion = await reader.result()  # the handoff; a failed first output raises (S2)
 
     gate = td.Gatekeeper(completion, client)  # watches the drain: no glue needed
@@ -159,6 +176,7 @@ async def serve(
         assert isinstance(completion, td.Handoff)  # a Terminal dispatches nothing (S7)
         decoded = attrs.evolve(request, prefill_result=completion.result)
         await fake_decode(decoded, legs.decode_context, decode_send, task_status=task_status)
+        legs.decoded.set()
 
     async with trio.open_nursery() as nursery:  # the request: the decode leg, the writer
         await gate.dispatch(nursery, start_decode)  # G1, G2
@@ -217,10 +235,12 @@ async def main() -> None:
         print("2. The client kills its context at 15 ms, then disconnects (T1, C5, G9).")
         restart_clock()
         client = td.RequestContext("req-2")
+        transferred = trio.Event()  # the transfer outlasts the client, however slow the run
         with trio.CancelScope() as connection:  # the client's connection
             async with trio.open_nursery() as server:
                 server.start_soon(lambda: serve(keeper, make_request("req-2"), client,
-                                                transfer=0.04, pipeline=legs))
+                                                transfer=0.04, until=transferred,
+                                                pipeline=legs))
                 await trio.sleep(0.015)
                 client.kill()  # the client's kill reaches the decode (C4)...
                 await trio.sleep(0.005)
@@ -232,6 +252,7 @@ async def main() -> None:
         assert two.decode_context.is_killed and not two.prefill_context.is_stopped
         assert two.prefill is not None and not two.prefill.done, \
             "the prefill leg still runs, in the keeper"
+        transferred.set()
         await two.prefill.wait_done()
         assert two.prefill.succeeded, "the prefill leg survived its client (T1, G9)"
         print(f"  {now()}  {two.prefill!r}: the KV transfer ran to its end\n")

@@ -211,3 +211,42 @@ def test_C5_metadata_is_read_only_and_a_copy() -> None:
     assert ctx.metadata["trace_id"] == "t"
     with pytest.raises(TypeError):
         ctx.metadata["trace_id"] = "x"  # type: ignore[index]
+
+
+def test_C1_a_raising_on_stop_callback_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A callback must not raise; one that does is logged, the callbacks after it are
+    still called, and the stop itself raises nothing (it may run in a keeper's task)."""
+    context = RequestContext("r")
+    seen: list[bool] = []
+    context.on_stop(buggy_callback)
+    context.on_stop(seen.append)
+    context.stop_generating()
+    context.kill()
+    assert seen == [False, True]
+    assert context.is_killed
+    raised = [r for r in caplog.records if r.name == "trio_disagg.context"]
+    assert len(raised) == 2 and all(r.exc_info for r in raised)
+
+
+def test_C1_request_id_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        RequestContext(None)  # type: ignore[arg-type]
+
+
+def test_C4_a_link_that_would_make_a_cycle_is_refused() -> None:
+    """A cycle of links would make the next stop recurse for ever."""
+    a, b, c = RequestContext("a"), RequestContext("b"), RequestContext("c")
+    a.link_child(b)
+    b.link_child(c)
+    for parent, child in ((a, a), (c, a), (b, a), (c, b)):
+        with pytest.raises(ValueError, match="cycle"):
+            parent.link_child(child)
+    a.kill()
+    assert b.is_killed and c.is_killed
+
+
+def buggy_callback(killed: bool) -> None:
+    """An ``on_stop`` callback that raises (a bug: it must not)."""
+    raise ZeroDivisionError("the bug")

@@ -15,6 +15,7 @@ import trio.testing
 from trio_disagg import (
     Annotated,
     DisaggRouter,
+    Gatekeeper,
     HandoffStyle,
     LLMEngineOutput,
     PrefillError,
@@ -443,25 +444,62 @@ async def test_B3_outer_cancellation_is_a_hard_stop(
     assert keeper.in_flight == 0
 
 
-async def test_B3_start_during_and_after_exit_raises(
+async def test_B3_start_during_exit_admits_only_the_keepers_own_follow_ups(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """Within the drain window a drain may start its follow-up (a B1 cleanup for the KV
+    it staged, the drain of a bootstrap stream), which the window waits for; a task that
+    is not the keeper's is refused, and after the exit everyone is."""
     refused: list[str] = []
+    follow_ups: list[PrefillTask[str]] = []
     keeper = TransferKeeper(drain_window=10)
 
-    async def drain_that_tries_to_start_another() -> None:
+    async def drain_that_starts_a_follow_up() -> None:
         await trio.sleep(1)  # by now the keeper is exiting
+        follow_ups.append(keeper.start(sleeper(2, "cleanup"), name="cleanup"))
+
+    async def outsider() -> None:
+        await trio.sleep(1)
         try:
             keeper.start(sleeper(1), name="late")
         except RuntimeError as exc:
             refused.append(str(exc))
 
-    async with keeper:
-        keeper.start(drain_that_tries_to_start_another, name="first")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outsider)
+        async with keeper:
+            keeper.start(drain_that_starts_a_follow_up, name="first")
     assert refused == ["the TransferKeeper is not open; no new drains are accepted"]
+    assert trio.current_time() == 3.0  # the window waited for the follow-up
+    assert [await task.result() for task in follow_ups] == ["cleanup"]
     with pytest.raises(RuntimeError, match="not open"):
         keeper.start(sleeper(1), name="after")
-    assert keeper.started_total == 1
+    with pytest.raises(RuntimeError, match="not open"):
+        keeper.spawn_leg(sleeper(1), name="after")
+    assert keeper.started_total == 2
+    assert keeper.cancelled_total == 0
+
+
+async def test_B3_a_follow_up_started_past_the_window_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A follow-up a drain starts while the keeper cancels it (past the window) is
+    cancelled with it and reported, not left running."""
+    follow_ups: list[PrefillTask[str]] = []
+    keeper = TransferKeeper(drain_window=1)
+
+    async def drain() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            follow_ups.append(keeper.start(sleeper(5, "cleanup"), name="cleanup"))
+
+    async with keeper:
+        keeper.start(drain, name="stuck")
+    assert trio.current_time() == 1.0
+    assert follow_ups[0].failed
+    assert keeper.in_flight == 0
+    assert keeper.cancelled_total == 2
 
 
 def test_B3_start_before_enter_raises() -> None:
@@ -546,3 +584,26 @@ async def test_an_exception_in_the_keepers_body_comes_out_bare(
     with pytest.RaisesGroup(KeyError, KeyError, match="^mine$"):
         async with TransferKeeper():
             raise ExceptionGroup("mine", [KeyError("a"), KeyError("b")])
+
+
+async def test_T2_a_watcher_that_raises_never_reaches_the_keepers_nursery(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gatekeeper watching a drain calls its reader's ``on_end`` from inside the drain's
+    task when the drain fails. One that raises (a bug) is logged: it must not crash the
+    keeper's nursery and cancel the other drains (T1, T2)."""
+    failing, other = Drain(), Drain("other")
+    async with TransferKeeper() as keeper:
+        task = keeper.start(failing, name="r-1")
+        bystander = keeper.start(other, name="r-2")
+        gate = Gatekeeper(task, RequestContext("r-1"))
+        _, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](1)
+        outputs = gate.outputs(receive, None, on_end=lambda: 1 / 0)
+        failing.fail()
+        await task.wait_done()
+        other.finish()
+    assert await bystander.result() == "other"
+    with outputs:
+        assert (await outputs.receive()).is_error  # the prefill's error (G6)
+    assert keeper.cancelled_total == 0
+    assert any("watcher" in r.getMessage() and r.exc_info for r in caplog.records)

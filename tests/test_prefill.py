@@ -662,3 +662,70 @@ async def test_S1_S10_with_a_first_output_the_caller_already_read(
     with pytest.raises(PrefillError, match="no output"):  # S1 still applies
         await consume_prefill_stream(receive, first=None)
 
+
+
+# --- the engine's leg: a stream that ends is not a success if its engine failed -------------
+
+
+async def leg_engine(
+    behaviour: str,
+    request: object,
+    send: trio.MemorySendChannel[Item],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A prefill engine as docs/howto-engine.md runs it (``keeper.spawn_leg``): it
+    refuses, or sends its handoff and then raises (a bug: the contract says one error
+    item), or answers properly."""
+    with send:
+        if behaviour == "refuses":
+            raise WorkerError("prefill worker is full", status=503)
+        task_status.started()
+        params = BOOTSTRAP if "bootstrap" in behaviour else {"kv": 1}
+        await send.send(out(disaggregated_params=params))
+        await trio.sleep(1)
+        if "crashes" in behaviour:
+            raise ValueError("engine bug")
+        await send.send(out(finish_reason=FinishReason.LENGTH))
+
+
+@pytest.mark.parametrize("behaviour", ["refuses", "crashes", "bootstrap crashes"])
+async def test_T3_T4_a_prefill_engine_leg_that_fails_is_a_prefill_error_not_a_stream_end(
+    autojump_clock: trio.testing.MockClock, behaviour: str
+) -> None:
+    """Given the engine's leg, ``consume_prefill_stream`` reads the stream's end as the
+    engine's end: an engine that refused (S1) or raised after its handoff (T3, T4) fails
+    the prefill with its error, where the stream alone ended cleanly and a crash after
+    the handoff read as a success (G5)."""
+    async with TransferKeeper() as keeper:
+        send, receive = trio.open_memory_channel[Item](8)
+        leg = keeper.spawn_leg(leg_engine, behaviour, None, send, name="r1",
+                               kind="prefill engine")
+        reader = keeper.start(
+            lambda: consume_prefill_stream(receive, keeper=keeper, name="r1", leg=leg),
+            name="r1", kind="prefill stream")
+        if behaviour == "refuses":
+            with pytest.raises(PrefillError, match="prefill worker is full") as caught:
+                await reader.result()
+            assert isinstance(caught.value.__cause__, WorkerError)
+            return
+        if behaviour == "crashes":  # read to its end before the handoff returns (S6)
+            with pytest.raises(PrefillError, match="crashed: ValueError: engine bug"):
+                await reader.result()
+            return
+        completion = await reader.result()  # a bootstrap handoff returns at once (S5)
+        assert isinstance(completion, Handoff) and completion.drain is not None
+        with pytest.raises(PrefillError, match="crashed: ValueError: engine bug"):
+            await completion.drain.result()
+
+
+async def test_T4_a_prefill_engine_leg_that_ends_well_is_a_handoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with TransferKeeper() as keeper:
+        send, receive = trio.open_memory_channel[Item](8)
+        leg = keeper.spawn_leg(leg_engine, "bootstrap", None, send, name="r1")
+        completion = await consume_prefill_stream(receive, keeper=keeper, name="r1", leg=leg)
+        assert isinstance(completion, Handoff) and completion.drain is not None
+        await completion.drain.result()
+        assert leg.done and leg.crash is None

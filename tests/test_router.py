@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -714,6 +715,209 @@ async def test_B3_keeper_cancels_drains_left_after_the_window(
     assert keeper.cancelled_total == 1
 
 
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST])
+async def test_B3_B1_kv_staged_inside_the_drain_window_is_consumed(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A client leaves during its prefill, then the keeper exits while that prefill still
+    computes. The prefill stages its KV well inside the drain window: the B1 cleanup decode
+    it calls for is part of that transfer and runs in the window, instead of being refused
+    by a closing keeper and leaving the KV to the worker's lease."""
+    async with TransferKeeper(drain_window=30) as keeper:
+        h = harness_for(keeper, style)
+        with trio.move_on_after(0.05):  # the prefill takes longer
+            await h.run(make_request())
+        assert keeper.in_flight == 1  # the prefill, run on by the keeper (T1)
+    assert h.router.counters.staged_kv_cleanups == 1
+    assert h.router.counters.staged_kv_cleanup_failures == 0
+    assert keeper.cancelled_total == 0
+    h.assert_clean()
+
+
+class CrashingDecode(StandIn):
+    """A decode worker that accepts, pulls the KV and sends ``after`` tokens of the mock
+    decode it wraps, then raises (a bug in a user's engine: the contract says one error
+    item, never an exception, after ``started()``)."""
+
+    def __init__(self, engine: Any, after: int, crash: Callable[[], Exception]) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.crash = crash
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, send)
+                task_status.started()
+                with receive:
+                    for _ in range(self.after):
+                        await send_channel.send(await receive.receive())
+                    raise self.crash()
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+@pytest.mark.parametrize(
+    "crash", [lambda: ValueError("engine bug"),
+              lambda: ExceptionGroup("engine bugs", [KeyError("k")])],
+    ids=["ValueError", "KeyError in a group"])
+@pytest.mark.parametrize("after", [0, 2])
+async def test_G4_B4_a_decode_engine_that_raises_after_it_started_is_an_error_item(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, crash: Callable[[], Exception],
+    after: int,
+) -> None:
+    """A decode engine that raises after ``started()`` ends its stream with one error item
+    naming the crash, whatever the handoff style: not a stream that just stops, which
+    reads as a (truncated) success (G4, B4), nor an exception group out of the request's
+    nursery."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        decode = CrashingDecode(h.cluster.decode[0], after, crash)
+        h.router.decode = WorkerPool([decode])
+        items: list[Item] = []
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("req-1"))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False] * after + [True]
+        message = items[-1].error_message()
+        assert message is not None and "decode-0" in message
+        assert ("ValueError: engine bug" in message) or ("KeyError: 'k'" in message)
+        await h.settle()
+    h.assert_clean()
+
+
+async def test_T2_a_raising_stop_callback_on_a_client_context_never_reaches_the_keeper(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's ``on_stop`` callback that raises (a bug: it must not) is called when the
+    gatekeeper stops the client's context for a bootstrap prefill that failed late, from
+    inside the keeper's drain. Its exception is logged; it does not crash the keeper's
+    nursery, which would cancel every other request's transfer (T1, T2), and the client
+    still gets the prefill's error (G5)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, BOOT)
+        results: dict[str, list[Item]] = {}
+
+        async def client(request_id: str, fault: str | None, context: RequestContext) -> None:
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(
+                    nursery, make_request(request_id, fault=fault, max_tokens=30), context)
+                with stream.outputs:
+                    results[request_id] = [item async for item in stream.outputs]
+
+        buggy = RequestContext("buggy")
+        buggy.on_stop(buggy_callback)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client, "bystander", None, RequestContext("bystander"))
+            nursery.start_soon(client, "buggy", "prefill_fail_after_handoff", buggy)
+        await h.settle()
+    assert results["buggy"][-1].is_error
+    assert finish_of(results["bystander"][-1]) is FinishKind.LENGTH
+    assert keeper.cancelled_total == 0
+    assert any("on_stop callback" in r.getMessage() and r.exc_info for r in caplog.records)
+    h.assert_clean()
+
+
+class RefusesInANursery(StandIn):
+    """A worker whose first request is refused from inside a nursery of the engine's own,
+    as trio code naturally does: the ``WorkerError`` comes out in an exception group.
+    Later requests go to the mock engine it wraps."""
+
+    def __init__(self, engine: Any, status: int) -> None:
+        super().__init__(engine)
+        self.status = status
+        self.refused = 0
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        if self.refused:
+            await self.engine.generate(request, context, send_channel, task_status=task_status)
+            return
+        self.refused += 1
+        with send_channel:
+            async with trio.open_nursery():
+                raise WorkerError(f"{self.name} is full", status=self.status,
+                                  worker=self.name, worker_status=self.status)
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+@pytest.mark.parametrize("status", [503, 400])
+async def test_B9_S2_a_refusal_raised_inside_the_engines_own_nursery_is_a_refusal(
+    autojump_clock: trio.abc.Clock, leg: str, status: int
+) -> None:
+    """An engine that refuses from inside a nursery of its own raises its ``WorkerError``
+    in an exception group. It is the same refusal: a 5xx is tried again on another worker
+    (B9), a 4xx is final and keeps its status (S2), and ``stream()`` raises it bare, never
+    a group nor a "crashed" prefill."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, prefill=2, decode=2)
+        if leg == "prefill":  # the first worker refuses, the other serves
+            prefill = h.cluster.prefill
+            h.router.prefill = WorkerPool([RefusesInANursery(prefill[0], status), prefill[1]])
+        else:
+            decode = h.cluster.decode
+            h.router.decode = WorkerPool([RefusesInANursery(decode[0], status), decode[1]])
+        if status == 503:
+            _, items = await h.run(make_request())
+            assert finish_of(items[-1]) is FinishKind.LENGTH
+            assert h.router.counters.retries == {(leg, "server_error"): 1}
+        else:
+            async with trio.open_nursery() as nursery:
+                with pytest.raises((PrefillError, WorkerError)) as caught:  # bare
+                    await h.router.stream(nursery, make_request(), RequestContext("r"))
+            error = caught.value
+            if leg == "prefill":
+                assert isinstance(error, PrefillError) and "crashed" not in str(error)
+                error = error.__cause__  # type: ignore[assignment]
+            assert isinstance(error, WorkerError) and error.status == 400
+            assert h.router.counters.retries == {}
+        await h.settle()
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_S3_a_library_stream_records_its_decode_first_token(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """``stream()`` without the HTTP server fills its tracker too: the decode's first
+    token is recorded when it reaches the reader through the gate, once, so the TTFT and
+    the KV transfer estimate are known to a library user, not only to the server."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=3),
+                                           RequestContext("r"))
+            assert stream.tracker.decode_first_token_at is None
+            with stream.outputs:
+                first = await stream.outputs.receive()
+                first_at = trio.current_time()
+                assert stream.tracker.decode_first_token_at == first_at
+                assert first.data is not None and first.data.token_ids
+                async for _ in stream.outputs:
+                    pass
+        tracker = stream.tracker
+        assert tracker.decode_first_token_at == first_at  # the first call won (S3)
+        assert tracker.time_to_first_token is not None and tracker.time_to_first_token > 0
+        assert tracker.kv_transfer_latency is not None
+        await h.settle()
+    h.assert_clean()
+
+
 # --- B5, S11, S12, C4/C5 ----------------------------------------------------------------------
 
 
@@ -844,6 +1048,111 @@ async def test_B2_a_reader_that_leaves_on_its_own_timeout_stops_a_stalled_decode
         assert trio.current_time() - start < 5
         await h.settle()
         h.assert_clean()
+
+
+class Forwarding(StandIn):
+    """A decode worker that forwards the mock decode it wraps and lets the
+    ``BrokenResourceError`` of a reader that left escape (the contract says: return)."""
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, send)
+                task_status.started()
+                with receive:
+                    async for item in receive:
+                        await send_channel.send(item)
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_B4_a_decode_engine_that_lets_a_reader_gone_escape_ends_quietly(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture, style: HandoffStyle
+) -> None:
+    """The reader leaves after one token; the engine's next send raises
+    ``BrokenResourceError``, which it lets escape. That is not a crash: nothing is logged
+    as one, and nothing reaches the request's nursery."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([Forwarding(h.cluster.decode[0])])
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("r"))
+            with stream.outputs:
+                async for _ in stream.outputs:
+                    break
+        await h.settle()
+    assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+    h.assert_clean()
+
+
+class DeafDecode(StandIn):
+    """A decode worker that sends ``after`` tokens of the mock decode it wraps, then hangs
+    without ever looking at its context (a bug in a user's engine: it ignores a stop)."""
+
+    def __init__(self, engine: Any, after: int) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.cancelled = False
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, send)
+                task_status.started()
+                with receive:
+                    for _ in range(self.after):
+                        await send_channel.send(await receive.receive())
+                    try:
+                        await trio.sleep_forever()
+                    except trio.Cancelled:
+                        self.cancelled = True
+                        raise
+
+
+@pytest.mark.parametrize("reader", ["to the decode-idle deadline", "leaves after 1 item"])
+async def test_B2_a_decode_leg_that_ignores_its_stop_does_not_hold_the_request_nursery(
+    autojump_clock: trio.abc.Clock, reader: str
+) -> None:
+    """A sequential decode leg runs in the request's nursery. When its stream ends early
+    (the decode-idle deadline, or a reader that leaves), the leg is stopped; one that
+    ignores the stop is cancelled once the decode-idle deadline passes again, instead of
+    holding the request's nursery for ever (B2)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, deadlines=Deadlines(decode_idle=5))
+        decode = DeafDecode(h.cluster.decode[0], after=1 if "leaves" in reader else 2)
+        h.router.decode = WorkerPool([decode])
+        items: list[Item] = []
+        with trio.fail_after(100):  # a guard against the hang, not a timing assertion
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                               RequestContext("r"))
+                with stream.outputs:
+                    async for item in stream.outputs:
+                        items.append(item)
+                        if reader == "leaves after 1 item":
+                            break
+        assert decode.cancelled
+        if reader == "to the decode-idle deadline":
+            assert [item.is_error for item in items] == [False, False, True]
+            assert "decode idle" in (items[-1].error_message() or "")
+        await h.settle()
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("style", [BOOT, HandoffStyle.CONTEXT_FIRST])
@@ -1122,3 +1431,8 @@ async def test_B3_stream_over_a_keeper_that_is_not_open_raises_runtime_error_bar
             with pytest.raises(RuntimeError, match="TransferKeeper is not open"):
                 await h.router.stream(nursery, make_request("k"), RequestContext("k"))
         h.assert_clean()
+
+
+def buggy_callback(killed: bool) -> None:
+    """An ``on_stop`` callback that raises (a bug: it must not)."""
+    raise ZeroDivisionError("the bug")

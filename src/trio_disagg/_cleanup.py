@@ -12,6 +12,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
+from ._crash import worker_refusal
 from ._engine import DecodeEngine
 from ._errors import NoWorkerAvailable, WorkerError
 from ._health import retry_reason
@@ -118,8 +119,10 @@ async def _cleanup_decode(
             try:
                 await nursery.start(worker.engine.generate, minimal,
                                     RequestContext(minimal.request_id), send)
-            except WorkerError as exc:  # kept out of the nursery: a bare exception
-                refusal = exc
+            except Exception as exc:  # kept out of the nursery: a bare exception
+                refusal = worker_refusal(exc)  # also from inside the engine's own nursery
+                if refusal is None:
+                    raise
                 receive.close()
             else:
                 with receive:

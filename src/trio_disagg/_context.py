@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import trio
+
+logger = logging.getLogger("trio_disagg.context")
 
 _LIVE, _STOPPED, _KILLED = 0, 1, 2
 #: The metadata of every context made without any: one shared read-only mapping, not an
@@ -35,6 +38,9 @@ class RequestContext:
         metadata: read-only values carried along (trace ids, the session id, ...); copied,
             then exposed as a read-only mapping.
 
+    Raises:
+        TypeError: ``request_id`` is not a str.
+
     Attributes:
         id: the request id.
         metadata: the read-only metadata.
@@ -43,6 +49,8 @@ class RequestContext:
     __slots__ = ("_callbacks", "_children", "_killed", "_state", "_stopped", "id", "metadata")
 
     def __init__(self, request_id: str, metadata: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self.id = request_id
         self.metadata: Mapping[str, Any] = (MappingProxyType(dict(metadata)) if metadata
                                             else _NO_METADATA)
@@ -75,8 +83,8 @@ class RequestContext:
 
         Linked children are stopped first (C4), then this context's waiters are woken and
         its ``on_stop`` callbacks called with ``killed=False``. A context already stopped
-        or killed is left as it is: a stop never downgrades a kill (C3). Never raises
-        (unless a callback does, which it must not).
+        or killed is left as it is: a stop never downgrades a kill (C3). Never raises: a
+        callback that raises (it must not) is logged, and the others are still called.
         """
         if self._state >= _STOPPED:
             return  # already stopped or killed: never downgrade a kill (C3)
@@ -93,6 +101,7 @@ class RequestContext:
         Linked children are killed first (C4), then waiters of both ``stopped()`` and
         ``killed()`` are woken and the ``on_stop`` callbacks called with ``killed=True``.
         Killing a killed context does nothing; killing a stopped one upgrades it (C3).
+        Never raises, as :meth:`stop_generating`.
         """
         if self._state == _KILLED:
             return
@@ -134,7 +143,13 @@ class RequestContext:
 
         Args:
             child: the context of a leg working for this request.
+
+        Raises:
+            ValueError: ``child`` is this context or one it is linked from: the link
+                would make a cycle, which a stop would walk for ever.
         """
+        if child is self or child._reaches(self):
+            raise ValueError(f"linking {child!r} under {self!r} would make a cycle")
         if self._children is None:
             self._children = []
         self._children.append(child)
@@ -156,10 +171,12 @@ class RequestContext:
         on a kill (a stop then a kill calls it twice) (C1, C2).
 
         The usual callback cancels a producer's cancel scope. Callbacks run synchronously
-        inside ``stop_generating()`` / ``kill()`` and must not raise (nor await). A
-        callback registered on a context already stopped or killed is called at once,
-        with its current state. Callbacks cannot be removed; they live as long as the
-        context.
+        inside ``stop_generating()`` / ``kill()``, in whatever task stops the context (a
+        keeper's drain, for one the gatekeeper stops), and must not raise (nor await):
+        one that raises there is logged to ``trio_disagg.context``, never raised into
+        that task. A callback registered on a context already stopped or killed is
+        called at once, with its current state (what it raises then is raised here).
+        Callbacks cannot be removed; they live as long as the context.
 
         Args:
             callback: called with ``killed``.
@@ -179,6 +196,20 @@ class RequestContext:
         if self._callbacks is not None and callback in self._callbacks:
             self._callbacks.remove(callback)
 
+    def _reaches(self, other: RequestContext) -> bool:
+        """Whether ``other`` is among this context's linked descendants."""
+        pending = list(self._children or ())
+        while pending:
+            child = pending.pop()
+            if child is other:
+                return True
+            pending.extend(child._children or ())
+        return False
+
     def _notify(self, *, killed: bool) -> None:
         for callback in self._callbacks or ():
-            callback(killed)
+            try:
+                callback(killed)
+            except Exception:
+                # The stopping task may be a keeper's, whose nursery nothing may reach (T2).
+                logger.exception("on_stop callback %r of %r raised", callback, self)

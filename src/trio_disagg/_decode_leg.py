@@ -4,6 +4,7 @@ the KV transfer, in the keeper (G9)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -12,13 +13,14 @@ import attrs
 import trio
 
 from ._context import RequestContext
+from ._crash import crash_message, leaves, worker_refusal
 from ._engine import DecodeEngine
 from ._errors import WorkerError
 from ._gate import Gatekeeper
 from ._handoff import HandoffOwner, HandoffState
 from ._health import retry_reason
 from ._pool import Worker
-from ._protocols import PreprocessedRequest
+from ._protocols import Annotated, PreprocessedRequest
 from ._router_types import Item
 
 if TYPE_CHECKING:
@@ -142,23 +144,47 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """One decode leg with the handoff; tells ``owner`` whether its worker accepted."""
+    """One decode leg with the handoff; tells ``owner`` whether its worker accepted.
+
+    An engine that raises after its worker accepted breaks its contract (one error item,
+    never an exception): its stream ends with one error item naming the crash, as a
+    decode failure (G4), not with a silent end that reads as a success (B4), nor with
+    an exception into the request's nursery."""
     worker = owner.decode_worker
     status = _Accepted(owner, task_status)
     del task_status  # held by ``status`` until started() only (see _Accepted)
     owner.release_decode()  # the lease counts it from here (S12)
-    with router.decode.lease(worker):
+    # The engine closes its own end; ours stays open to carry its crash.
+    engine_send = send_channel.clone()
+    with router.decode.lease(worker), send_channel:
         try:
-            await worker.engine.generate(request, context, send_channel, task_status=status)
+            if owner.holds_transfer:  # the keeper's leg: its scope is the leg's (G9)
+                await worker.engine.generate(request, context, engine_send,
+                                             task_status=status)
+            else:
+                with _bounded(owner):
+                    await worker.engine.generate(request, context, engine_send,
+                                                 task_status=status)
+        except Exception as exc:
+            if not status.accepted:
+                refusal = worker_refusal(exc)  # also from inside the engine's own nursery
+                if refusal is not None:
+                    router.decode.record_failure(worker, refusal)
+                owner.decode_not_accepted(refusal or exc)
+                if refusal is not None and refusal is not exc:
+                    raise refusal from refusal.__cause__  # bare (B9 and stream() need it)
+                raise
+            if not _reader_gone(exc):  # (else it meant to return quietly)
+                router.decode.record_failure(worker, exc)
+                await _report_crash(worker, request, send_channel, exc)
         except BaseException as exc:
             if not status.accepted:
                 owner.decode_not_accepted(exc)
-            if isinstance(exc, WorkerError):
-                router.decode.record_failure(worker, exc)
             raise
         else:
             router.decode.record_success(worker)
         finally:
+            engine_send.close()  # (an engine that forgot to close it ended all the same)
             if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
                 owner.decode_cancelled()
             if trio.current_effective_deadline() != -math.inf:  # ended on its own
@@ -169,6 +195,35 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 # The request's nursery was cancelled (the client went away): its stream
                 # ends now, whether or not its reader closes it.
                 owner.outputs.abandon()
+
+
+def _bounded(owner: HandoffOwner) -> trio.CancelScope:
+    """The scope of a decode leg in the request's nursery, which the owner bounds once
+    nobody reads the leg any more (:meth:`HandoffOwner.forward_ended`, B2)."""
+    owner.decode_scope = trio.CancelScope()
+    return owner.decode_scope
+
+
+def _reader_gone(exc: Exception) -> bool:
+    """``exc`` says only that nobody reads the stream any more."""
+    return all(isinstance(leaf, trio.BrokenResourceError) for leaf in leaves(exc))
+
+
+async def _report_crash(
+    worker: Worker[DecodeEngine],
+    request: PreprocessedRequest,
+    send_channel: trio.MemorySendChannel[Item],
+    exc: Exception,
+) -> None:
+    """End a crashed decode leg's stream with one error item (G4), logged with its
+    traceback; a reader that is gone is not told."""
+    logger.warning("decode leg %s on %s crashed after its worker accepted",
+                   request.request_id, worker.name, exc_info=exc)
+    error = WorkerError(f"decode worker {worker.name} crashed: {crash_message(exc)}",
+                        worker=worker.name)
+    error.__cause__ = exc
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await send_channel.send(Annotated.from_exception(error))
 
 
 class _Accepted:

@@ -133,12 +133,15 @@ class DecodeEngine(Protocol):
     it as an error and do not retry; the router handles the rest (what becomes of the
     staged KV is its handoff owner's decision, B1, B6).
 
-    **Errors.** Raise :class:`~trio_disagg.WorkerError` only *before* ``started()``: the
+    **Errors.** Raise :class:`~trio_disagg.WorkerError` only *before* ``started()`` (bare,
+    or as the one exception of a group from a nursery of the engine's own): the
     worker refused the request (its ``status``; ``handoff_lost=True`` if a decode
     refused because the handoff's KV is unusable, so the router sends no B1 cleanup for
     it). After ``started()`` never raise for a worker failure: send ONE error item,
     ``Annotated.from_exception(exc)`` (keeps the typed exception for the server) or
-    ``Annotated.from_error(message)``, and end the stream.
+    ``Annotated.from_error(message)``, and end the stream. (A decode engine that raises
+    anyway gets one error item in its place from the router, never a stream that reads
+    as complete: G4, B4.)
 
     Attributes:
         name: unique within its pool; shown in metrics and logs.

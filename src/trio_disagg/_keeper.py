@@ -14,7 +14,9 @@ from typing import Any, Generic, TypeVar
 import trio
 from trio_util import AsyncValue
 
+from ._crash import crash_message, first_leaf, worker_refusal
 from ._errors import PrefillCancelled, PrefillError
+from ._leg import TransferLeg as TransferLeg
 from ._tracker import PhasePermit
 
 T = TypeVar("T")
@@ -146,7 +148,10 @@ class PrefillTask(Generic[T]):
             trio.lowlevel.reschedule(task)
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
-            callback()
+            try:
+                callback()
+            except Exception:  # (one that reached user code) never into the keeper (T2)
+                logger.exception("a watcher of the prefill %s raised", self.name)
 
 
 class TransferKeeper:
@@ -161,10 +166,13 @@ class TransferKeeper:
 
     On exit the keeper stops accepting drains, waits up to ``drain_window`` seconds for the
     in-flight ones to end, then cancels what is left, logging each one it cancelled
-    (rule B3 in docs/semantics.md). If the code around the keeper is itself cancelled, the
-    drains are cancelled with it: that is a hard stop, not a graceful one. An exception
-    raised in the ``async with`` body comes out as it was raised, never wrapped in an
-    exception group.
+    (rule B3 in docs/semantics.md). Within that window a task of the keeper's own may
+    still start its follow-ups (a B1 cleanup decode for the KV its prefill staged, the
+    drain of a bootstrap stream, a decode leg kept for the transfer), so that a transfer
+    in flight at shutdown ends as it would have; nothing else is admitted. If the code
+    around the keeper is itself cancelled, the drains are cancelled with it: that is a
+    hard stop, not a graceful one. An exception raised in the ``async with`` body comes
+    out as it was raised, never wrapped in an exception group.
 
     Args:
         drain_window: seconds to let in-flight drains finish on exit.
@@ -186,6 +194,8 @@ class TransferKeeper:
         self.drain_window = drain_window
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
+        # While exiting: the nursery, open to the follow-ups of its own tasks only (B3).
+        self._exiting: trio.Nursery | None = None
         self._in_flight: dict[object, str] = {}  # drains and legs, by identity: their kind
         # How many are in flight, for the tasks waiting for the keeper to go idle.
         self._count = AsyncValue(0)
@@ -218,8 +228,9 @@ class TransferKeeper:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        nursery, self._nursery = self._nursery, None  # admit no more drains
+        nursery, self._nursery = self._nursery, None  # admit no more drains...
         assert nursery is not None
+        self._exiting = nursery  # ...but the follow-ups of those in flight (B3)
         # Shielded and bounded, so that exiting on an exception still gives the drains their
         # window. (If the code around the keeper was cancelled, so were the drains.)
         with trio.move_on_after(self.drain_window, shield=True):
@@ -241,6 +252,8 @@ class TransferKeeper:
                     and type(group.exceptions[0]) is type(exc)):
                 return False
             raise
+        finally:
+            self._exiting = None
         return result
 
     async def wait_idle(self) -> None:
@@ -275,19 +288,27 @@ class TransferKeeper:
             The :class:`PrefillTask` observing the drain.
 
         Raises:
-            RuntimeError: if the keeper is not open (never entered, or exiting).
+            RuntimeError: if the keeper is not open: never entered, exited, or exiting
+                and the caller is not one of its own tasks (see the class).
         """
-        if self._nursery is None:
-            raise RuntimeError("the TransferKeeper is not open; no new drains are accepted")
+        nursery = self._admitting("drains")
         task: PrefillTask[T] = PrefillTask(name)
         held = None  # made only for a guard (P3: memory per stream)
         if guard is not None:
             held = ExitStack()
             held.enter_context(guard)  # S5: held from the handoff on, not from the first run
         self._enter(task, kind)
-        self._nursery.start_soon(self._run, task, async_fn, held, permit, kind,
-                                 name=f"{kind} {name}")
+        nursery.start_soon(self._run, task, async_fn, held, permit, kind, name=f"{kind} {name}")
         return task
+
+    def _admitting(self, what: str) -> trio.Nursery:
+        """The nursery a new task goes in: the keeper's while it is open; while it exits,
+        only for a task of its own starting a follow-up of its transfer (B3)."""
+        if self._nursery is not None:
+            return self._nursery
+        if self._exiting is not None and _runs_in(self._exiting):
+            return self._exiting
+        raise RuntimeError(f"the TransferKeeper is not open; no new {what} are accepted")
 
     async def _run(
         self,
@@ -318,7 +339,7 @@ class TransferKeeper:
         except BaseException as exc:
             if isinstance(exc, BaseExceptionGroup) and exc.split(PrefillError)[1] is None:
                 # A PrefillError raised inside a nursery of the drain arrives wrapped.
-                leaf = _first_leaf(exc)
+                leaf = first_leaf(exc)
                 self.failed_total += 1
                 logger.warning("%s %s failed: %s", kind, task.name, leaf)  # T2
                 task._finish(None, leaf)
@@ -334,7 +355,7 @@ class TransferKeeper:
             logger.warning("%s %s crashed", kind, task.name, exc_info=exc)  # T2
             crash = PrefillError(
                 f"Prefill background task did not complete: {task.name} crashed: "
-                f"{_crash_message(exc)}")
+                f"{crash_message(exc)}")
             crash.__cause__ = exc
             task._finish(None, crash)
             if not isinstance(exc, Exception):
@@ -382,14 +403,13 @@ class TransferKeeper:
             The leg's :class:`TransferLeg`.
 
         Raises:
-            RuntimeError: if the keeper is not open.
+            RuntimeError: if the keeper is not open (as for :meth:`start`).
         """
-        if self._nursery is None:
-            raise RuntimeError("the TransferKeeper is not open; no new legs are accepted")
+        nursery = self._admitting("legs")
         leg = TransferLeg(name)
         key = object()
         self._enter(key, kind)
-        self._nursery.start_soon(self._run_leg, leg, key, async_fn, args, name=f"{kind} {name}")
+        nursery.start_soon(self._run_leg, leg, key, async_fn, args, name=f"{kind} {name}")
         return leg
 
     async def _run_leg(
@@ -404,8 +424,8 @@ class TransferKeeper:
                 async with trio.open_nursery() as nursery:
                     try:
                         await nursery.start(async_fn, *args)
-                    except Exception as exc:
-                        leg._settle(exc)  # refused before it started: the waiter's error
+                    except Exception as exc:  # refused before it started: the waiter's error
+                        leg._settle(worker_refusal(exc) or exc)
                     else:
                         leg._settle(None)
         except* Exception as errors:
@@ -413,56 +433,12 @@ class TransferKeeper:
             # arrive in one group with a cancellation, which goes on alone (the keeper
             # closing), as do KeyboardInterrupt and friends.
             logger.warning("transfer leg %s failed", leg.name, exc_info=errors)
+            leg.crash = errors
         finally:
             if not leg.settled.is_set():  # cancelled before it started
                 leg._settle(RuntimeError(f"transfer leg {leg.name} was cancelled"))
+            leg._end()
             self._leave(key)
-
-
-class TransferLeg:
-    """A worker leg running in a :class:`TransferKeeper` (see
-    :meth:`TransferKeeper.spawn_leg`).
-
-    Attributes:
-        name: shown in logs.
-        scope: the leg's cancel scope; :meth:`bound` sets its deadline.
-        settled: set once the leg started, or failed to.
-        error: why it failed to start, once settled; None if it started.
-    """
-
-    __slots__ = ("error", "name", "scope", "settled")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.scope = trio.CancelScope()
-        self.settled = trio.Event()
-        self.error: BaseException | None = None
-
-    @property
-    def started(self) -> bool:
-        """True once the leg's worker accepted the request."""
-        return self.settled.is_set() and self.error is None
-
-    async def wait_started(self) -> None:
-        """Return once the leg started (its worker accepted the request).
-
-        Raises:
-            Exception: what the leg raised before it started (e.g. a
-                :class:`~trio_disagg.WorkerError`).
-
-        Cancelling this wait does not affect the leg.
-        """
-        await self.settled.wait()
-        if self.error is not None:
-            raise self.error
-
-    def bound(self, grace: float) -> None:
-        """Cancel the leg if it is still running ``grace`` seconds from now."""
-        self.scope.deadline = min(self.scope.deadline, trio.current_time() + grace)
-
-    def _settle(self, error: BaseException | None) -> None:
-        self.error = error
-        self.settled.set()
 
 
 #: What a drain without a guard holds: nothing (a nullcontext can be entered any number of
@@ -470,31 +446,11 @@ class TransferLeg:
 _UNGUARDED = nullcontext()
 
 
-def _first_leaf(group: BaseExceptionGroup[PrefillError]) -> PrefillError:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, PrefillError)
-    return exc
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """The leaf exceptions of ``exc``: itself, or every exception inside its groups."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
-
-
-def _crash_message(exc: BaseException) -> str:
-    """What crashed a drain, in one readable line (never the repr of nested groups).
-
-    The leaves that caused the crash are named with their type and message; those that
-    are only its consequences (a :class:`PrefillError` such as "no output" for a stream
-    whose engine crashed, a cancellation) are left out when a cause is there.
-    """
-    leaves = _leaves(exc)
-    causes = [leaf for leaf in leaves
-              if not isinstance(leaf, (PrefillError, trio.Cancelled))] or leaves
-    named = (f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__
-             for leaf in causes)
-    return "; ".join(dict.fromkeys(named))
+def _runs_in(nursery: trio.Nursery) -> bool:
+    """Whether the calling task descends from ``nursery``."""
+    parent = trio.lowlevel.current_task().parent_nursery
+    while parent is not None:
+        if parent is nursery:
+            return True
+        parent = parent.parent_task.parent_nursery
+    return False

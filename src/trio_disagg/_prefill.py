@@ -11,8 +11,9 @@ from typing import Any
 import attrs
 import trio
 
+from ._crash import crash_message
 from ._errors import NoDisaggregatedParams, PrefillError
-from ._keeper import PrefillTask, TransferKeeper
+from ._keeper import PrefillTask, TransferKeeper, TransferLeg
 from ._protocols import (
     Annotated,
     CompletionUsage,
@@ -237,22 +238,20 @@ async def consume_prefill_stream(
     name: str | None = None,
     guard: AbstractContextManager[Any] | None = None,
     first: Annotated[LLMEngineOutput] | None = None,
+    leg: TransferLeg | None = None,
 ) -> PrefillCompletion:
     """Read a prefill stream and say what comes next: a decode with the handoff, or
     nothing but the prefill's own answer (S1-S10, T4).
 
     The first output is classified (:func:`classify_first_output`). For a bootstrap
-    handoff (S5) with a ``keeper``, the rest of the stream is then drained by the keeper,
-    which holds ``guard`` until that drain ends, and this returns at once: the returned
-    :class:`Handoff`'s ``drain`` observes the drain, and a
-    :class:`~trio_disagg.Gatekeeper` takes that handoff as it is. Otherwise the whole
-    stream is read here before returning (S6), ``guard`` held meanwhile. Either way a
-    later failure is raised or logged exactly once: here, or by the keeper from inside
-    the drain (T2).
+    handoff (S5) with a ``keeper``, the keeper drains the rest, holding ``guard`` until
+    then, and this returns at once, the :class:`Handoff`'s ``drain`` observing it (a
+    :class:`~trio_disagg.Gatekeeper` takes the handoff as it is). Otherwise the stream is
+    read here to its end (S6), ``guard`` held. A later failure is raised or logged once:
+    here, or by the keeper from inside the drain (T2).
 
     Args:
-        outputs: the prefill leg's stream; it is closed when fully read, and on any
-            error.
+        outputs: the prefill leg's stream; closed when fully read, and on any error.
         tracker: records prefill complete on the first valid output (S3).
         keeper: drains the rest of a bootstrap stream in the background (T1).
         name: the drain's name in the keeper's logs and trio task names (usually the
@@ -261,14 +260,17 @@ async def consume_prefill_stream(
         first: the first output, if the caller already read it from ``outputs`` (to
             bound that wait by a deadline of its own, rule B2 in docs/semantics.md,
             without closing the stream when the deadline expires).
+        leg: the keeper's leg running the engine (:meth:`TransferKeeper.spawn_leg`):
+            the stream's end is read as the engine's end, so an engine that refused
+            (S1) or raised (T3) fails the prefill, never a clean end (G5).
 
     Returns:
         A :class:`Handoff` (with a ``drain`` in the keeper for a bootstrap handoff and a
         ``keeper``) or a :class:`Terminal`.
 
     Raises:
-        PrefillError: no output at all (S1), an error first output (S2), or a later
-            failed output (S6, T4) when the stream is read here.
+        PrefillError: no output at all (S1), an error first output (S2), a later
+            failed output (S6, T4) when the stream is read here, ``leg``'s failure.
         NoDisaggregatedParams: S8, S9.
         RuntimeError: the keeper is not open.
 
@@ -277,13 +279,14 @@ async def consume_prefill_stream(
     not affected (T1).
     """
     if first is None:
-        first = await _receive_first(outputs)
+        first = await _receive_first(outputs, leg)
     completion = _classify_or_close(outputs, first, tracker)
     if isinstance(completion, Handoff) and completion.bootstrap and keeper is not None:
         return _drain_in_keeper(outputs, completion, keeper,
-                                name or _task_name(first, completion), guard)
+                                name or _task_name(first, completion), guard, leg)
     with guard if guard is not None else contextlib.nullcontext():
         later = await _drain(outputs)
+        await _engine_ended(leg)
     if isinstance(completion, Handoff):
         completion = _with_usage(completion, later)
     return completion
@@ -291,20 +294,39 @@ async def consume_prefill_stream(
 
 async def _receive_first(
     outputs: trio.MemoryReceiveChannel[Annotated[LLMEngineOutput]],
+    leg: TransferLeg | None,
 ) -> Annotated[LLMEngineOutput]:
     """The stream's first output; the channel is closed if there is none.
 
     Raises:
-        PrefillError: the stream ended with no output (S1).
+        PrefillError: the stream ended with no output (S1): the refusal or crash of
+            ``leg``'s engine, if it had one.
     """
     try:
         return await outputs.receive()
     except trio.EndOfChannel:
         outputs.close()
-        raise PrefillError("Prefill returned no output (stream ended)") from None
     except BaseException:
         outputs.close()
         raise
+    await _engine_ended(leg)
+    raise PrefillError("Prefill returned no output (stream ended)")
+
+
+async def _engine_ended(leg: TransferLeg | None) -> None:
+    """Wait for the engine's ``leg``, if given, whose stream ended.
+
+    Raises:
+        PrefillError: the engine refused before it started, or raised after it.
+    """
+    if leg is None:
+        return
+    await leg.wait_done()
+    if leg.error is not None:
+        raise PrefillError(f"prefill engine {leg.name} failed: {leg.error}") from leg.error
+    if leg.crash is not None:
+        raise PrefillError(f"Prefill background task did not complete: {leg.name} crashed: "
+                           f"{crash_message(leg.crash)}") from leg.crash
 
 
 def _classify_or_close(
@@ -326,16 +348,20 @@ def _drain_in_keeper(
     keeper: TransferKeeper,
     name: str,
     guard: AbstractContextManager[Any] | None,
+    leg: TransferLeg | None,
 ) -> Handoff:
     """Start draining the rest of a bootstrap stream in ``keeper`` (T1), ``guard`` held
-    until the drain ends, and return ``handoff`` with the drain's task.
+    until the drain ends (and the engine's ``leg``, if given), and return ``handoff``
+    with the drain's task.
 
     Raises:
         RuntimeError: the keeper is not open; the channel is closed.
     """
 
     async def drain_rest() -> Handoff:
-        return _with_usage(handoff, await _drain(outputs))
+        later = await _drain(outputs)
+        await _engine_ended(leg)
+        return _with_usage(handoff, later)
 
     try:
         task = keeper.start(drain_rest, name=name, guard=guard)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ._context import RequestContext
+from ._crash import worker_refusal
 from ._engine import DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import PrefillCancelled, PrefillDeadlineExceeded, PrefillError, WorkerError
 from ._handoff import HandoffOwner, HandoffState
@@ -210,8 +211,10 @@ async def _read_answer(
             try:
                 with trio.move_on_at(deadline + _late_grace(router)) as bound, send:
                     await worker.engine.generate(owner.request, context, send)
-            except WorkerError as exc:
-                refused = exc
+            except Exception as exc:
+                refused = worker_refusal(exc)  # also from inside the engine's own nursery
+                if refused is None:
+                    raise
             finally:
                 # (blocked sending one more, if the grace's end cut it)
                 flooded = receive.statistics().current_buffer_used >= SEQUENTIAL_PREFILL_OUTPUTS
@@ -364,8 +367,11 @@ async def _run_engine(
     try:
         with send:
             await engine.generate(request, context, send)
-    except WorkerError as exc:
-        refusal.append(exc)
+    except Exception as exc:
+        refused = worker_refusal(exc)  # also from inside the engine's own nursery
+        if refused is None:
+            raise
+        refusal.append(refused)
 
 
 async def _receive_first(

@@ -202,9 +202,9 @@ class DisaggRouter:
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
             TypeError: an argument of another type than its own, before any work.
-            RuntimeError: the keeper is not open (never entered, or exited: close the
-                router first, B3); or ``nursery`` is closed (trio's error as the decode
-                leg starts: staged KV is consumed as for a client that left, B1, B6).
+            RuntimeError: the keeper is not open (B3: close the router first); ``nursery``
+                is closed, or the decode engine ended without ``started()`` (trio's error;
+                staged KV is consumed as for a client that left, B1, B6).
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
@@ -358,8 +358,10 @@ class DisaggRouter:
         decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
 
         def first_output() -> None:
-            owner.decode_first_output()
-            owner.context.link_child(decode_context)  # C4
+            owner.tracker.record_decode_first_token()  # the TTFT, with or without a server
+            if owner.holds_transfer:
+                owner.decode_first_output()
+                owner.context.link_child(decode_context)  # C4
 
         gate = Gatekeeper(
             owner.prefill_task,
@@ -368,7 +370,7 @@ class DisaggRouter:
             terminal_hold_timeout=self.deadlines.terminal_hold,
             # A leg that is part of the KV transfer hears of the client's stop or kill
             # only once it fetched its KV (its first output): never abort a transfer (G9).
-            on_first_output=first_output if owner.holds_transfer else None,
+            on_first_output=first_output,
         )
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4

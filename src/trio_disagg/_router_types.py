@@ -44,7 +44,9 @@ class Deadlines:
             is still read, within ``min(1 s, 10% of it)``, so its staged KV is consumed
             (B1).
         handoff: handoff ready until the decode worker accepted the request.
-        decode_idle: the longest gap between two decode outputs.
+        decode_idle: the longest gap between two decode outputs; also how long a decode
+            leg whose stream nobody reads any more has to obey its stop before it is
+            cancelled.
         terminal_hold: how long a success terminal waits for the prefill outcome.
         transfer: the whole prefill leg in the keeper, including a bootstrap drain. (A
             B1 cleanup decode is bounded by ``handoff`` + ``decode_idle``.)
@@ -88,7 +90,10 @@ class RequestStream:
         outputs: the client's stream of items; the last one is a terminal, an error,
             or the channel ends (B4 is the server's job). A ``"stopped"`` request's holds
             one ``cancelled`` finish (C3), or nothing if the context was killed.
-        tracker: the request's phases and timestamps.
+        tracker: the request's phases and timestamps (seconds, trio clock): the
+            prefill's first valid output (S3), the decode's first output as the reader
+            gets it through the gate (so ``time_to_first_token`` and
+            ``kv_transfer_latency``), and the stream's end.
         style: which handoff style served it (``"sequential"``, ``"context_first"``,
             ``"bootstrap"``), ``"decode_only"`` (a short prompt served by its decode worker
             alone: conditional disaggregation), ``"terminal"`` (the prefill answered, S7)
