@@ -1126,13 +1126,14 @@ class DeafDecode(StandIn):
 
 
 @pytest.mark.parametrize("reader", ["to the decode-idle deadline", "leaves after 1 item"])
-async def test_B2_a_decode_leg_that_ignores_its_stop_does_not_hold_the_request_nursery(
+async def test_B2_a_decode_leg_that_ignores_its_stop_ends_with_the_request_nursery(
     autojump_clock: trio.abc.Clock, reader: str
 ) -> None:
     """A sequential decode leg runs in the request's nursery. When its stream ends early
-    (the decode-idle deadline, or a reader that leaves), the leg is stopped; one that
-    ignores the stop is cancelled once the decode-idle deadline passes again, instead of
-    holding the request's nursery for ever (B2)."""
+    (the decode-idle deadline, or a reader that leaves), the reader is done and the leg
+    is stopped through its context; one that ignores the stop is the nursery's, and ends
+    when its caller ends the request's nursery (the HTTP server: ``linger`` seconds after
+    the answer), leaving nothing behind (B2)."""
     async with TransferKeeper() as keeper:
         h = harness_for(keeper, SEQ, deadlines=Deadlines(decode_idle=5))
         decode = DeafDecode(h.cluster.decode[0], after=1 if "leaves" in reader else 2)
@@ -1147,6 +1148,8 @@ async def test_B2_a_decode_leg_that_ignores_its_stop_does_not_hold_the_request_n
                         items.append(item)
                         if reader == "leaves after 1 item":
                             break
+                assert not decode.cancelled  # the deaf leg runs on, its reader done
+                nursery.cancel_scope.cancel()  # the caller's bound on its request
         assert decode.cancelled
         if reader == "to the decode-idle deadline":
             assert [item.is_error for item in items] == [False, False, True]

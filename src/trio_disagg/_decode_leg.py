@@ -4,7 +4,6 @@ the KV transfer, in the keeper (G9)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ from ._gate import Gatekeeper
 from ._handoff import HandoffOwner, HandoffState
 from ._health import retry_reason
 from ._pool import Worker
-from ._protocols import Annotated, PreprocessedRequest
+from ._protocols import PreprocessedRequest
 from ._router_types import Item
 
 if TYPE_CHECKING:
@@ -154,17 +153,9 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
     status = _Accepted(owner, task_status)
     del task_status  # held by ``status`` until started() only (see _Accepted)
     owner.release_decode()  # the lease counts it from here (S12)
-    # The engine closes its own end; ours stays open to carry its crash.
-    engine_send = send_channel.clone()
     with router.decode.lease(worker), send_channel:
         try:
-            if owner.holds_transfer:  # the keeper's leg: its scope is the leg's (G9)
-                await worker.engine.generate(request, context, engine_send,
-                                             task_status=status)
-            else:
-                with _bounded(owner):
-                    await worker.engine.generate(request, context, engine_send,
-                                                 task_status=status)
+            await worker.engine.generate(request, context, send_channel, task_status=status)
         except Exception as exc:
             if not status.accepted:
                 refusal = worker_refusal(exc)  # also from inside the engine's own nursery
@@ -176,7 +167,7 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 raise
             if not _reader_gone(exc):  # (else it meant to return quietly)
                 router.decode.record_failure(worker, exc)
-                await _report_crash(worker, request, send_channel, exc)
+                _report_crash(worker, owner, request, exc)
         except BaseException as exc:
             if not status.accepted:
                 owner.decode_not_accepted(exc)
@@ -184,7 +175,6 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         else:
             router.decode.record_success(worker)
         finally:
-            engine_send.close()  # (an engine that forgot to close it ended all the same)
             if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
                 owner.decode_cancelled()
             if trio.current_effective_deadline() != -math.inf:  # ended on its own
@@ -197,33 +187,28 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 owner.outputs.abandon()
 
 
-def _bounded(owner: HandoffOwner) -> trio.CancelScope:
-    """The scope of a decode leg in the request's nursery, which the owner bounds once
-    nobody reads the leg any more (:meth:`HandoffOwner.forward_ended`, B2)."""
-    owner.decode_scope = trio.CancelScope()
-    return owner.decode_scope
-
-
 def _reader_gone(exc: Exception) -> bool:
     """``exc`` says only that nobody reads the stream any more."""
     return all(isinstance(leaf, trio.BrokenResourceError) for leaf in leaves(exc))
 
 
-async def _report_crash(
-    worker: Worker[DecodeEngine],
-    request: PreprocessedRequest,
-    send_channel: trio.MemorySendChannel[Item],
+def _report_crash(
+    worker: Worker[DecodeEngine], owner: HandoffOwner, request: PreprocessedRequest,
     exc: Exception,
 ) -> None:
-    """End a crashed decode leg's stream with one error item (G4), logged with its
-    traceback; a reader that is gone is not told."""
+    """End a crashed decode leg's stream with one error item of the gatekeeper's (G4),
+    logged with its traceback. (Through the gate, not the leg's channel: the engine
+    closed its end, and a second end held open for this would cost every stream its
+    memory, P3.)"""
     logger.warning("decode leg %s on %s crashed after its worker accepted",
                    request.request_id, worker.name, exc_info=exc)
     error = WorkerError(f"decode worker {worker.name} crashed: {crash_message(exc)}",
                         worker=worker.name)
     error.__cause__ = exc
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        await send_channel.send(Annotated.from_exception(error))
+    if owner.outputs is not None:
+        owner.outputs.decode_crashed(error)
+    else:  # its reader is not made yet: the router hands it the crash (_dispatch)
+        owner.decode_crash = error
 
 
 class _Accepted:
@@ -248,3 +233,32 @@ class _Accepted:
         self.accepted = True
         self.owner.decode_accepted()
         task_status.started(value)
+
+
+class StreamHooks:
+    """What the gatekeeper calls back for one request's decode stream: its first output
+    (the TTFT; for a leg kept for the transfer, the end of the transfer's protection, G9)
+    and its end. One small object rather than two closures (P3: memory per stream)."""
+
+    __slots__ = ("decode_context", "gate", "owner", "router")
+
+    def __init__(self, router: DisaggRouter, owner: HandoffOwner,
+                 decode_context: RequestContext) -> None:
+        self.router = router
+        self.owner = owner
+        self.decode_context = decode_context
+        self.gate: Gatekeeper | None = None  # set once made, with these hooks
+
+    def first_output(self) -> None:
+        owner = self.owner
+        owner.tracker.record_decode_first_token()  # the TTFT, with or without a server
+        if owner.holds_transfer:
+            owner.decode_first_output()
+            owner.context.link_child(self.decode_context)  # C4
+
+    def stream_ended(self) -> None:
+        owner, router, gate = self.owner, self.router, self.gate
+        owner.tracker.finish()
+        router._release()
+        owner.forward_ended(router.deadlines.decode_idle,
+                            failed=gate is not None and gate.failure is not None)

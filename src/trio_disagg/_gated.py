@@ -251,6 +251,14 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._decode_ended = True
         self._complete_if_whole()
 
+    def decode_crashed(self, error: Exception) -> None:
+        """The decode engine raised after its worker accepted (G4): the stream ends with
+        ``error`` as its last item, not with an end that reads as a success (B4). Only
+        a reader that has not seen the end yet gets it: an engine that closes its
+        channel in its outermost ``with`` (as it should) reports its crash first."""
+        if self._state == _OPEN:
+            self._fail(error)
+
     def _complete_if_whole(self) -> None:
         if (self._decode_ended and self._prefill.succeeded and self._final is None
                 and self._gate._prefill_answer() is None):

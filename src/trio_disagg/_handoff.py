@@ -152,8 +152,9 @@ class HandoffOwner:
     outputs: GatedOutputs | None = None
     #: The decode leg ended on its own (its whole stream is in its channel).
     decode_leg_ended: bool = False
-    #: The cancel scope of a decode leg run in the request's nursery (not kept).
-    decode_scope: trio.CancelScope | None = None
+    #: What a decode engine raised after its worker accepted, until the stream's
+    #: reader exists to end with it (G4; see ``decode_leg``).
+    decode_crash: Exception | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_worker is not None:
@@ -361,19 +362,13 @@ class HandoffOwner:
 
     def forward_ended(self, grace: float, *, failed: bool) -> None:
         """The request's stream ended (its last item read, its reader gone, its prefill
-        failed): nobody reads the decode leg any more. A leg in the request's nursery
-        that has not ended gets ``grace`` seconds to obey its stop (B2). A kept leg
+        failed): nobody reads the decode leg any more. A kept leg
         past its first output is no longer part of the transfer, and one whose stream the
         gatekeeper failed (``failed``: a prefill failure, a deadline) is of no use: both
         end now. One that has not fetched its KV yet when its client left gets ``grace``
         seconds to reach its first send, then it is cancelled (G9). Either way the KV it
         leaves is the owner's to decide on (:meth:`decode_cancelled`)."""
         if self.leg is None:
-            if self.decode_scope is not None and not self.decode_leg_ended:
-                # Stopped through its context by now; one that ignores the stop must not
-                # hold the request's nursery: ``grace`` seconds more, then cancelled (B2).
-                scope = self.decode_scope
-                scope.deadline = min(scope.deadline, trio.current_time() + grace)
             return
         if self.first_output_seen or failed:
             self.leg.scope.cancel()

@@ -17,7 +17,7 @@ import trio
 from trio_util import AsyncValue
 
 from ._context import RequestContext
-from ._decode_leg import accepted_decode
+from ._decode_leg import StreamHooks, accepted_decode
 from ._engine import DecodeEngine, PrefillEngine
 from ._errors import DeadlineExceeded, NoWorkerAvailable, RouterClosed, WorkerError
 from ._estimate import estimate_prompt_tokens
@@ -356,21 +356,15 @@ class DisaggRouter:
         self, nursery: trio.Nursery, owner: HandoffOwner, decode_request: PreprocessedRequest
     ) -> RequestStream:
         decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
-
-        def first_output() -> None:
-            owner.tracker.record_decode_first_token()  # the TTFT, with or without a server
-            if owner.holds_transfer:
-                owner.decode_first_output()
-                owner.context.link_child(decode_context)  # C4
-
-        gate = Gatekeeper(
+        hooks = StreamHooks(self, owner, decode_context)
+        gate = hooks.gate = Gatekeeper(
             owner.prefill_task,
             owner.context,
             idle_timeout=self.deadlines.decode_idle,
             terminal_hold_timeout=self.deadlines.terminal_hold,
             # A leg that is part of the KV transfer hears of the client's stop or kill
             # only once it fetched its KV (its first output): never abort a transfer (G9).
-            on_first_output=first_output,
+            on_first_output=hooks.first_output,
         )
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4
@@ -388,13 +382,9 @@ class DisaggRouter:
         # A kept leg is ended by its owner, never by a stop it would obey before it
         # fetched its KV (that would leave the KV to a worker timeout): see forward_ended().
         leg_context = None if owner.holds_transfer else decode_context
-
-        def stream_ended() -> None:
-            owner.tracker.finish()
-            self._release()
-            owner.forward_ended(self.deadlines.decode_idle, failed=gate.failure is not None)
-
-        outputs = owner.outputs = gate.outputs(decode_receive, leg_context, stream_ended)
+        outputs = owner.outputs = gate.outputs(decode_receive, leg_context, hooks.stream_ended)
+        if owner.decode_crash is not None:  # (it crashed before its reader existed)
+            outputs.decode_crashed(owner.decode_crash)
         if owner.decode_leg_ended:  # a short stream, whole in the channel already
             outputs.decode_ended()
         if owner.holds_transfer:

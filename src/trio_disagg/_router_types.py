@@ -44,9 +44,7 @@ class Deadlines:
             is still read, within ``min(1 s, 10% of it)``, so its staged KV is consumed
             (B1).
         handoff: handoff ready until the decode worker accepted the request.
-        decode_idle: the longest gap between two decode outputs; also how long a decode
-            leg whose stream nobody reads any more has to obey its stop before it is
-            cancelled.
+        decode_idle: the longest gap between two decode outputs.
         terminal_hold: how long a success terminal waits for the prefill outcome.
         transfer: the whole prefill leg in the keeper, including a bootstrap drain. (A
             B1 cleanup decode is bounded by ``handoff`` + ``decode_idle``.)
