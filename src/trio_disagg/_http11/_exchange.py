@@ -15,15 +15,21 @@ Message = dict[str, Any]
 #: Seconds a response write may wait for a client that does not read before the
 #: connection is closed.
 WRITE_TIMEOUT = 10.0
-#: Seconds a request body may pause between two reads before the request ends (408).
+#: Seconds a request body may pause between two reads before the request ends (408);
+#: also the grace a body gets before :data:`BODY_MIN_RATE` applies.
 BODY_TIMEOUT = 10.0
+#: Bytes a second a request body must come at, on average, once BODY_TIMEOUT seconds
+#: from its request's head have passed (else 408): a body trickled in a byte at a time,
+#: each within BODY_TIMEOUT of the last, would hold its request (and its admission slot)
+#: for ever. At this rate the router's largest body (2 MiB) may take 42 seconds.
+BODY_MIN_RATE = 64 * 1024
 
 
 class Exchange:
     """The ASGI ``receive`` and ``send`` of one request."""
 
-    __slots__ = ("body_ended", "body_timed_out", "chunked", "conn", "done", "head",
-                 "head_only", "keep_alive", "request", "started")
+    __slots__ = ("body_ended", "body_grace", "body_timed_out", "chunked", "conn", "done",
+                 "head", "head_only", "keep_alive", "request", "started")
 
     def __init__(self, conn: Connection, request: Request) -> None:
         self.conn = conn
@@ -33,6 +39,8 @@ class Exchange:
         self.done = False  # the response is complete
         self.body_ended = False  # the app received the request body's last part
         self.body_timed_out = False  # the body stopped coming (BODY_TIMEOUT)
+        #: When the body must be in if nothing of it came (BODY_MIN_RATE extends it).
+        self.body_grace = trio.current_time() + BODY_TIMEOUT
         self.chunked = True
         self.head_only = request.method == "HEAD"
         self.keep_alive = request.keep_alive
@@ -61,11 +69,15 @@ class Exchange:
             if request.complete:
                 await conn.changed.wait()  # the body is all in: wait for the end
                 continue
-            with trio.move_on_after(BODY_TIMEOUT) as waited:
+            # A pause of BODY_TIMEOUT, or a body slower than BODY_MIN_RATE on average.
+            deadline = min(trio.current_time() + BODY_TIMEOUT,
+                           self.body_grace + request.received / BODY_MIN_RATE)
+            with trio.move_on_at(deadline) as waited:
                 await conn.changed.wait()
             if waited.cancelled_caught:
-                # A body that stopped coming holds the request's slot (admission control)
-                # for nothing: the request ends as a disconnect, and the client gets a 408.
+                # A body that stopped coming (or trickles) holds the request's slot
+                # (admission control) for nothing: the request ends as a disconnect, and
+                # the client gets a 408.
                 self.body_timed_out = True
                 conn.closing = True
                 return {"type": "http.disconnect"}
