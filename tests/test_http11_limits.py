@@ -6,6 +6,7 @@ reader and with a reader task per request (test_http11's ``reads`` fixture)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import orjson
@@ -131,3 +132,52 @@ async def test_a_body_trickled_in_gets_a_408_however_often_a_byte_comes(
     assert data.startswith(b"HTTP/1.1 408")
     assert orjson.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
     assert app.endings == ["disconnect"]
+
+
+async def test_at_the_connection_limit_the_longest_idle_connection_makes_room() -> None:
+    """Connections opened and never written to (or idle keep-alive ones) cannot lock a
+    client out: at max_connections the server closes the one idle the longest to accept
+    the next. Before, a server with no limit took client connections until it ran out of
+    file descriptors: then it could neither accept a client nor open a connection to a
+    worker (its health probes failed, and the workers were marked down)."""
+    app = EchoApp()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port: int = await nursery.start(partial(
+                _http11.serve_http, app, host="127.0.0.1", port=0, max_connections=2))
+            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+            async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                await s.send_all(b"GET /x HTTP/1.1\r\nconnection: close\r\n\r\n")
+                assert (await read_all(s)).startswith(b"HTTP/1.1 200 OK")
+            assert await idle[0].receive_some(1) == b""  # the first opened: closed
+            await idle[1].send_all(b"GET /y HTTP/1.1\r\nconnection: close\r\n\r\n")
+            assert b'"path":"/y"' in await read_all(idle[1])
+            for stream in idle:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_at_the_connection_limit_a_head_still_coming_makes_room() -> None:
+    """With every connection sending its headers a byte at a time (none idle), the one
+    whose head began the longest ago is closed for the new client: slow headers hold the
+    server's connections no longer than an idle client's."""
+    app = EchoApp()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port: int = await nursery.start(partial(
+                _http11.serve_http, app, host="127.0.0.1", port=0, max_connections=2))
+            slow = []
+            for _ in range(2):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(b"GET /slow HTTP/1.1\r\nx-a: ")
+                slow.append(stream)
+                await trio.testing.wait_all_tasks_blocked()  # its head began
+            async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                await s.send_all(b"GET /x HTTP/1.1\r\nconnection: close\r\n\r\n")
+                assert (await read_all(s)).startswith(b"HTTP/1.1 200 OK")
+            assert await read_all(slow[0]) == b""  # the oldest head: closed
+            await slow[1].send_all(b"b\r\nconnection: close\r\n\r\n")
+            assert b'"path":"/slow"' in await read_all(slow[1])
+            for stream in slow:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()

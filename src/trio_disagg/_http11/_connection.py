@@ -84,7 +84,8 @@ class Connection:
         #: When the headers of the request being parsed must be in (HEADERS_TIMEOUT from
         #: its first byte: a client trickling bytes does not restart it).
         self.head_deadline = math.inf
-        self.idle = True
+        self.idle = True  # between requests (or before the first)
+        self.idle_since = trio.current_time()
         self.changed = trio.Event()
         #: Called once when the client goes away while a request is served (the app's
         #: disconnect callback, :data:`ON_DISCONNECT`); None between requests.
