@@ -181,3 +181,24 @@ async def test_at_the_connection_limit_a_head_still_coming_makes_room() -> None:
             for stream in slow:
                 await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("rest", [b"zz\r\n", b"0\r\n" + b"x-t: y\r\n" * 20_000 + b"\r\n"],
+                         ids=["bad chunk size", "trailers too large"])
+async def test_a_body_that_breaks_off_is_answered_at_once(
+    monkeypatch: pytest.MonkeyPatch, rest: bytes,
+) -> None:
+    """A chunked body that stops being HTTP half-way (or whose trailers are too large)
+    ends its request at once with the server's 400 (431): the app, waiting for a body
+    that no one would read any more, held the request (and its admission slot) until
+    BODY_TIMEOUT, and the client got a 408 for a request it had sent whole."""
+    monkeypatch.setattr(_http11._exchange, "BODY_TIMEOUT", 1)
+    app = EchoApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                             b"\r\n2\r\n{}\r\n" + rest)
+            data = await read_all(s)
+    status = b"431" if b"x-t" in rest else b"400"
+    assert data.startswith(b"HTTP/1.1 " + status)
+    assert app.endings == ["disconnect"]

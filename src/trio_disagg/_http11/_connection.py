@@ -210,10 +210,8 @@ class Connection:
             self._refuse_later(400, b"malformed HTTP request")
         if self._head_too_large():
             self._refuse_later(431, b"request headers too large")
-        if self.refusal is not None:
-            return False
-        self._wake()
-        return True
+        self._wake()  # (a request whose body broke off with a refusal ends at once)
+        return self.refusal is None
 
     def _refuse_later(self, status: int, message: bytes) -> None:
         if self.refusal is None:

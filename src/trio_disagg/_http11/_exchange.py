@@ -59,7 +59,9 @@ class Exchange:
                 self.body_ended = True
                 await trio.lowlevel.checkpoint()
                 return {"type": "http.request", "body": b"", "more_body": False}
-            if conn.closed or self.done:
+            if conn.closed or self.done or (conn.refusal is not None and not request.complete):
+                # (A body that broke off, not HTTP any more, never comes: the server
+                # answers the refusal it owes once the app returned.)
                 await trio.lowlevel.checkpoint()
                 return {"type": "http.disconnect"}
             if request.expect_continue and not self.started:

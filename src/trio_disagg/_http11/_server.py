@@ -198,9 +198,14 @@ class Server:
         except Exception:
             logger.exception("the ASGI app failed serving %s %s", request.method,
                              scope["path"])
-        if exchange.body_timed_out and not exchange.started and not conn.closed:
-            await conn.refuse(408, b"request body not received in time")
-            return
+        if not exchange.started and not conn.closed:
+            if exchange.body_timed_out:
+                await conn.refuse(408, b"request body not received in time")
+                return
+            if conn.refusal is not None and not request.complete:  # the body broke off
+                # Nothing reads the connection any more (a refusal stops the reads).
+                await conn.refuse(*conn.refusal, linger=True)
+                return
         if conn.closed or exchange.done:
             return
         if not exchange.started:
