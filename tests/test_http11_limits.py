@@ -15,6 +15,8 @@ import trio
 import trio.testing
 from test_http11 import (  # noqa: F401 (reads: the fixture that runs each test twice)
     EchoApp,
+    WaitForDisconnectApp,
+    post,
     read_all,
     reads,
     serving,
@@ -202,3 +204,17 @@ async def test_a_body_that_breaks_off_is_answered_at_once(
     status = b"431" if b"x-t" in rest else b"400"
     assert data.startswith(b"HTTP/1.1 " + status)
     assert app.endings == ["disconnect"]
+
+
+async def test_a_client_that_half_closes_after_its_request_has_left() -> None:
+    """``shutdown(SHUT_WR)`` after the request is the end of the connection, as for
+    nginx, uvicorn and Go (docs/router.md): the app hears the disconnect at once (C3),
+    and the server closes the connection without writing to it."""
+    app = WaitForDisconnectApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(post(b"/wait", b"{}"))
+            await app.waiting.wait()
+            await s.send_eof()
+            assert await read_all(s) == b""
+    assert app.heard == ["disconnect"]
