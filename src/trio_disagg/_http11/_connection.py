@@ -22,11 +22,19 @@ READ_SIZE = 65536
 KEEP_ALIVE_TIMEOUT = 5.0
 #: Seconds a client gets to send a request's headers once it started sending them.
 HEADERS_TIMEOUT = 10.0
-#: Bytes of request line and headers accepted (else 431).
+#: Bytes of request line and headers accepted, as they come on the wire (else 431).
 MAX_HEAD_BYTES = 64 * 1024
+#: Header fields accepted in a request (else 431): each costs the server a few hundred
+#: bytes of Python objects, far more than the 4 bytes of ``a:\r\n`` on the wire.
+MAX_HEADERS = 100
 #: Bytes read ahead (request bodies not yet received by the app, pipelined requests)
 #: before the server stops reading from the client.
 MAX_BUFFERED_BYTES = 1024 * 1024
+#: Bytes read and thrown away after an answer of the server's own, before it closes.
+LINGER_BYTES = 1024 * 1024
+#: Bytes a pipelined request waiting its turn counts for in the read-ahead, on top of its
+#: head's: what its parsed form costs in memory (a request of 20 bytes costs as much).
+REQUEST_COST = 1024
 
 #: The reason phrase of every status an answer may have (``HTTP/1.1 415 Unsupported ...``).
 REASONS = {int(status): status.phrase.encode("ascii") for status in HTTPStatus}
@@ -40,7 +48,7 @@ class Request:
     """One request as it is parsed: its head, then its body as it arrives."""
 
     __slots__ = ("body", "complete", "expect_continue", "headers", "keep_alive", "method",
-                 "url", "version")
+                 "queued", "received", "url", "version")
 
     def __init__(self) -> None:
         self.url = b""
@@ -51,6 +59,8 @@ class Request:
         self.version = "1.1"
         self.keep_alive = True
         self.expect_continue = False
+        self.received = 0  # bytes of body arrived
+        self.queued = 0  # bytes it counts for in the read-ahead while it waits its turn
 
 
 class Connection:
@@ -74,7 +84,8 @@ class Connection:
         #: When the headers of the request being parsed must be in (HEADERS_TIMEOUT from
         #: its first byte: a client trickling bytes does not restart it).
         self.head_deadline = math.inf
-        self.idle = True
+        self.idle = True  # between requests (or before the first)
+        self.idle_since = trio.current_time()
         self.changed = trio.Event()
         #: Called once when the client goes away while a request is served (the app's
         #: disconnect callback, :data:`ON_DISCONNECT`); None between requests.
@@ -104,8 +115,10 @@ class Connection:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.parsing is not None
-        self.parsing.headers.append((name.lower(), value))
-        self.head_bytes += len(name) + len(value)
+        headers = self.parsing.headers
+        if len(headers) <= MAX_HEADERS:  # one more says "too many" (_head_too_large)
+            headers.append((name.lower(), value))
+        self.head_bytes += len(name) + len(value) + 4  # with ": " and CRLF
 
     def on_headers_complete(self) -> None:
         request = self.parsing
@@ -115,14 +128,19 @@ class Connection:
         request.version = parser.get_http_version()
         request.keep_alive = parser.should_keep_alive()
         request.expect_continue = (b"expect", b"100-continue") in request.headers
-        if self.head_bytes > MAX_HEAD_BYTES:  # (a head that came whole in one read too)
+        if self._head_too_large():  # (a head that came whole in one read too)
             self._refuse_later(431, b"request headers too large")
             return
+        # Until the app takes it, a request counts in the read-ahead as its body does: a
+        # client pipelining requests with no body is stopped like one sending a body.
+        request.queued = self.head_bytes + REQUEST_COST
+        self.buffered += request.queued
         self.requests.append(request)
 
     def on_body(self, body: bytes) -> None:
         assert self.parsing is not None
         self.parsing.body.append(body)
+        self.parsing.received += len(body)
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
@@ -130,7 +148,17 @@ class Connection:
         self.parsing.complete = True
         self.parsing = None
 
+    def _head_too_large(self) -> bool:
+        """Whether the head being parsed (or its trailers) is over a limit (431)."""
+        return self.parsing is not None and (self.head_bytes > MAX_HEAD_BYTES
+                                             or len(self.parsing.headers) > MAX_HEADERS)
+
     # reading ----------------------------------------------------------------------------
+
+    def read_ahead_full(self) -> bool:
+        """Whether so much waits unread by the app (request bodies, pipelined requests)
+        that the server stops reading from the client until the app takes some."""
+        return self.buffered > MAX_BUFFERED_BYTES
 
     def _wake(self) -> None:
         self.changed.set()
@@ -180,13 +208,10 @@ class Connection:
             self._refuse_later(400, b"upgrades are not supported")
         except httptools.HttpParserError:
             self._refuse_later(400, b"malformed HTTP request")
-        if self.parsing is not None and self.head_bytes > MAX_HEAD_BYTES:
+        if self._head_too_large():
             self._refuse_later(431, b"request headers too large")
-        if self.refusal is not None:
-            self._wake()  # a receive() waiting for the body hears it will not come
-            return False
-        self._wake()
-        return True
+        self._wake()  # (a request whose body broke off with a refusal ends at once)
+        return self.refusal is None
 
     def _refuse_later(self, status: int, message: bytes) -> None:
         if self.refusal is None:
@@ -207,7 +232,7 @@ class Connection:
             if self.closing:
                 refusal, self.refusal = self.refusal, None
                 if refusal is not None:
-                    await self.refuse(*refusal)
+                    await self.refuse(*refusal, linger=True)
                 return None
             try:
                 # What the client already sent (a new connection's request usually is
@@ -225,24 +250,32 @@ class Connection:
                 await self.read_once()
                 continue
             if head_started:
-                await self.refuse(408, b"request headers not received in time")
+                await self.refuse(408, b"request headers not received in time", linger=True)
             return None
         await trio.lowlevel.checkpoint_if_cancelled()
-        return self.requests.popleft()
+        request = self.requests.popleft()
+        self.buffered -= request.queued
+        return request
 
     async def read_while_serving(self, request: Request) -> None:
         """Read on while the app serves ``request``: its body, then whatever comes (a
         pipelined request is parsed and waits; the end of the connection is a
-        disconnect). Reading pauses while too much is buffered."""
-        while not self.closed:
-            if self.buffered > MAX_BUFFERED_BYTES:
+        disconnect). Reading pauses while too much is buffered, and stops at a refusal
+        (the bytes after it are not HTTP; the server drains them as it answers)."""
+        while not self.closed and self.refusal is None:
+            if self.read_ahead_full():
                 await self.changed.wait()  # the app took some of the body
                 continue
             if not await self.read_once():
                 return
 
-    async def refuse(self, status: int, message: bytes) -> None:
-        """Answer an error that no app saw (the request was not HTTP), then close."""
+    async def refuse(self, status: int, message: bytes, *, linger: bool = False) -> None:
+        """Answer an error that no app saw (the request was not HTTP), then close.
+
+        With ``linger`` (no other task reads the connection), what the client is still
+        sending is read and thrown away, up to LINGER_BYTES, until the end of the same
+        second: closing a socket with bytes unread resets the connection, and the client
+        may lose the answer (a 431 to a head still coming) before it reads it."""
         body = (b'{"error":{"message":"' + message + b'","type":"invalid_request_error",'
                 b'"param":null,"code":"' + CODES.get(status, b"bad_request") + b'"}}')
         head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
@@ -251,4 +284,9 @@ class Connection:
         with trio.move_on_after(1), suppress(trio.BrokenResourceError,
                                              trio.ClosedResourceError, OSError):
             await self.stream.send_all(head + body)
+            if linger:
+                await self.stream.send_eof()
+                left = LINGER_BYTES
+                while left > 0 and (data := await self.stream.receive_some(READ_SIZE)):
+                    left -= len(data)
         self.closed = True

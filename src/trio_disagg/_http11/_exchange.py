@@ -15,18 +15,20 @@ Message = dict[str, Any]
 #: Seconds a response write may wait for a client that does not read before the
 #: connection is closed.
 WRITE_TIMEOUT = 10.0
-#: Seconds a request body may pause between two reads before the request ends (408).
+#: Seconds a request body may pause between two reads before the request ends (408);
+#: also the grace a body gets before :data:`BODY_MIN_RATE` applies.
 BODY_TIMEOUT = 10.0
-#: Seconds the whole request body may take, from the first wait for it, before the
-#: request ends (408): a body trickled in a byte at a time, each within BODY_TIMEOUT,
-#: would otherwise hold the request and its admission slot for as long as it likes.
-BODY_TOTAL_TIMEOUT = 30.0
+#: Bytes a second a request body must come at, on average, once BODY_TIMEOUT seconds
+#: from its request's head have passed (else 408): a body trickled in a byte at a time,
+#: each within BODY_TIMEOUT of the last, would hold its request (and its admission slot)
+#: for ever. At this rate the router's largest body (2 MiB) may take 42 seconds.
+BODY_MIN_RATE = 64 * 1024
 
 
 class Exchange:
     """The ASGI ``receive`` and ``send`` of one request."""
 
-    __slots__ = ("body_deadline", "body_ended", "body_timed_out", "chunked", "conn", "done",
+    __slots__ = ("body_ended", "body_grace", "body_timed_out", "chunked", "conn", "done",
                  "head", "head_only", "keep_alive", "request", "started")
 
     def __init__(self, conn: Connection, request: Request) -> None:
@@ -37,7 +39,8 @@ class Exchange:
         self.done = False  # the response is complete
         self.body_ended = False  # the app received the request body's last part
         self.body_timed_out = False  # the body stopped coming (BODY_TIMEOUT)
-        self.body_deadline: float | None = None  # set at the first wait for the body
+        #: When the body must be in if nothing of it came (BODY_MIN_RATE extends it).
+        self.body_grace = trio.current_time() + BODY_TIMEOUT
         self.chunked = True
         self.head_only = request.method == "HEAD"
         self.keep_alive = request.keep_alive
@@ -56,7 +59,9 @@ class Exchange:
                 self.body_ended = True
                 await trio.lowlevel.checkpoint()
                 return {"type": "http.request", "body": b"", "more_body": False}
-            if conn.closed or self.done:
+            if conn.closed or self.done or (conn.refusal is not None and not request.complete):
+                # (A body that broke off, not HTTP any more, never comes: the server
+                # answers the refusal it owes once the app returned.)
                 await trio.lowlevel.checkpoint()
                 return {"type": "http.disconnect"}
             if conn.refusal is not None and not request.complete:
@@ -71,14 +76,15 @@ class Exchange:
             if request.complete:
                 await conn.changed.wait()  # the body is all in: wait for the end
                 continue
-            now = trio.current_time()
-            if self.body_deadline is None:  # only a body not all in with its head
-                self.body_deadline = now + BODY_TOTAL_TIMEOUT
-            with trio.move_on_at(min(now + BODY_TIMEOUT, self.body_deadline)) as waited:
+            # A pause of BODY_TIMEOUT, or a body slower than BODY_MIN_RATE on average.
+            deadline = min(trio.current_time() + BODY_TIMEOUT,
+                           self.body_grace + request.received / BODY_MIN_RATE)
+            with trio.move_on_at(deadline) as waited:
                 await conn.changed.wait()
             if waited.cancelled_caught:
-                # A body that stopped coming holds the request's slot (admission control)
-                # for nothing: the request ends as a disconnect, and the client gets a 408.
+                # A body that stopped coming (or trickles) holds the request's slot
+                # (admission control) for nothing: the request ends as a disconnect, and
+                # the client gets a 408.
                 self.body_timed_out = True
                 conn.closing = True
                 return {"type": "http.disconnect"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -36,22 +37,45 @@ ON_DISCONNECT = "trio_disagg.on_disconnect"
 #: many seconds and accept again, as trio's serve_listeners does.
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_DELAY = 0.1
+#: The share of the file descriptors still free when the server starts that client
+#: connections may take (by default): the rest stay for what the app opens, connections
+#: to the workers and their health probes, which a flood of clients must not starve.
+CLIENT_FD_SHARE = 0.5
+
+
+def default_max_connections() -> int:
+    """The connections a server accepts at once by default: :data:`CLIENT_FD_SHARE` of the
+    file descriptors the process may still open (``RLIMIT_NOFILE``)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: a guess
+        open_now = 32
+    return max(1, int((soft - open_now) * CLIENT_FD_SHARE))
 
 
 class Server:
     def __init__(self, app: App, *, head_with_body: bool = True,
-                 watch: ReadWatch | None = None) -> None:
+                 watch: ReadWatch | None = None, max_connections: int | None = None) -> None:
         self.app = app
         self.head_with_body = head_with_body
         #: Reads the served connections in one task (else each in a task of its own).
         self.watch = watch
+        #: Connections open at once, at most (None: no limit).
+        self.max_connections = max_connections
         self.connections: set[Connection] = set()
+        self.accepted = 0  # connections accepted and not yet closed
         self.shutting_down = False
         self.idle_event = trio.Event()
+        #: Set when a connection opens, goes idle or closes (room may be made).
+        self.churn = trio.Event()
 
     async def handle(self, stream: trio.SocketStream) -> None:
         conn = Connection(stream, head_with_body=self.head_with_body)
         self.connections.add(conn)
+        self.churn.set()
         try:
             with conn.scope:
                 await self._serve(conn)
@@ -64,6 +88,8 @@ class Server:
             # a cancel scope and a raised Cancelled a connection).
             stream.socket.close()
             self.connections.discard(conn)
+            self.accepted -= 1
+            self.churn.set()
             if not self.connections:
                 self.idle_event.set()
 
@@ -81,11 +107,54 @@ class Server:
                                  os.strerror(exc.errno), ACCEPT_RETRY_DELAY)
                     await trio.sleep(ACCEPT_RETRY_DELAY)
                 else:
-                    nursery.start_soon(self.handle, stream)
+                    self.accepted += 1
+                    handed = False
+                    try:
+                        await self._make_room()
+                        nursery.start_soon(self.handle, stream)
+                        handed = True
+                    finally:
+                        if not handed:  # cancelled (shutdown) while waiting for room
+                            self.accepted -= 1
+                            stream.socket.close()
+
+    async def _make_room(self) -> None:
+        """Return once the connection just accepted may be served. Past
+        ``max_connections`` a connection that holds no whole request is closed to make
+        room: the one idle the longest, else (a slow-headers client) the one whose
+        head began the longest ago. With none, the next to close or go idle is waited
+        for, and the clients that come meanwhile wait in the listen backlog. So the
+        server never runs out of file descriptors for its clients' sake, and connections
+        held open doing nothing never lock other clients out."""
+        while self.max_connections is not None and self.accepted > self.max_connections:
+            idle = [conn for conn in self.connections
+                    if conn.idle and not conn.closing and not conn.requests]
+            if idle:
+                oldest = min(idle, key=lambda conn: (conn.parsing is not None,
+                                                     conn.idle_since, conn.head_deadline))
+                oldest.closing = True
+                oldest.scope.cancel()
+            self.churn = trio.Event()
+            await self.churn.wait()
+
+    async def shut_down(self, grace: float) -> None:
+        """Close the idle connections, and wait at most ``grace`` seconds for the others
+        to finish the response in progress (accepting has stopped)."""
+        self.shutting_down = True
+        for conn in list(self.connections):
+            conn.closing = True
+            if conn.idle:
+                conn.scope.cancel()
+        with trio.move_on_after(grace):
+            while self.connections:
+                self.idle_event = trio.Event()
+                await self.idle_event.wait()
 
     async def _serve(self, conn: Connection) -> None:
         while not self.shutting_down:
             conn.idle = True
+            conn.idle_since = trio.current_time()
+            self.churn.set()  # a client waiting for room may have this one's
             request = await conn.next_request()
             if request is None:
                 return
@@ -129,14 +198,14 @@ class Server:
         except Exception:
             logger.exception("the ASGI app failed serving %s %s", request.method,
                              scope["path"])
-        if exchange.body_timed_out and not exchange.started and not conn.closed:
-            await conn.refuse(408, b"request body not received in time")
-            return
-        if conn.refusal is not None and not request.complete and not exchange.started \
-                and not conn.closed:
-            refusal, conn.refusal = conn.refusal, None
-            await conn.refuse(*refusal)  # its body was not HTTP: 400, then close
-            return
+        if not exchange.started and not conn.closed:
+            if exchange.body_timed_out:
+                await conn.refuse(408, b"request body not received in time")
+                return
+            if conn.refusal is not None and not request.complete:  # the body broke off
+                # Nothing reads the connection any more (a refusal stops the reads).
+                await conn.refuse(*conn.refusal, linger=True)
+                return
         if conn.closed or exchange.done:
             return
         if not exchange.started:
@@ -170,6 +239,7 @@ async def serve_http(
     shutdown_timeout: float = 30.0,
     reuse_port: bool = False,
     head_with_body: bool = True,
+    max_connections: int | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` (ASGI 3, http scope) on ``host``:``port`` until cancelled, or until
@@ -186,11 +256,19 @@ async def serve_http(
     port. ``reuse_port`` shares the port with other processes (``SO_REUSEPORT``: see
     :func:`trio_disagg._listen.open_listeners`).
 
+    At most ``max_connections`` client connections are open at once (default: half of
+    the file descriptors left, :func:`default_max_connections`): past it the one idle the
+    longest is closed to make room, or the new client waits in the listen backlog.
+
     Raises:
         OSError: the address could not be bound.
+        ValueError: ``max_connections`` < 1.
     """
+    if max_connections is not None and max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     server = Server(app, head_with_body=head_with_body,
-                    watch=ReadWatch() if ReadWatch.available else None)
+                    watch=ReadWatch() if ReadWatch.available else None,
+                    max_connections=max_connections or default_max_connections())
     listeners = await open_listeners(host, port, reuse_port=reuse_port)
     bound = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
@@ -209,14 +287,6 @@ async def serve_http(
         if shutdown_trigger is None:
             await trio.sleep_forever()
         await shutdown_trigger()
-        server.shutting_down = True
         accepting.cancel()
-        for conn in list(server.connections):
-            conn.closing = True
-            if conn.idle:
-                conn.scope.cancel()
-        with trio.move_on_after(shutdown_timeout):
-            while server.connections:
-                server.idle_event = trio.Event()
-                await server.idle_event.wait()
+        await server.shut_down(shutdown_timeout)
         nursery.cancel_scope.cancel()

@@ -18,7 +18,7 @@ import select
 
 import trio
 
-from ._connection import MAX_BUFFERED_BYTES, READ_SIZE, Connection
+from ._connection import READ_SIZE, Connection
 
 logger = logging.getLogger("trio_disagg.server")
 
@@ -29,9 +29,9 @@ _READABLE = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0)
 class ReadWatch:
     """One epoll set of the connections being served, read in one task (:meth:`run`).
 
-    A connection is watched from :meth:`add` to :meth:`discard`, and paused while more
-    than :data:`MAX_BUFFERED_BYTES` of its bytes wait unread by the app (its
-    :meth:`Connection.resume_reading` watches it again)."""
+    A connection is watched from :meth:`add` to :meth:`discard`, and paused while its
+    read-ahead is full (:meth:`Connection.read_ahead_full`: its bytes wait unread by the
+    app; :meth:`resume` watches it again)."""
 
     available = hasattr(select, "epoll")
 
@@ -51,7 +51,7 @@ class ReadWatch:
     def resume(self, conn: Connection) -> None:
         """Read ``conn`` again, if it was paused and its bytes unread are few enough."""
         if (conn.fileno not in self._watched and not conn.closed
-                and conn.refusal is None and conn.buffered <= MAX_BUFFERED_BYTES):
+                and conn.refusal is None and not conn.read_ahead_full()):
             self._epoll.register(conn.fileno, _READABLE)
             self._watched[conn.fileno] = conn
 
@@ -87,5 +87,5 @@ class ReadWatch:
             logger.exception("the disconnect of %s failed", conn.client)
             conn.scope.cancel()
             reading = False
-        if not reading or conn.buffered > MAX_BUFFERED_BYTES:
+        if not reading or conn.read_ahead_full():
             self._pause(conn)  # gone, owed a refusal, or the app is behind
