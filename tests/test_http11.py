@@ -134,24 +134,6 @@ async def test_a_body_that_stops_coming_ends_the_request_with_a_408(
     assert app.endings == ["disconnect"]
 
 
-@pytest.mark.parametrize("chunks", [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX\r\n0\r\n\r\n"],
-                         ids=["bad-size", "no-crlf-after-data"])
-async def test_a_malformed_chunked_body_gets_a_400_not_a_408(chunks: bytes) -> None:
-    """Body bytes that are not HTTP are a malformed request like head bytes that are not:
-    an immediate 400, not the wait for a body that will never parse and then a 408
-    saying it did not arrive (with the request holding its admission slot meanwhile)."""
-    app = EchoApp()
-    with trio.fail_after(20):
-        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
-            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
-                             b"\r\n" + chunks)
-            data = await read_all(s)
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400")
-    assert orjson.loads(body)["error"]["code"] == "malformed_request"
-    assert app.endings == ["disconnect"]
-
-
 async def test_a_body_that_trickles_in_still_gets_a_408_from_its_head(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -185,24 +185,34 @@ async def test_at_the_connection_limit_a_head_still_coming_makes_room() -> None:
             nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("rest", [b"zz\r\n", b"0\r\n" + b"x-t: y\r\n" * 20_000 + b"\r\n"],
-                         ids=["bad chunk size", "trailers too large"])
-async def test_a_body_that_breaks_off_is_answered_at_once(
-    monkeypatch: pytest.MonkeyPatch, rest: bytes,
+@pytest.mark.parametrize("chunks", [
+    b"zz\r\n{}\r\n0\r\n\r\n",
+    b"2\r\n{}XX\r\n0\r\n\r\n",
+    b"2\r\n{}\r\nzz\r\n",
+    b"2\r\n{}\r\n0\r\n" + b"x-t: y\r\n" * 20_000 + b"\r\n",
+], ids=["bad first chunk size", "no line end after data", "bad later chunk size",
+        "trailers too large"])
+async def test_a_body_that_is_not_http_is_answered_at_once(
+    monkeypatch: pytest.MonkeyPatch, chunks: bytes,
 ) -> None:
-    """A chunked body that stops being HTTP half-way (or whose trailers are too large)
-    ends its request at once with the server's 400 (431): the app, waiting for a body
-    that no one would read any more, held the request (and its admission slot) until
-    BODY_TIMEOUT, and the client got a 408 for a request it had sent whole."""
+    """A chunked body that is not HTTP, from its start or half-way (or whose trailers are
+    too large), is a malformed request like a head that is not: its request ends at once
+    with the server's 400 ``malformed_request`` (431). The app, waiting for a body that
+    would never parse, held the request (and its admission slot) until BODY_TIMEOUT, and
+    the client got a 408 for a request it had sent whole."""
     monkeypatch.setattr(_http11._exchange, "BODY_TIMEOUT", 1)
     app = EchoApp()
     with trio.fail_after(10):
         async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
             await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
-                             b"\r\n2\r\n{}\r\n" + rest)
+                             b"\r\n" + chunks)
             data = await read_all(s)
-    status = b"431" if b"x-t" in rest else b"400"
-    assert data.startswith(b"HTTP/1.1 " + status)
+    head, _, body = data.partition(b"\r\n\r\n")
+    if b"x-t" in chunks:
+        assert head.startswith(b"HTTP/1.1 431")
+    else:
+        assert head.startswith(b"HTTP/1.1 400")
+        assert orjson.loads(body)["error"]["code"] == "malformed_request"
     assert app.endings == ["disconnect"]
 
 

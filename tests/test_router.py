@@ -734,15 +734,17 @@ async def test_B3_B1_kv_staged_inside_the_drain_window_is_consumed(
     h.assert_clean()
 
 
-class CrashingDecode(StandIn):
+class MisbehavingDecode(StandIn):
     """A decode worker that accepts, pulls the KV and sends ``after`` tokens of the mock
-    decode it wraps, then raises (a bug in a user's engine: the contract says one error
-    item, never an exception, after ``started()``)."""
+    decode it wraps (None: all of them), then breaks the engine contract as
+    :meth:`misbehave` says (a bug in a user's engine)."""
 
-    def __init__(self, engine: Any, after: int, crash: Callable[[], Exception]) -> None:
+    def __init__(self, engine: Any, after: int | None) -> None:
         super().__init__(engine)
         self.after = after
-        self.crash = crash
+
+    async def misbehave(self) -> None:
+        raise NotImplementedError
 
     async def generate(
         self,
@@ -758,9 +760,24 @@ class CrashingDecode(StandIn):
                 await nursery.start(self.engine.generate, request, context, send)
                 task_status.started()
                 with receive:
-                    for _ in range(self.after):
+                    if self.after is None:
+                        async for item in receive:
+                            await send_channel.send(item)
+                    for _ in range(self.after or 0):
                         await send_channel.send(await receive.receive())
-                    raise self.crash()
+                    await self.misbehave()
+
+
+class CrashingDecode(MisbehavingDecode):
+    """Raises after its tokens (the contract says one error item, never an exception,
+    after ``started()``)."""
+
+    def __init__(self, engine: Any, after: int, crash: Callable[[], Exception]) -> None:
+        super().__init__(engine, after)
+        self.crash = crash
+
+    async def misbehave(self) -> None:
+        raise self.crash()
 
 
 @pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
@@ -1050,26 +1067,15 @@ async def test_B2_a_reader_that_leaves_on_its_own_timeout_stops_a_stalled_decode
         h.assert_clean()
 
 
-class Forwarding(StandIn):
-    """A decode worker that forwards the mock decode it wraps and lets the
-    ``BrokenResourceError`` of a reader that left escape (the contract says: return)."""
+class Forwarding(MisbehavingDecode):
+    """Forwards the mock decode it wraps and lets the ``BrokenResourceError`` of a reader
+    that left escape (the contract says: return)."""
 
-    async def generate(
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: trio.MemorySendChannel[Item],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        with send_channel:
-            send, receive = trio.open_memory_channel[Item](math.inf)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.engine.generate, request, context, send)
-                task_status.started()
-                with receive:
-                    async for item in receive:
-                        await send_channel.send(item)
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, None)
+
+    async def misbehave(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
@@ -1093,36 +1099,19 @@ async def test_B4_a_decode_engine_that_lets_a_reader_gone_escape_ends_quietly(
     h.assert_clean()
 
 
-class DeafDecode(StandIn):
-    """A decode worker that sends ``after`` tokens of the mock decode it wraps, then hangs
-    without ever looking at its context (a bug in a user's engine: it ignores a stop)."""
+class DeafDecode(MisbehavingDecode):
+    """Hangs after its tokens without ever looking at its context (it ignores a stop)."""
 
     def __init__(self, engine: Any, after: int) -> None:
-        super().__init__(engine)
-        self.after = after
+        super().__init__(engine, after)
         self.cancelled = False
 
-    async def generate(
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: trio.MemorySendChannel[Item],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        with send_channel:
-            send, receive = trio.open_memory_channel[Item](math.inf)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.engine.generate, request, context, send)
-                task_status.started()
-                with receive:
-                    for _ in range(self.after):
-                        await send_channel.send(await receive.receive())
-                    try:
-                        await trio.sleep_forever()
-                    except trio.Cancelled:
-                        self.cancelled = True
-                        raise
+    async def misbehave(self) -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cancelled = True
+            raise
 
 
 @pytest.mark.parametrize("reader", ["to the decode-idle deadline", "leaves after 1 item"])
