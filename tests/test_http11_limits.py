@@ -218,3 +218,43 @@ async def test_a_client_that_half_closes_after_its_request_has_left() -> None:
             await s.send_eof()
             assert await read_all(s) == b""
     assert app.heard == ["disconnect"]
+
+
+async def test_at_the_connection_limit_every_listener_gets_its_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that resolves to two addresses (``localhost``: 127.0.0.1 and ::1) has two
+    listeners, each accepting on its own. At the limit both may wait for room at once:
+    each is served once connections close. The second used to replace the event the
+    first waited on, and the first listener never accepted again."""
+    listeners: list[trio.SocketListener] = []
+
+    async def two_listeners(host: str, port: int, **kwargs: Any) -> list[trio.SocketListener]:
+        for _ in range(2):
+            listeners.extend(await trio.open_tcp_listeners(0, host="127.0.0.1"))
+        return listeners
+
+    monkeypatch.setattr(_server, "open_listeners", two_listeners)
+    app = HoldApp()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(
+                _http11.serve_http, app, host="127.0.0.1", port=0, max_connections=2))
+            ports = [listener.socket.getsockname()[1] for listener in listeners]
+            held = []
+            for _ in range(2):  # the two connections allowed, both serving
+                stream = await trio.open_tcp_stream("127.0.0.1", ports[0])
+                await stream.send_all(b"GET /hold HTTP/1.1\r\nconnection: close\r\n\r\n")
+                held.append(stream)
+                await trio.testing.wait_all_tasks_blocked()
+            waiting = []
+            for port in ports:  # one more on each listener: both wait for room
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(b"GET /x HTTP/1.1\r\nconnection: close\r\n\r\n")
+                waiting.append(stream)
+                await trio.testing.wait_all_tasks_blocked()
+            app.go.set()
+            for stream in held + waiting:
+                assert (await read_all(stream)).startswith(b"HTTP/1.1 200 OK")
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
