@@ -258,3 +258,45 @@ async def test_at_the_connection_limit_every_listener_gets_its_turn(
                 assert (await read_all(stream)).startswith(b"HTTP/1.1 200 OK")
                 await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+class SkipBodyApp(EchoApp):
+    """Echoes each request, but answers ``/skip`` at once without reading its body (as an
+    edge refusal does: a 401, a 503 of admission control)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["path"] != "/skip":
+            await super().__call__(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+async def test_a_body_the_app_did_not_read_stops_counting_in_the_read_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bodies of requests answered without being read (refusals at the edge, on a
+    keep-alive connection) leave the read-ahead when their request ends. They used to
+    stay counted for the connection's life: past MAX_BUFFERED_BYTES of them the server
+    stopped reading the connection while it served a request, and the next body that
+    came in more than one read got a 408 (and a client leaving was not heard, C3)."""
+    monkeypatch.setattr(_connection, "MAX_BUFFERED_BYTES", 1000)
+    monkeypatch.setattr(_http11._exchange, "BODY_TIMEOUT", 1)
+    app = SkipBodyApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            for _ in range(6):  # 1200 bytes of bodies never read
+                await s.send_all(post(b"/skip", b"x" * 200))
+                data = b""
+                while not data.endswith(b"\r\n\r\n{}"):
+                    data += await s.receive_some(65536)
+                assert data.startswith(b"HTTP/1.1 401 ")
+            await s.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n"
+                             b"connection: close\r\n\r\n12345")
+            await trio.testing.wait_all_tasks_blocked()  # the app waits for the rest
+            await s.send_all(b"67890")
+            data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 200 OK"), data
+    assert b'"body":"1234567890"' in data

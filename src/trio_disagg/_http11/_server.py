@@ -180,6 +180,7 @@ class Server:
                     finally:
                         conn.on_gone = None
                     nursery.cancel_scope.cancel()
+            conn.request_over(request)
             if not exchange.done or not exchange.keep_alive or conn.closed:
                 return
             if not request.complete:
