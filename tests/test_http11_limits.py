@@ -228,3 +228,85 @@ async def test_a_client_that_half_closes_after_its_request_has_left() -> None:
             await s.send_eof()
             assert await read_all(s) == b""
     assert app.heard == ["disconnect"]
+
+
+async def test_at_the_connection_limit_every_listener_gets_its_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that resolves to two addresses (``localhost``: 127.0.0.1 and ::1) has two
+    listeners, each accepting on its own. At the limit both may wait for room at once:
+    each is served once connections close. The second used to replace the event the
+    first waited on, and the first listener never accepted again."""
+    listeners: list[trio.SocketListener] = []
+
+    async def two_listeners(host: str, port: int, **kwargs: Any) -> list[trio.SocketListener]:
+        for _ in range(2):
+            listeners.extend(await trio.open_tcp_listeners(0, host="127.0.0.1"))
+        return listeners
+
+    monkeypatch.setattr(_server, "open_listeners", two_listeners)
+    app = HoldApp()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(
+                _http11.serve_http, app, host="127.0.0.1", port=0, max_connections=2))
+            ports = [listener.socket.getsockname()[1] for listener in listeners]
+            held = []
+            for _ in range(2):  # the two connections allowed, both serving
+                stream = await trio.open_tcp_stream("127.0.0.1", ports[0])
+                await stream.send_all(b"GET /hold HTTP/1.1\r\nconnection: close\r\n\r\n")
+                held.append(stream)
+                await trio.testing.wait_all_tasks_blocked()
+            waiting = []
+            for port in ports:  # one more on each listener: both wait for room
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(b"GET /x HTTP/1.1\r\nconnection: close\r\n\r\n")
+                waiting.append(stream)
+                await trio.testing.wait_all_tasks_blocked()
+            app.go.set()
+            for stream in held + waiting:
+                assert (await read_all(stream)).startswith(b"HTTP/1.1 200 OK")
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+class SkipBodyApp(EchoApp):
+    """Echoes each request, but answers ``/skip`` at once without reading its body (as an
+    edge refusal does: a 401, a 503 of admission control)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["path"] != "/skip":
+            await super().__call__(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+async def test_a_body_the_app_did_not_read_stops_counting_in_the_read_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bodies of requests answered without being read (refusals at the edge, on a
+    keep-alive connection) leave the read-ahead when their request ends. They used to
+    stay counted for the connection's life: past MAX_BUFFERED_BYTES of them the server
+    stopped reading the connection while it served a request, and the next body that
+    came in more than one read got a 408 (and a client leaving was not heard, C3)."""
+    monkeypatch.setattr(_connection, "MAX_BUFFERED_BYTES", 1000)
+    monkeypatch.setattr(_http11._exchange, "BODY_TIMEOUT", 1)
+    app = SkipBodyApp()
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            for _ in range(6):  # 1200 bytes of bodies never read
+                await s.send_all(post(b"/skip", b"x" * 200))
+                data = b""
+                while not data.endswith(b"\r\n\r\n{}"):
+                    data += await s.receive_some(65536)
+                assert data.startswith(b"HTTP/1.1 401 ")
+            await s.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n"
+                             b"connection: close\r\n\r\n12345")
+            await trio.testing.wait_all_tasks_blocked()  # the app waits for the rest
+            await s.send_all(b"67890")
+            data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 200 OK"), data
+    assert b'"body":"1234567890"' in data

@@ -812,6 +812,48 @@ async def test_G4_B4_a_decode_engine_that_raises_after_it_started_is_an_error_it
     h.assert_clean()
 
 
+class AsyncClosingCrashingDecode(StandIn):
+    """As :class:`CrashingDecode` after two tokens, but closing its channel with ``async
+    with send_channel:`` (trio's usual idiom) inside a nursery of its own: the close and
+    the nursery's exit are checkpoints before the exception reaches the router."""
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        send, receive = trio.open_memory_channel[Item](math.inf)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.engine.generate, request, context, send)
+            task_status.started()
+            async with send_channel:
+                with receive:
+                    for _ in range(2):
+                        await send_channel.send(await receive.receive())
+                raise ValueError("engine bug")
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: the reader sees the channel's end "
+                   "before the leg reports the crash (found in review h-rev)")
+async def test_G4_B4_a_decode_engine_that_raises_inside_async_with_send_channel(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A crash after ``started()`` inside ``async with send_channel:`` ends the stream with
+    an error item too, not with two tokens and an end that reads as complete (B4)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ)
+        h.router.decode = WorkerPool([AsyncClosingCrashingDecode(h.cluster.decode[0])])
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("req-1"))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False, False, True]
+
+
 async def test_T2_a_raising_stop_callback_on_a_client_context_never_reaches_the_keeper(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -171,6 +171,12 @@ class Connection:
         if self.watch is not None:
             self.watch.resume(self)
 
+    def request_over(self, request: Request) -> None:
+        """``request`` was answered: what of its body the app did not take (an answer
+        given before reading it) leaves the read-ahead, which would stay full for good."""
+        self.buffered -= sum(map(len, request.body))
+        request.body.clear()
+
     def gone(self) -> None:
         """The client went away (or the connection broke): wake what waits on the
         connection and tell the request being served, once (:data:`ON_DISCONNECT`)."""

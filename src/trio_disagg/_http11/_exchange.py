@@ -64,11 +64,6 @@ class Exchange:
                 # answers the refusal it owes once the app returned.)
                 await trio.lowlevel.checkpoint()
                 return {"type": "http.disconnect"}
-            if conn.refusal is not None and not request.complete:
-                # The body is not HTTP (a bad chunk): it will never end. The request
-                # ends as a disconnect, and the server answers the refusal (400).
-                await trio.lowlevel.checkpoint()
-                return {"type": "http.disconnect"}
             if request.expect_continue and not self.started:
                 request.expect_continue = False
                 await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -71,6 +71,7 @@ class Server:
         self.idle_event = trio.Event()
         #: Set when a connection opens, goes idle or closes (room may be made).
         self.churn = trio.Event()
+        self.room = trio.Lock()  # held by the listener waiting for room (_make_room)
 
     async def handle(self, stream: trio.SocketStream) -> None:
         conn = Connection(stream, head_with_body=self.head_with_body)
@@ -107,15 +108,19 @@ class Server:
                                  os.strerror(exc.errno), ACCEPT_RETRY_DELAY)
                     await trio.sleep(ACCEPT_RETRY_DELAY)
                 else:
-                    self.accepted += 1
-                    handed = False
+                    handed = counted = False
                     try:
-                        await self._make_room()
+                        # One listener at a time waits for room: two (a host's two
+                        # addresses) would each wait on an event the other replaced.
+                        async with self.room:
+                            self.accepted += 1
+                            counted = True
+                            await self._make_room()
                         nursery.start_soon(self.handle, stream)
                         handed = True
                     finally:
                         if not handed:  # cancelled (shutdown) while waiting for room
-                            self.accepted -= 1
+                            self.accepted -= counted
                             stream.socket.close()
 
     async def _make_room(self) -> None:
@@ -175,6 +180,7 @@ class Server:
                     finally:
                         conn.on_gone = None
                     nursery.cancel_scope.cancel()
+            conn.request_over(request)
             if not exchange.done or not exchange.keep_alive or conn.closed:
                 return
             if not request.complete:
