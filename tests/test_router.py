@@ -836,8 +836,6 @@ class AsyncClosingCrashingDecode(StandIn):
                 raise ValueError("engine bug")
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: the reader sees the channel's end "
-                   "before the leg reports the crash (found in review h-rev)")
 async def test_G4_B4_a_decode_engine_that_raises_inside_async_with_send_channel(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -185,6 +185,9 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 # The request's nursery was cancelled (the client went away): its stream
                 # ends now, whether or not its reader closes it.
                 owner.outputs.abandon()
+            owner.decode_leg_exited = True
+            if owner.outputs is not None:
+                owner.outputs.leg_exited()
 
 
 def _reader_gone(exc: Exception) -> bool:

@@ -86,9 +86,9 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     """
 
     __slots__ = ("_decode", "_decode_context", "_decode_ended", "_ended", "_final",
-                 "_finished", "_gate", "_held", "_hold_at", "_idle_at", "_on_end",
-                 "_passing", "_prefill", "_raced", "_reading", "_state", "_stopped",
-                 "_waiting", "_watcher")
+                 "_finished", "_gate", "_held", "_hold_at", "_idle_at", "_leg_exit",
+                 "_leg_running", "_on_end", "_passing", "_prefill", "_raced", "_reading",
+                 "_state", "_stopped", "_waiting", "_watcher")
 
     def __init__(
         self,
@@ -120,6 +120,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._finished = False  # the bookkeeping of the stream's end is done
         self._decode_ended = False  # the decode leg ended on its own
         self._ended: trio.Event | None = None  # made only for wait_ended()
+        self._leg_running = False  # see follow_leg()
+        self._leg_exit: trio.Event | None = None  # made only for a wait for it
         if not self._prefill.done:
             self._watcher = self._prefill_ended
             self._prefill._on_done(self._watcher)
@@ -143,6 +145,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._reading = True
             try:
                 item = await (self._pass() if self._passing else self._gated())
+                if item is None and self._leg_running and not self._stopped:
+                    await self._wait_leg_exit()  # (its crash may come first: B4)
             except DeadlineExceeded as exc:
                 item = self._fail(exc)
             except trio.ClosedResourceError:
@@ -179,6 +183,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         try:
             item = self._decode.receive_nowait()
         except trio.EndOfChannel:
+            if self._leg_running:
+                raise trio.WouldBlock from None  # receive() waits for the leg's exit
             item = None
         return self._deliver(item)
 
@@ -251,11 +257,33 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._decode_ended = True
         self._complete_if_whole()
 
+    def follow_leg(self) -> None:
+        """A decode leg of the router's feeds this stream: an end of its channel is the
+        stream's end only once the leg has exited (:meth:`leg_exited`), so that a crash
+        the leg reports meanwhile (:meth:`decode_crashed`) ends the stream instead of an
+        end that reads as a success (B4). An engine that closes its channel with ``async
+        with`` or inside a nursery of its own reaches checkpoints before its crash does."""
+        self._leg_running = True
+
+    def leg_exited(self) -> None:
+        """The decode leg's task is over (see :meth:`follow_leg`)."""
+        self._leg_running = False
+        if self._leg_exit is not None:
+            self._leg_exit.set()
+
+    async def _wait_leg_exit(self) -> None:
+        """Wait for the decode leg to exit once its channel ended, at most the decode-idle
+        deadline (B2)."""
+        if self._leg_exit is None:
+            self._leg_exit = trio.Event()
+        with trio.move_on_after(self._gate.idle_timeout):
+            await self._leg_exit.wait()
+
     def decode_crashed(self, error: Exception) -> None:
         """The decode engine raised after its worker accepted (G4): the stream ends with
-        ``error`` as its last item, not with an end that reads as a success (B4). Only
-        a reader that has not seen the end yet gets it: an engine that closes its
-        channel in its outermost ``with`` (as it should) reports its crash first."""
+        ``error`` as its last item, not with an end that reads as a success (B4). A
+        reader that saw the channel's end waits for the leg's exit (:meth:`follow_leg`)
+        and gets it; one that already ended the stream does not."""
         if self._state == _OPEN:
             self._fail(error)
 

@@ -152,6 +152,8 @@ class HandoffOwner:
     outputs: GatedOutputs | None = None
     #: The decode leg ended on its own (its whole stream is in its channel).
     decode_leg_ended: bool = False
+    #: The decode leg's task is over, however it ended (its crash reported, if any).
+    decode_leg_exited: bool = False
     #: What a decode engine raised after its worker accepted, until the stream's
     #: reader exists to end with it (G4; see ``decode_leg``).
     decode_crash: Exception | None = None

@@ -385,6 +385,8 @@ class DisaggRouter:
         outputs = owner.outputs = gate.outputs(decode_receive, leg_context, hooks.stream_ended)
         if owner.decode_crash is not None:  # (it crashed before its reader existed)
             outputs.decode_crashed(owner.decode_crash)
+        elif not owner.decode_leg_exited:
+            outputs.follow_leg()
         if owner.decode_leg_ended:  # a short stream, whole in the channel already
             outputs.decode_ended()
         if owner.holds_transfer:
