@@ -416,3 +416,33 @@ async def test_a_body_larger_than_the_read_ahead_arrives_whole() -> None:
             data = await read_all(s)
     assert orjson.loads(_http11_dechunk(data.partition(b"\r\n\r\n")[2]))["body"] == (
         body.decode())
+
+
+async def test_a_chunked_bodys_trailers_do_not_become_headers() -> None:
+    """Trailers after a chunked body count towards the head's limits, but the app's
+    headers are the head's: a trailer cannot add one the client did not send in its head
+    (an ``authorization`` after the edge checked the head, say). ASGI has no request
+    trailers; they are dropped, as uvicorn does."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                  send: Callable[[Message], Awaitable[None]]) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen.append(list(scope["headers"]))  # after the whole body, trailers included
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                             b"connection: close\r\n\r\n2\r\n{}\r\n0\r\n"
+                             b"authorization: Bearer sneaked-in\r\n\r\n")
+            data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"{}\r\n0\r\n\r\n")
+    (headers,) = seen
+    assert [name for name, _ in headers] == [b"host", b"transfer-encoding", b"connection"]

@@ -47,8 +47,8 @@ CODES = {400: b"malformed_request", 408: b"request_timeout",
 class Request:
     """One request as it is parsed: its head, then its body as it arrives."""
 
-    __slots__ = ("body", "complete", "expect_continue", "headers", "keep_alive", "method",
-                 "queued", "received", "url", "version")
+    __slots__ = ("body", "complete", "expect_continue", "head_done", "headers", "keep_alive",
+                 "method", "queued", "received", "url", "version")
 
     def __init__(self) -> None:
         self.url = b""
@@ -61,6 +61,7 @@ class Request:
         self.expect_continue = False
         self.received = 0  # bytes of body arrived
         self.queued = 0  # bytes it counts for in the read-ahead while it waits its turn
+        self.head_done = False  # (later header fields are a chunked body's trailers)
 
 
 class Connection:
@@ -116,13 +117,17 @@ class Connection:
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.parsing is not None
         headers = self.parsing.headers
-        if len(headers) <= MAX_HEADERS:  # one more says "too many" (_head_too_large)
+        # A chunked body's trailers count towards the limits but are not headers: the app
+        # has the headers already (ASGI has no request trailers), and a trailer must not
+        # add to them what the client did not send in its head.
+        if len(headers) <= MAX_HEADERS and not self.parsing.head_done:
             headers.append((name.lower(), value))
         self.head_bytes += len(name) + len(value) + 4  # with ": " and CRLF
 
     def on_headers_complete(self) -> None:
         request = self.parsing
         assert request is not None
+        request.head_done = True
         parser = self.parser
         request.method = parser.get_method().decode("ascii")
         request.version = parser.get_http_version()
