@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 from e2e_support import wait_until
-from engine_support import StandIn
+from engine_support import StandIn, run_to_its_end
 
 from trio_disagg import (
     Annotated,
@@ -504,6 +504,48 @@ async def test_B10_B1_a_stopped_prefill_that_answers_anyway_counts_as_drained(
     counters = router.counters
     assert (counters.prefills_drained, counters.prefills_cancelled) == (1, 0)
     assert counters.staged_kv_cleanups == 1 and cluster.counters().served == 1
+
+
+class FailingCleanupDecode(StandIn):
+    """A decode worker that serves a one-token request (the router's B1 cleanup) as the
+    mock does, pulling the KV, but ends its stream with an error item instead of the
+    finish (a worker that reports the cleanup failed after it accepted)."""
+
+    async def generate(  # noqa: ASYNC114
+        self, request: PreprocessedRequest, context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item], *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        if request.max_tokens != 1:
+            await self.engine.generate(request, context, send_channel,
+                                       task_status=task_status)
+            return
+        with send_channel:
+            task_status.started()
+            await run_to_its_end(self.engine, request, context)
+            await send_channel.send(Annotated.from_error("KV transfer failed"))
+
+
+async def test_B1_a_cleanup_decode_that_ends_with_an_error_is_a_failed_cleanup(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A B1 cleanup decode whose worker accepted, then ended its stream with an error, did
+    not consume the KV as far as the router can tell: it counts (and logs) as a failed
+    cleanup, not as a success."""
+    cluster = mock_cluster(latency=LATENCY, kv_ttl=1000.0)
+    cluster.decode[0] = FailingCleanupDecode(cluster.decode[0])  # type: ignore[call-overload]
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(
+            WorkerPool(cluster.prefill, cancel_windows={"prefill-0": CancelWindow.NEVER}),
+            WorkerPool(cluster.decode), keeper,
+        )
+        h = Harness(cluster, keeper, router)
+        with trio.move_on_after(0.05):  # the client leaves while the prefill computes
+            await h.run(make_request(words=10))
+        await h.settle()
+    counters = router.counters
+    assert (counters.staged_kv_cleanups, counters.staged_kv_cleanup_failures) == (1, 1)
+    assert "KV transfer failed" in caplog.text
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -111,8 +111,11 @@ async def _cleanup_decode(
 
     Raises:
         Exception: what the decode raised after it accepted (the KV may be gone: no retry).
+        WorkerError: the decode accepted, then ended its stream with an error (the worker
+            says the KV was not taken: a failed cleanup, logged and counted as one).
     """
     refusal: WorkerError | None = None
+    failed: str | None = None
     send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](1)
     with router.decode.lease(worker):
         async with trio.open_nursery() as nursery:
@@ -126,11 +129,22 @@ async def _cleanup_decode(
                 receive.close()
             else:
                 with receive:
-                    async for _ in receive:
-                        pass
+                    async for item in receive:
+                        failed = _failure_of(item) or failed
     if refusal is not None:
         router.decode.record_failure(worker, refusal)
+    if failed is not None:
+        raise WorkerError(f"decode worker {worker.name} failed the cleanup decode: {failed}",
+                          worker=worker.name)
     return refusal
+
+
+def _failure_of(item: Annotated[LLMEngineOutput]) -> str | None:
+    """What ``item`` says went wrong (an error, or a failed finish), if anything."""
+    finish = item.data.finish_reason if item.data is not None else None
+    if item.is_error:
+        return item.error_message() or "an error item"
+    return str(finish) if finish is not None and finish.is_failure else None
 
 
 def _one_token_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -151,7 +151,8 @@ class RouterCounters:
     Attributes:
         requests_total: requests admitted.
         staged_kv_cleanups: one-token cleanup decodes started for staged KV (B1).
-        staged_kv_cleanup_failures: those that failed (the worker's lease reclaims it).
+        staged_kv_cleanup_failures: those that failed, one the worker accepted then ended
+            with an error included (the worker's lease reclaims the KV).
         prefills_cancelled: prefills cancelled because their client left inside the
             engine's cancel window (B10).
         prefills_released: prefills ended because no decode would ever take their KV: a
