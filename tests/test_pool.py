@@ -161,3 +161,10 @@ async def test_B9_asking_for_an_alternative_gives_no_half_open_trial(
     assert workers.alternative(request(), [tried]) is ejected  # its trial
     assert not workers.has_alternative([tried])  # one trial at a time
     assert workers.alternative(request(), [tried]) is None
+
+
+def test_an_engine_without_the_protocol_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="str name and a generate method"):
+        WorkerPool([object()])  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="str name"):
+        WorkerPool([NullEngine(None)])  # type: ignore[arg-type]

@@ -301,6 +301,7 @@ class WorkerPool(Generic[E]):
 
     Raises:
         ValueError: on duplicate worker names, or a cancel window for no such worker.
+        TypeError: an engine without a ``str`` ``name`` or a ``generate`` method.
     """
 
     def __init__(
@@ -312,6 +313,11 @@ class WorkerPool(Generic[E]):
         cooldown: float = 5.0,
         cancel_windows: Mapping[str, CancelWindow] | None = None,
     ) -> None:
+        for engine in engines:
+            if not (isinstance(getattr(engine, "name", None), str)
+                    and callable(getattr(engine, "generate", None))):
+                raise TypeError(f"a worker's engine needs a str name and a generate method "
+                                f"(the PrefillEngine / DecodeEngine protocol), got {engine!r}")
         windows = dict(cancel_windows or {})
         self.workers = [Worker(engine, windows.pop(engine.name, None)) for engine in engines]
         names = [worker.name for worker in self.workers]
