@@ -53,6 +53,7 @@ from trio_disagg.engines import (
     mock_cluster,
 )
 from trio_disagg.server import OpenAIApp, create_app, serve, wait_for_signals
+from trio_disagg.server._request import fresh_request_id
 
 MODEL = "mock-model"
 PROMPT = " ".join(f"word{i}" for i in range(45))  # 45 tokens: a partial prefix-cache hit
@@ -363,6 +364,17 @@ async def test_request_id_round_trip_and_session_id() -> None:
         assert server.prefill.requests[-1].request_id == fresh
         assert server.decode.requests[-1].request_id == fresh
         assert server.decode.requests[-1].routing.session_id == "alice"
+
+
+def test_a_fresh_request_id_is_a_random_uuid4_in_its_text_form() -> None:
+    """The id the router makes for a request that brought none is what
+    ``str(uuid.uuid4())`` would be: RFC 4122 version 4, its canonical text, never twice."""
+    ids = [fresh_request_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for made in ids:
+        parsed = uuid.UUID(made)
+        assert (parsed.version, parsed.variant) == (4, uuid.RFC_4122)
+        assert str(parsed) == made
 
 
 async def test_a_non_ascii_request_id_comes_back_as_the_client_sent_it() -> None:

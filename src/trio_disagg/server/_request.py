@@ -4,7 +4,7 @@ the router's :class:`~trio_disagg.PreprocessedRequest` (B8)."""
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 import attrs
@@ -155,8 +155,22 @@ def request_id_of(scope: Scope) -> tuple[str, bool]:
         else:
             bad_id = len(request_id) > MAX_REQUEST_ID or not request_id.isprintable()
     if request_id is None or bad_id or not request_id.strip():
-        request_id = str(uuid.uuid4())
+        request_id = fresh_request_id()
     return request_id, bad_id
+
+
+#: A 128-bit number's version and variant bits, cleared and set as a uuid4's.
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
+
+
+def fresh_request_id() -> str:
+    """A random uuid4 in its usual text form, as ``str(uuid.uuid4())`` makes it (16 bytes
+    of ``os.urandom``), at half its cost: no :class:`uuid.UUID` is built on the way
+    (docs/performance.md)."""
+    digits = f"{int.from_bytes(os.urandom(16), 'big') & _UUID4_CLEAR | _UUID4_SET:032x}"
+    return (f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-"
+            f"{digits[20:]}")
 
 
 def bad_request_id() -> ApiError:
