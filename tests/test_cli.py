@@ -197,6 +197,7 @@ async def test_one_sigint_is_a_graceful_shutdown_and_exit_0() -> None:
     ["serve", "--drain-window", "inf"],
     ["serve", "--decode-idle-deadline", "nan"],
     ["serve", "--prefill-deadline", "0"],
+    ["serve", "--max-connections", "0"],
     ["mock-worker", "--role", "prefill", "--port", "-1"],
     ["mock-worker", "--role", "decode", "--itl", "-0.5"],
     ["mock-worker", "--role", "prefill", "--kv-ttl", "nan"],
@@ -291,6 +292,29 @@ async def test_serve_max_tokens_limit_is_a_flag() -> None:
     error = answers[1].json()["error"]
     assert (error["param"], error["code"]) == ("max_tokens", "invalid_value")
     assert "between 1 and 8" in error["message"]
+
+
+async def test_serve_max_connections_is_a_flag() -> None:
+    """An operator bounds the client connections: at the bound the one idle the longest
+    is closed to make room for a client with a request."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "--log-level", "WARNING", *SERVE,
+                                   "--max-connections", "2"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False))
+            port = await banner_port(process)
+            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                         timeout=30) as http:
+                answer = await http.post("/v1/completions", json={
+                    "model": "trio-disagg-mock", "prompt": "hi", "max_tokens": 2})
+            closed = await idle[0].receive_some(1)
+            for stream in idle:
+                await stream.aclose()
+            process.terminate()
+    assert answer.status_code == 200
+    assert closed == b""  # the first idle connection made room
 
 
 async def test_mock_style_with_a_real_backend_is_refused() -> None:

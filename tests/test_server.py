@@ -994,6 +994,22 @@ async def test_graceful_shutdown_finishes_streams_in_flight() -> None:
                     await http.get(f"http://127.0.0.1:{port}/health")
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"max_connections": 0}, "max_connections must be >= 1, got 0"),
+    ({"max_connections": 8, "config": HyperConfig()}, "max_connections needs the project's"),
+    ({"reuse_port": True, "config": HyperConfig()}, "reuse_port needs the project's"),
+    ({"graceful_timeout": -1.0}, "graceful_timeout must be >= 0 seconds"),
+], ids=["no connections", "max with hypercorn", "reuse_port with hypercorn", "negative"])
+async def test_serve_refuses_bad_arguments_before_it_listens(
+    options: dict[str, Any], message: str,
+) -> None:
+    cluster = mock_cluster(latency=LatencyModel.zero())
+    async with TransferKeeper() as keeper:
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
+        with pytest.raises(ValueError, match=message):
+            await serve(create_app(router, models=[MODEL]), port=0, **options)
+
+
 async def test_a_signal_shuts_the_server_down() -> None:
     cluster = mock_cluster(latency=LatencyModel.zero())
     async with TransferKeeper(drain_window=1.0) as keeper:

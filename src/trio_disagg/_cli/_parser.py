@@ -144,6 +144,10 @@ def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-in-flight", type=limit, default=1024, metavar="N",
                         help="generation requests handled at once; past it: 503 with "
                              "Retry-After at once (0: no limit)")
+    limits.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                        help="client connections open at once (per process with --workers); "
+                             "past it the one idle the longest is closed to make room "
+                             "(default: half of the file descriptors left)")
     limits.add_argument("--max-keeper-tasks", type=limit, default=4096, metavar="N",
                         help="KV transfers and cleanups in flight (prefill drains, decode "
                              "legs kept for a transfer, cleanup decodes) at which new "

@@ -107,7 +107,8 @@ async def serve_router(
                 await serve(app, host=args.host, port=args.port,
                             shutdown_trigger=shutdown_trigger,
                             graceful_timeout=args.drain_window, health=health,
-                            reuse_port=args.supervised, task_status=task_status)
+                            reuse_port=args.supervised,
+                            max_connections=args.max_connections, task_status=task_status)
             finally:
                 mirror.cancel()  # the last copy of the metrics, then it ends
 

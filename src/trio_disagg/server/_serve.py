@@ -94,6 +94,7 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 30.0, config: Config | None = None,
     health: HealthMonitor | None = None, reuse_port: bool = False,
+    max_connections: int | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP/1.1 until shut down.
@@ -129,13 +130,18 @@ async def serve(
             round ends before it listens (``GET /health`` is right from the first request).
         reuse_port: listen with ``SO_REUSEPORT``, sharing the port with other processes
             that do the same (``serve --workers N``); not with a hypercorn ``config``.
+        max_connections: client connections open at once; past it the one idle the
+            longest is closed to make room (or the new client waits in the listen
+            backlog). None: half of the file descriptors left, so that connections to
+            the workers always have some. Not with a hypercorn ``config``.
         task_status: with ``nursery.start(serve, ...)``: the bound TCP port, once listening.
 
     Raises:
         OSError: the address could not be bound (or ``reuse_port`` without SO_REUSEPORT).
-        ValueError: a negative ``graceful_timeout``, or ``reuse_port`` with ``config``.
+        ValueError: a negative ``graceful_timeout``, ``max_connections`` < 1, or
+            ``reuse_port`` or ``max_connections`` with ``config``.
     """
-    _check_arguments(graceful_timeout, reuse_port, config)
+    _check_arguments(graceful_timeout, reuse_port, max_connections, config)
     async with trio.open_nursery() as nursery:
         trigger = None if shutdown_trigger is None else partial(
             _shut_down, app, shutdown_trigger, graceful_timeout, nursery)
@@ -144,16 +150,21 @@ async def serve(
             await nursery.start(_run_in, probes, health.run)
         bound = await _start_server(nursery, probes, app, host, port, trigger,
                                     graceful_timeout + ENDING_WINDOW + _BACKSTOP,
-                                    reuse_port, config)
+                                    reuse_port, max_connections, config)
         task_status.started(bound)
     if shutdown_trigger is not None and app.router.in_flight:
         logger.warning("server stopped with %d request(s) still in flight",
                        app.router.in_flight)
 
 
-def _check_arguments(graceful_timeout: float, reuse_port: bool, config: Config | None) -> None:
+def _check_arguments(graceful_timeout: float, reuse_port: bool, max_connections: int | None,
+                     config: Config | None) -> None:
     if reuse_port and config is not None:
         raise ValueError("reuse_port needs the project's server, not a hypercorn config")
+    if max_connections is not None and config is not None:
+        raise ValueError("max_connections needs the project's server, not a hypercorn config")
+    if max_connections is not None and not max_connections >= 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     if not graceful_timeout >= 0 or math.isnan(graceful_timeout):
         raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
 
@@ -177,13 +188,14 @@ async def _shut_down(app: OpenAIApp, user_trigger: Callable[[], Awaitable[object
 async def _start_server(
     nursery: trio.Nursery, probes: trio.CancelScope, app: OpenAIApp, host: str, port: int,
     trigger: Callable[[], Awaitable[None]] | None, backstop: float, reuse_port: bool,
-    config: Config | None,
+    max_connections: int | None, config: Config | None,
 ) -> int:
     """Start the server in ``nursery`` (``probes`` cancelled when it ends); its port."""
     if config is None:
         bound: int = await nursery.start(_then_cancel, probes, partial(
             serve_http, app, host=host, port=port, shutdown_trigger=trigger,
-            shutdown_timeout=backstop, reuse_port=reuse_port))
+            shutdown_timeout=backstop, reuse_port=reuse_port,
+            max_connections=max_connections))
         return bound
     from hypercorn.trio import serve as hypercorn_serve
 
