@@ -109,52 +109,44 @@ async def serve(
             app = create_app(router, models=["my-model"])
             await serve(app, port=8000, shutdown_trigger=wait_for_sigterm)
 
-    Graceful shutdown (rule B3 in docs/semantics.md; docs/router.md): when
-    ``shutdown_trigger`` returns, the router is closed (new requests get 503), the server
-    stops listening and closes idle connections, requests in flight get up to
-    ``graceful_timeout`` seconds to finish, then the app cancels whatever is left
-    (:meth:`OpenAIApp.shutdown`), each with a clean ending (B4), and logs how many; their
-    prefill legs run on in the keeper. Then :func:`serve` returns (the server's own, longer
-    shutdown timeout is a backstop). Cancelling :func:`serve` is a hard stop.
+    Graceful shutdown (B3, docs/router.md): when ``shutdown_trigger`` returns, the router
+    closes (new requests get 503), the server stops listening, requests in flight get
+    ``graceful_timeout`` seconds, then the app cancels what is left, each with a clean
+    ending (B4; their prefill legs run on in the keeper), and :func:`serve` returns.
+    Cancelling :func:`serve` is a hard stop.
 
     Args:
         app: from :func:`create_app`.
         host: the address to listen on; an IPv6 literal is fine.
         port: the TCP port; 0 picks a free one (see ``task_status``).
-        shutdown_trigger: an async callable returning when the server should shut down
-            gracefully; None serves until cancelled.
+        shutdown_trigger: returns when the server should shut down; None: never.
         graceful_timeout: seconds in-flight requests get to finish on shutdown.
-        config: a hypercorn ``Config``: serve with hypercorn instead (TLS, HTTP/2); its
-            ``bind`` and ``graceful_timeout`` are overwritten.
+        config: a hypercorn ``Config``: serve with hypercorn instead (TLS, HTTP/2), its
+            ``bind`` and ``graceful_timeout`` overwritten.
         health: probes of the router's workers, run while the server runs; their first
-            round ends before it listens (``GET /health`` is right from the first request).
+            round ends before it listens (``GET /health`` is right from the start).
         reuse_port: listen with ``SO_REUSEPORT``, sharing the port with other processes
             that do the same (``serve --workers N``); not with a hypercorn ``config``.
-        max_connections: client connections open at once; past it the one idle the
-            longest is closed to make room (or the new client waits in the listen
-            backlog). None: half of the file descriptors left, so that connections to
-            the workers always have some. Not with a hypercorn ``config``.
+        max_connections: client connections open at once (past it the one idle the
+            longest makes room); None: half of the file descriptors left, the rest for
+            the workers' connections. Not with a hypercorn ``config``.
         task_status: with ``nursery.start(serve, ...)``: the bound TCP port, once listening.
 
     Raises:
         OSError: the address could not be bound (or ``reuse_port`` without SO_REUSEPORT).
-        ValueError: a negative ``graceful_timeout``, ``max_connections`` < 1, or
+        ValueError: a negative ``graceful_timeout``, ``max_connections`` < 1, or either
             ``reuse_port`` or ``max_connections`` with ``config``.
     """
     _check_arguments(graceful_timeout, reuse_port, max_connections, config)
     async with trio.open_nursery() as nursery:
         trigger = None if shutdown_trigger is None else partial(
             _shut_down, app, shutdown_trigger, graceful_timeout, nursery)
-        probes = trio.CancelScope()
-        if health is not None:
-            await nursery.start(_run_in, probes, health.run)
-        bound = await _start_server(nursery, probes, app, host, port, trigger,
+        bound = await _start_server(nursery, health, app, host, port, trigger,
                                     graceful_timeout + ENDING_WINDOW + _BACKSTOP,
                                     reuse_port, max_connections, config)
         task_status.started(bound)
     if shutdown_trigger is not None and app.router.in_flight:
-        logger.warning("server stopped with %d request(s) still in flight",
-                       app.router.in_flight)
+        logger.warning("server stopped with %d request(s) in flight", app.router.in_flight)
 
 
 def _check_arguments(graceful_timeout: float, reuse_port: bool, max_connections: int | None,
@@ -186,11 +178,15 @@ async def _shut_down(app: OpenAIApp, user_trigger: Callable[[], Awaitable[object
 
 
 async def _start_server(
-    nursery: trio.Nursery, probes: trio.CancelScope, app: OpenAIApp, host: str, port: int,
-    trigger: Callable[[], Awaitable[None]] | None, backstop: float, reuse_port: bool,
-    max_connections: int | None, config: Config | None,
+    nursery: trio.Nursery, health: HealthMonitor | None, app: OpenAIApp, host: str,
+    port: int, trigger: Callable[[], Awaitable[None]] | None, backstop: float,
+    reuse_port: bool, max_connections: int | None, config: Config | None,
 ) -> int:
-    """Start the server in ``nursery`` (``probes`` cancelled when it ends); its port."""
+    """Start ``health``'s probes, then the server, in ``nursery`` (the probes end with the
+    server); its port."""
+    probes = trio.CancelScope()
+    if health is not None:
+        await nursery.start(_run_in, probes, health.run)
     if config is None:
         bound: int = await nursery.start(_then_cancel, probes, partial(
             serve_http, app, host=host, port=port, shutdown_trigger=trigger,
