@@ -180,6 +180,12 @@ class Server:
                     finally:
                         conn.on_gone = None
                     nursery.cancel_scope.cancel()
+            if exchange.body_timed_out and not exchange.started and not conn.closed:
+                # Answered once nothing else reads the connection: the client may still
+                # be sending its body, which the lingering close reads and throws away
+                # (closed with it unread, the client would get a reset, not the 408).
+                await conn.refuse(408, b"request body not received in time", linger=True)
+                return
             conn.request_over(request)
             if not exchange.done or not exchange.keep_alive or conn.closed:
                 return
@@ -206,8 +212,7 @@ class Server:
                              scope["path"])
         if not exchange.started and not conn.closed:
             if exchange.body_timed_out:
-                await conn.refuse(408, b"request body not received in time")
-                return
+                return  # the 408 is _serve's, once the connection is no longer read
             if conn.refusal is not None and not request.complete:  # the body broke off
                 # Nothing reads the connection any more (a refusal stops the reads).
                 await conn.refuse(*conn.refusal, linger=True)
