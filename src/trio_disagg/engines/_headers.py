@@ -81,9 +81,6 @@ class DefaultHeaders:
     def __repr__(self) -> str:  # the values may be secrets: names only
         return f"<DefaultHeaders {', '.join(name.decode() for name in self._pairs)}>"
 
-    def __bool__(self) -> bool:
-        return bool(self._pairs)
-
     def for_request(self, headers: Mapping[bytes, bytes]) -> bytes:
         """What to append to a request's head with its own ``headers``: :attr:`encoded`,
         without the defaults the request sets itself (rare: then encoded anew)."""

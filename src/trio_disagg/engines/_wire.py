@@ -348,7 +348,8 @@ class WorkerClient:
             url: the worker's URL with the path (``http://host:port/v1/completions``).
             content: the request body, in bytes (``b""`` for none); ``content-length`` is
                 set from it.
-            headers: extra header names to values, in bytes (``host`` is set).
+            headers: extra header names to values, in bytes (``host`` is set), sent
+                with the client's :attr:`headers` (one of the same name replaces it).
 
         Raises:
             ValueError: ``method`` is not POST or GET, or ``url`` is not an http(s) URL.
