@@ -264,3 +264,63 @@ def test_a_timeout_must_be_a_positive_number_of_seconds(option: str, value: floa
     options: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=option):
         WorkerClient(**options)
+
+
+# --- default headers: a worker's API key on every request ---------------------------------
+
+
+async def test_default_headers_go_with_every_request_and_a_requests_own_wins() -> None:
+    seen: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        buffer = bytearray()
+        while (request := await read_request(stream, buffer)) is not None:
+            seen.append(request)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+    key: dict[str | bytes, str | bytes] = {"Authorization": "Bearer sk-1", b"x-team": b"kv"}
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient(headers=key) as client:
+            url = await start_server(nursery, handler)
+            for method, headers in [("POST", HEADERS), ("GET", {}),
+                                    ("POST", {b"Authorization": b"Bearer other"})]:
+                async with client.stream(method, url + "/v1/completions", content=b"",
+                                         headers=headers) as response:
+                    assert response.status_code == 200
+            nursery.cancel_scope.cancel()
+    post, probe, own = (request.lower() for request in seen)
+    for request in (post, probe):
+        assert request.count(b"authorization") == 1
+        assert b"\r\nauthorization: bearer sk-1\r\nx-team: kv\r\n\r\n" in request
+    assert b"content-type: application/json\r\n" in post
+    # A request's own header of the same name (any case) replaces the default, as httpx.
+    assert own.count(b"authorization") == 1 and b"authorization: bearer other\r\n" in own
+    assert b"x-team: kv\r\n" in own
+    assert "sk-1" not in repr(client.headers)  # a key is never shown
+
+
+@pytest.mark.parametrize(("headers", "error", "message"), [
+    ({"authorization": "Bearer k\r\nx-evil: 1"}, ValueError,
+     "the value of header 'authorization' has a CR, LF or NUL"),
+    ({"authorization": b"Bearer k\n"}, ValueError, "'authorization' has a CR, LF or NUL"),
+    ({"authorization": "Bearer k\0"}, ValueError, "'authorization' has a CR, LF or NUL"),
+    ({"x-a\r\nx-evil": "1"}, ValueError, "is not an HTTP token"),
+    ({b"x-a\0": "1"}, ValueError, "is not an HTTP token"),
+    ({"x-a: b": "1"}, ValueError, "is not an HTTP token"),
+    ({"": "1"}, ValueError, "is not an HTTP token"),
+    ({"clé": "1"}, ValueError, "header name 'clé' is not ASCII"),
+    ({"Host": "elsewhere"}, ValueError, "'host' is set by the client itself"),
+    ({"content-length": "0"}, ValueError, "'content-length' is set by the client itself"),
+    ({"x-a": "1", "X-A": "2"}, ValueError, "'x-a' is given twice"),
+    ({"x-a": 1}, TypeError, "the value of header 'x-a' must be str or bytes, got int"),
+    ({1: "1"}, TypeError, "a header name must be str or bytes, got int"),
+], ids=["crlf-value", "lf-value", "nul-value", "crlf-name", "nul-name", "colon-name",
+        "empty-name", "non-ascii-name", "host", "content-length", "twice", "int-value",
+        "int-name"])
+def test_a_header_that_could_inject_another_is_refused_at_construction(
+    headers: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as caught:
+        WorkerClient(headers=headers)
+    assert message in str(caught.value)
+    assert "Bearer k" not in str(caught.value)  # a value may be a secret: never shown

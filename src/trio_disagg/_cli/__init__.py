@@ -20,8 +20,10 @@ from ._mock_worker import mock_worker_command
 from ._parser import build_parser as build_parser
 from ._serve import serve_command
 from ._serve_options import API_KEY_ENV as API_KEY_ENV
+from ._serve_options import WORKER_API_KEY_ENV as WORKER_API_KEY_ENV
 from ._serve_options import api_key_of as api_key_of
 from ._serve_options import cancel_windows as cancel_windows
+from ._serve_options import worker_api_key_of as worker_api_key_of
 from ._startup import EXIT_STARTUP as EXIT_STARTUP
 from ._startup import StartupError as StartupError
 from ._startup import run_command

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -12,6 +13,25 @@ from .._protocols import DEFAULT_BOOTSTRAP_PORT
 from ..mock import LatencyModel, create_mock_worker, serve_worker
 from ._signals import run_until_signalled
 from ._startup import StartupError, display_address, first_os_error
+
+#: The environment variable a vLLM worker reads its API key from without ``--api-key``.
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+
+
+def mock_api_key_of(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else for ``--protocol vllm`` :data:`VLLM_API_KEY_ENV` as vLLM reads
+    it (empty: no key), else None.
+
+    Raises:
+        StartupError: ``--api-key`` is empty or blank, or given for TensorRT-LLM.
+    """
+    key: str | None = args.api_key
+    if key is None:
+        return (os.environ.get(VLLM_API_KEY_ENV) or None) if args.protocol == "vllm" else None
+    if not key.strip():
+        raise StartupError("--api-key is empty; give a key, or leave it out to serve "
+                           "without one")
+    return key
 
 
 async def mock_worker_command(args: argparse.Namespace) -> int:
@@ -33,7 +53,8 @@ async def mock_worker_command(args: argparse.Namespace) -> int:
         app = create_mock_worker(
             args.role, args.protocol, model=args.model, latency=latency, seed=args.seed,
             kv_ttl=args.kv_ttl, bootstrap_port=args.bootstrap_port,
-            bootstrap_timeout=args.bootstrap_timeout, fault_injection=args.fault_injection)
+            bootstrap_timeout=args.bootstrap_timeout, fault_injection=args.fault_injection,
+            api_key=mock_api_key_of(args))
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 

@@ -18,7 +18,7 @@ from ._arg_types import (
     positive_seconds,
     seconds,
 )
-from ._serve_options import API_KEY_ENV, POLICIES, deadline_defaults
+from ._serve_options import API_KEY_ENV, POLICIES, WORKER_API_KEY_ENV, deadline_defaults
 
 #: What ``add_subparsers`` returns: where each command adds its parser.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -70,6 +70,11 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
     serve_cmd.add_argument("--decode", action="append", default=[], metavar="URL",
                            help="a decode worker (repeat for several) (default: none; "
                                 "required with --backend vllm, sglang or trtllm)")
+    serve_cmd.add_argument("--worker-api-key", metavar="KEY",
+                           help="send every worker 'Authorization: Bearer KEY': the key the "
+                                "workers were started with (vLLM, SGLang --api-key) "
+                                f"(default: ${WORKER_API_KEY_ENV} if set, else none; prefer "
+                                "the variable: it stays out of process listings)")
     serve_cmd.add_argument("--model", default="trio-disagg-mock",
                            help="the model name clients must ask for")
     serve_cmd.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES),
@@ -189,6 +194,11 @@ def add_mock_worker_command(commands: Commands) -> None:
     worker_cmd.add_argument("--fault-injection", action="store_true",
                             help="honour a request body's \"fault\" field (a test tool; "
                                  "default: the field is ignored)")
+    worker_cmd.add_argument("--api-key", metavar="KEY",
+                            help="vllm and sglang only: requests must send 'Authorization: "
+                                 "Bearer KEY' as to the real worker, else 401 (vllm: /v1/*; "
+                                 "sglang: all but /health* and /metrics*) (default: "
+                                 "$VLLM_API_KEY for vllm, else no key)")
 
 
 def add_demo_command(commands: Commands) -> None:

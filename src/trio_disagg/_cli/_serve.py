@@ -14,7 +14,7 @@ from .._keeper import TransferKeeper
 from .._pool import WorkerPool
 from .._router import DisaggRouter
 from .._supervisor import MULTIPROC_DIR_ENV, supervise
-from ..engines import vllm_client
+from ..engines import bearer, vllm_client
 from ..mock import KVCollector, MockCluster
 from ..server import REUSE_PORT_SUPPORTED, OpenAIApp, create_app, serve
 from ._serve_options import (
@@ -23,6 +23,7 @@ from ._serve_options import (
     cancel_windows,
     deadlines_of,
     engines_for,
+    worker_api_key_of,
 )
 from ._signals import SHUTDOWN_SIGNALS, ignoring_signals, run_until_signalled
 from ._startup import StartupError, display_address, first_os_error
@@ -54,7 +55,8 @@ async def serve_command(args: argparse.Namespace) -> int:
     deadlines = deadlines_of(args)
     policy = POLICIES[args.policy]
     api_key = api_key_of(args)
-    client = vllm_client()
+    worker_key = worker_api_key_of(args)  # each of --workers N reads it again
+    client = vllm_client(headers=bearer(worker_key) if worker_key is not None else None)
     prefill, decode, cluster = engines_for(args, client)  # refuses bad arguments first
     windows = cancel_windows(args.cancel_window, [engine.name for engine in prefill])
     if args.disagg_min_prompt_tokens is not None and args.backend == "sglang":

@@ -33,6 +33,9 @@ POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
 #: The environment variable ``serve`` reads its API key from when ``--api-key`` is not
 #: given: a key there stays out of process listings.
 API_KEY_ENV = "TRIO_DISAGG_API_KEY"
+#: The environment variable ``serve`` reads the workers' API key from when
+#: ``--worker-api-key`` is not given.
+WORKER_API_KEY_ENV = "TRIO_DISAGG_WORKER_API_KEY"
 
 
 def deadline_defaults() -> dict[str, float]:
@@ -64,6 +67,34 @@ def api_key_of(args: argparse.Namespace) -> str | None:
         raise StartupError(f"{where} is empty; give a key, or unset it to serve without one")
     if args.protect_metrics and key is None:
         raise StartupError(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
+    return key
+
+
+def worker_api_key_of(args: argparse.Namespace) -> str | None:
+    """``--worker-api-key``, else :data:`WORKER_API_KEY_ENV`, else None: the key the router
+    sends every worker as ``Authorization: Bearer <key>`` (workers started with
+    ``--api-key``).
+
+    Raises:
+        StartupError: the key given is empty or blank, or has a CR, LF or NUL (it could
+            not be sent), or ``--worker-api-key`` with the embedded mocks. The message
+            names where the key came from, never the key.
+    """
+    key: str | None = args.worker_api_key
+    where = "--worker-api-key"
+    if key is not None and args.backend == "mock":
+        raise StartupError("--worker-api-key is for workers over HTTP: it needs --backend "
+                           "vllm, sglang or trtllm")
+    if key is None:
+        key = os.environ.get(WORKER_API_KEY_ENV)
+        where = WORKER_API_KEY_ENV
+    if key is None:
+        return None
+    if not key.strip():
+        raise StartupError(f"{where} is empty; give the workers' key, or unset it to send "
+                           "none")
+    if any(char in key for char in "\r\n\0"):
+        raise StartupError(f"{where} has a CR, LF or NUL: it cannot go in a header")
     return key
 
 

@@ -41,6 +41,8 @@ if _typing.TYPE_CHECKING:
     from ..mock import parse_fault as parse_fault
     from ..mock import parse_faults as parse_faults
     from ..mock import resolve_max_tokens as resolve_max_tokens
+    from ._headers import DefaultHeaders as DefaultHeaders
+    from ._headers import bearer as bearer
     from ._http import Client as Client
     from ._http import HttpEngine as HttpEngine
     from ._httpx import HttpxWorkerClient as HttpxWorkerClient
@@ -102,6 +104,8 @@ _LAZY = {
     "ReadTimeout": "_transport",
     "RemoteProtocolError": "_transport",
     "TransportError": "_transport",
+    "DefaultHeaders": "_headers",
+    "bearer": "_headers",
     "WorkerClient": "_wire",
     "WorkerResponse": "_wire",
     "WriteTimeout": "_transport",

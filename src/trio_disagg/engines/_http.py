@@ -23,11 +23,7 @@ import trio
 from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import InvalidPrefillHandoff, WorkerError
-from .._protocols import (
-    Annotated,
-    LLMEngineOutput,
-    PreprocessedRequest,
-)
+from .._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 from ._chunks import (
     ChunkParser,
     SseReader,
@@ -37,6 +33,7 @@ from ._chunks import (
     is_error_object,
 )
 from ._handoffs import needs_handoff
+from ._headers import CREDENTIAL_STATUSES, credentials_refused
 from ._httpx import HttpxWorkerClient
 from ._requests import check_worker_url, request_headers
 from ._stopper import SendChannel, Stopper, send_quietly
@@ -346,6 +343,8 @@ class HttpEngine:
                 pass  # the status says enough
             await response.aclose()
         message = error_message(bytes(data), status)
+        if status in CREDENTIAL_STATUSES:  # a 4xx, so no retry and no ejection either
+            message = credentials_refused(self.role, self.url, status, message)
         lost = self.role == "decode" and reports_lost_kv(message)
         if 400 <= status < 500:
             return WorkerError(message, status=status, worker=self.name, worker_status=status,

@@ -15,13 +15,15 @@ def worker_client(**options: Any) -> WorkerClient:
     """A new :class:`~trio_disagg.engines.WorkerClient` for HTTP engines to share; the
     keywords ``options`` are its own (connection bounds in connections, timeouts in
     seconds; by default no read timeout of the client's own, since the router's deadlines
-    bound every wait without a cancel scope per token).
+    bound every wait without a cancel scope per token; ``headers`` sent with every
+    request, such as the workers' API key: ``headers={"authorization": "Bearer KEY"}``).
 
     Environment proxies are not consulted: worker traffic stays inside the cluster. The
     caller owns the client: ``async with`` it, or ``await client.aclose()``.
 
     Raises:
-        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0.
+        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0, or a header
+            that could inject another (a CR, LF or NUL).
         TypeError: a keyword :class:`~trio_disagg.engines.WorkerClient` does not take.
     """
     return WorkerClient(**options)

@@ -91,11 +91,13 @@ class _PrefillAnswer:
 def vllm_client(**options: Any) -> WorkerClient:
     """A new :class:`~trio_disagg.engines.WorkerClient` for :class:`VllmEngine`\\ s to
     share: :func:`~trio_disagg.engines.worker_client`, whose keywords ``options`` are
-    (connection bounds in connections, timeouts in seconds). The caller owns it: ``async
-    with`` it, or ``await client.aclose()``.
+    (connection bounds in connections, timeouts in seconds, ``headers`` such as the
+    workers' API key). The caller owns it: ``async with`` it, or ``await
+    client.aclose()``.
 
     Raises:
-        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0.
+        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0, or a header
+            that could inject another (a CR, LF or NUL).
         TypeError: a keyword :class:`~trio_disagg.engines.WorkerClient` does not take.
     """
     return worker_client(**options)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import ssl
-from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
@@ -22,6 +21,8 @@ from urllib.parse import urlsplit
 import httptools
 import trio
 
+from ._connections import Connection, Pool
+from ._headers import DefaultHeaders, HeaderMap
 from ._reads import receive_some
 from ._transport import (
     ConnectError,
@@ -39,36 +40,6 @@ READ_SIZE = 65536
 MAX_HEADER_BYTES = 64 * 1024
 
 
-class _Connection:
-    """One keep-alive connection to a worker."""
-
-    __slots__ = ("idle_since", "socket", "stream")
-
-    def __init__(self, stream: trio.abc.Stream, socket: trio.socket.SocketType | None) -> None:
-        self.stream = stream
-        self.socket = socket
-        self.idle_since = 0.0
-
-    def usable(self, now: float, expiry: float) -> bool:
-        """Whether an idle connection may carry a new request: not expired, and nothing
-        to read (a readable idle socket is one the worker closed)."""
-        if now - self.idle_since > expiry:
-            return False
-        return self.socket is None or not self.socket.is_readable()
-
-
-class _Pool:
-    """The idle connections to one worker (host, port, scheme)."""
-
-    __slots__ = ("host", "idle", "port", "tls")
-
-    def __init__(self, host: str, port: int, tls: bool) -> None:
-        self.host = host
-        self.port = port
-        self.tls = tls
-        self.idle: deque[_Connection] = deque()
-
-
 class WorkerResponse:
     """A worker's answer: its status and headers at once, its body read part by part.
 
@@ -83,10 +54,10 @@ class WorkerResponse:
                  "_keep_alive", "_parser", "_pool", "_raw_headers",
                  "headers", "status_code")
 
-    def __init__(self, client: WorkerClient, pool: _Pool, connection: _Connection) -> None:
+    def __init__(self, client: WorkerClient, pool: Pool, connection: Connection) -> None:
         self._client = client
         self._pool = pool
-        self._connection: _Connection | None = connection
+        self._connection: Connection | None = connection
         self._parser = httptools.HttpResponseParser(self)
         self._body: list[bytes] = []
         self._raw_headers: list[tuple[bytes, bytes]] = []
@@ -230,7 +201,7 @@ class _Exchange:
 
     __slots__ = ("_client", "_content", "_headers", "_method", "_path", "_pool", "_response")
 
-    def __init__(self, client: WorkerClient, pool: _Pool, method: str, path: str,
+    def __init__(self, client: WorkerClient, pool: Pool, method: str, path: str,
                  headers: Mapping[bytes, bytes], content: bytes) -> None:
         self._client = client
         self._method = method
@@ -247,7 +218,7 @@ class _Exchange:
                 b"\r\ncontent-length: ", str(len(self._content)).encode(), b"\r\n"]
         for name, value in self._headers.items():
             head += (name, b": ", value, b"\r\n")
-        head += (b"\r\n", self._content)
+        head += (client.headers.for_request(self._headers), b"\r\n", self._content)
         request = b"".join(head)
         for attempt in range(2):  # a kept connection the worker closed: once more, anew
             connection, reused = await client._acquire(pool, fresh=attempt > 0)
@@ -296,12 +267,18 @@ class WorkerClient:
         write_timeout: seconds to write a request.
         pool_timeout: seconds to wait for a free connection when ``max_connections``
             are open.
+        headers: sent with every request, probes too (a worker's API key:
+            ``{"authorization": "Bearer KEY"}``), checked and encoded once
+            (:class:`~trio_disagg.engines.DefaultHeaders`); a request's own header of
+            the same name wins.
 
     Use it as an async context manager, or call :meth:`aclose`; closing it closes the
     idle connections (the ones in use close with their responses).
 
     Raises:
-        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0.
+        ValueError: ``max_connections`` < 1 or ``max_idle_per_worker`` < 0, or a bad
+            header (one that could inject another: a CR, LF or NUL).
+        TypeError: a header name or value neither ``str`` nor ``bytes``.
     """
 
     def __init__(
@@ -314,6 +291,7 @@ class WorkerClient:
         read_timeout: float | None = None,
         write_timeout: float = 30.0,
         pool_timeout: float = 30.0,
+        headers: HeaderMap | None = None,
     ) -> None:
         if max_connections < 1 or max_idle_per_worker < 0:
             raise ValueError("max_connections must be >= 1 and max_idle_per_worker >= 0")
@@ -329,9 +307,11 @@ class WorkerClient:
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.pool_timeout = pool_timeout
+        #: The headers sent with every request.
+        self.headers = DefaultHeaders(headers)
         self._max_connections = max_connections
         self._slots = trio.Semaphore(max_connections)
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, Pool] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -368,7 +348,8 @@ class WorkerClient:
             url: the worker's URL with the path (``http://host:port/v1/completions``).
             content: the request body, in bytes (``b""`` for none); ``content-length`` is
                 set from it.
-            headers: extra header names to values, in bytes (``host`` is set).
+            headers: extra header names to values, in bytes (``host`` is set), sent
+                with the client's :attr:`headers` (one of the same name replaces it).
 
         Raises:
             ValueError: ``method`` is not POST or GET, or ``url`` is not an http(s) URL.
@@ -388,14 +369,14 @@ class WorkerClient:
             self._pools[key] = pool
         return _Exchange(self, pool, method, slash + path, headers, content)
 
-    def _new_pool(self, url: str) -> _Pool:
+    def _new_pool(self, url: str) -> Pool:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
         tls = parts.scheme == "https"
-        return _Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
+        return Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
 
-    async def _acquire(self, pool: _Pool, *, fresh: bool = False) -> tuple[_Connection, bool]:
+    async def _acquire(self, pool: Pool, *, fresh: bool = False) -> tuple[Connection, bool]:
         if self._closed:
             raise TransportError("the worker client is closed")
         now = trio.current_time()
@@ -416,7 +397,7 @@ class WorkerClient:
             self._slots.release()
             raise
 
-    async def _send(self, connection: _Connection, request: bytes) -> None:
+    async def _send(self, connection: Connection, request: bytes) -> None:
         """Write ``request`` whole: one non-blocking write when the socket takes it all
         (the usual case: a request is small and the socket's buffer empty), with no
         cancel scope; else the rest under :attr:`write_timeout`.
@@ -445,7 +426,7 @@ class WorkerClient:
             return False
         return True
 
-    async def _connect(self, pool: _Pool) -> _Connection:
+    async def _connect(self, pool: Pool) -> Connection:
         with trio.move_on_after(self.connect_timeout) as connecting:
             try:
                 tcp = await trio.open_tcp_stream(pool.host, pool.port)
@@ -454,20 +435,20 @@ class WorkerClient:
         if connecting.cancelled_caught:
             raise ConnectError(f"connect timed out after {self.connect_timeout:g} s")
         if not pool.tls:
-            return _Connection(tcp, tcp.socket)
+            return Connection(tcp, tcp.socket)
         if self._ssl is None:
             self._ssl = ssl.create_default_context()
-        return _Connection(trio.SSLStream(tcp, self._ssl, server_hostname=pool.host,
+        return Connection(trio.SSLStream(tcp, self._ssl, server_hostname=pool.host,
                                           https_compatible=True), None)
 
-    def _give_back(self, pool: _Pool, connection: _Connection) -> None:
+    def _give_back(self, pool: Pool, connection: Connection) -> None:
         if self._closed or len(pool.idle) >= self.max_idle_per_worker:
             self._forget(connection)
             return
         connection.idle_since = trio.current_time()
         pool.idle.append(connection)
 
-    def _forget(self, connection: _Connection) -> None:
+    def _forget(self, connection: Connection) -> None:
         """Close a connection without a checkpoint (its answer is complete)."""
         if connection.socket is not None:
             connection.socket.close()
@@ -479,7 +460,7 @@ class WorkerClient:
             inner.socket.close()
         self._slots.release()
 
-    async def _close(self, connection: _Connection) -> None:
+    async def _close(self, connection: Connection) -> None:
         try:
             await connection.stream.aclose()
         finally:

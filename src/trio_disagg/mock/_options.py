@@ -31,6 +31,7 @@ class WorkerOptions(TypedDict, total=False):
     max_body_bytes: int
     history: int
     prefix_cache_blocks: int
+    api_key: str | None
 
 
 @attrs.define(kw_only=True)

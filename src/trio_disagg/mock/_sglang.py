@@ -198,6 +198,16 @@ class MockSglangWorker(MockWorker):
     def generation_paths(self) -> frozenset[str]:
         return _PATHS
 
+    def protects(self, scope: Scope) -> bool:
+        """SGLang's ``--api-key`` protects every path but ``/health*`` and ``/metrics*``
+        (and the mock's own ``/kv/`` and ``/stats``); its bootstrap port takes no key."""
+        server = scope.get("server")
+        if self.bootstrap_port is not None and server is not None and (
+                server[1] == self.bootstrap_port):
+            return False
+        path = str(scope["path"])
+        return not path.startswith(("/health", "/metrics", "/kv/", "/stats"))
+
     # --- routing ---------------------------------------------------------------------------
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -134,13 +134,15 @@ class MockTrtllmWorker(MockWorker):
     nothing (the refusals of S9).
 
     Args: as :class:`~trio_disagg.workers.MockWorker`; ``kv_ttl`` is the context
-    server's ``kv_transfer_timeout``.
+    server's ``kv_transfer_timeout``; no ``api_key`` (``trtllm-serve`` has no
+    ``--api-key``: a ValueError).
     """
 
     protocol: ClassVar[str] = "trtllm"
     owned_by: ClassVar[str] = "tensorrt_llm"
     flat_errors: ClassVar[bool] = True
     releases_unpulled_kv: ClassVar[bool] = False
+    takes_api_key: ClassVar[bool] = False
 
     _last_ctx_id = 0
 

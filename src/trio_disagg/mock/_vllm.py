@@ -148,9 +148,14 @@ class MockVllmWorker(MockWorker):
             recent aborts :attr:`aborts` keeps.
         prefix_cache_blocks: the bound of the worker's prefix cache (:attr:`prefix`), in
             blocks; 0: none.
+        api_key: the key a request must send as ``Authorization: Bearer <key>`` to a
+            protected path (:meth:`protects`: vLLM's ``/v1/*``, everything but
+            ``/health*`` and ``/metrics*`` on SGLang), else 401 ``{"error":
+            "Unauthorized"}``, as the real worker started with ``--api-key``; None (the
+            default): none. Not for TensorRT-LLM, whose ``trtllm-serve`` takes none.
 
     Raises:
-        ValueError: a bad role or setting.
+        ValueError: a bad role or setting, or an API key for a TensorRT-LLM worker.
     """
 
     protocol: ClassVar[str] = "vllm"

@@ -25,6 +25,7 @@ from prometheus_client.exposition import generate_latest
 from .._asgi import JSON_TYPE, BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body
 from ._answers import REASONING_HOOK, AnswerFormat, OpenAIFormat, choice_shape
 from ._asgi import Exchange, run_until_disconnect
+from ._auth import UNAUTHORIZED, api_key_of
 from ._core import RELEASE_TIMEOUT, Decode, Prefill, PrefillSink
 from ._faults import Fault, FaultKind, FaultPlan, fault_for
 from ._kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TTL, KVBlockPool
@@ -106,6 +107,8 @@ class MockWorker:
     #: the KV (vLLM, SGLang); TRT-LLM's generation server does not: the context's KV
     #: waits for its transfer timeout.
     releases_unpulled_kv: ClassVar[bool] = True
+    #: Whether the real worker can be started with an API key (vLLM, SGLang: ``--api-key``).
+    takes_api_key: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -125,6 +128,7 @@ class MockWorker:
         max_body_bytes: int = 4 * 1024 * 1024,
         history: int = 256,
         prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
+        api_key: str | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -146,6 +150,7 @@ class MockWorker:
         #: Whether a request body's ``"fault"`` is honoured (else ignored).
         self.fault_injection = fault_injection
         self.http_client, self.max_body_bytes = http_client, max_body_bytes
+        self.api_key = api_key_of(api_key, self.protocol, self.takes_api_key)
         #: What it did (see :class:`WorkerStats`).
         self.stats = WorkerStats()
         #: The most recent generation requests received, oldest first.
@@ -216,6 +221,10 @@ class MockWorker:
             return
         method = scope["method"]
         path = scope["path"]
+        if (self.api_key is not None and method != "OPTIONS" and self.protects(scope)
+                and not self.api_key.admits(scope)):
+            await self.exchange(send).respond(401, UNAUTHORIZED)
+            return
         try:
             await self._route(scope, receive, send)
         except Exception:  # a bug: log it; hypercorn closes the connection
@@ -226,6 +235,12 @@ class MockWorker:
     def generation_paths(self) -> frozenset[str]:
         """The paths of generation requests."""
         return OPENAI_PATHS
+
+    def protects(self, scope: Scope) -> bool:
+        """Whether a request needs the worker's API key, if it has one: vLLM's ``/v1/*``
+        (``/health`` and ``/metrics`` stay open, and the mock's own ``/kv/`` and
+        ``/stats``, which stand for no HTTP endpoint of the real worker)."""
+        return str(scope["path"]).startswith("/v1")
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
