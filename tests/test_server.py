@@ -283,6 +283,22 @@ async def test_completion_streamed_with_usage_chunk(style: HandoffStyle) -> None
         await server.settled()
 
 
+async def test_B8_continuous_usage_stats_from_in_process_engines() -> None:
+    """vLLM's running usage for outputs that carry text, not a worker's choice."""
+    async with running() as server:
+        client = server.openai()
+        chunks = await in_thread(lambda: list(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
+            extra_body={"stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})))
+        *token_chunks, usage_chunk = chunks
+        running_usage = [chunk.usage for chunk in token_chunks]
+        assert [(u.prompt_tokens, u.completion_tokens, u.total_tokens)
+                for u in running_usage if u is not None] == [(45, n, 45 + n) for n in (1, 2, 3, 4)]
+        assert running_usage[-1] == usage_chunk.usage and usage_chunk.choices == []
+        await server.settled()
+
+
 async def test_chat_completion_not_streamed() -> None:
     async with running() as server:
         client = server.openai()

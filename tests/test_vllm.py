@@ -126,7 +126,8 @@ def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
     decode = decode_body(request)
     assert decode["kv_transfer_params"] is params  # verbatim
     assert decode["stream"] is True
-    assert decode["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    # continuous_usage_stats is the router's to answer (B8, docs/protocols.md section 1)
+    assert decode["stream_options"] == {"include_usage": True}
     assert decode["min_tokens"] == 3 and decode["max_completion_tokens"] == 9
     bare = PreprocessedRequest(request_id="r", model=MODEL,
                                body={"model": MODEL, "prompt": "x"}, max_tokens=16)

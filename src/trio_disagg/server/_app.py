@@ -27,12 +27,13 @@ from ._request import (
     RequestState,
     bad_request_id,
     build_request,
+    continuous_usage,
     listen_for_disconnect,
     read_body,
     request_id_of,
 )
 from ._responder import ENDING_WINDOW, SEND_WINDOW, Responder, end_cancelled
-from ._writer import JsonSink, SseSink, write_response
+from ._writer import ContinuousSseSink, JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
 
@@ -366,7 +367,10 @@ class OpenAIApp:
         if request.stream:
             encoder = ChunkEncoder(chat=chat, response_id=response_id, model=request.model,
                                    created=created, include_usage=include_usage)
-            sink = SseSink(responder, encoder, include_usage)
+            if include_usage and continuous_usage(request):
+                sink = ContinuousSseSink(responder, encoder, stream)
+            else:
+                sink = SseSink(responder, encoder, include_usage)
             observe_itl = self.metrics.itl.observe
         else:
             sink = JsonSink(responder, chat=chat, response_id=response_id,

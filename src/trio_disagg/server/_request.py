@@ -231,6 +231,14 @@ def build_request(
     return request, include_usage
 
 
+def continuous_usage(request: PreprocessedRequest) -> bool:
+    """Whether a validated request asked for vLLM's ``stream_options.continuous_usage_stats``
+    (the usage so far in every chunk, B8). As vLLM, the router honours it only with
+    ``include_usage`` (which the caller checks): without it no chunk carries a usage."""
+    options = request.body.get("stream_options")
+    return isinstance(options, dict) and options.get("continuous_usage_stats") is True
+
+
 def _typed(
     raw: dict[str, Any], limits: RequestLimits, *, chat: bool
 ) -> tuple[CompletionRequest | ChatCompletionRequest, int, str | None]:
