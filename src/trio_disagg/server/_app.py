@@ -27,6 +27,7 @@ from ._request import (
     RequestState,
     bad_request_id,
     build_request,
+    client_request_id,
     continuous_usage,
     listen_for_disconnect,
     read_body,
@@ -361,7 +362,7 @@ class OpenAIApp:
                       stream: RequestStream, include_usage: bool, *, chat: bool) -> str:
         """Write the answer of a routed request: server-sent events or one JSON body."""
         created = int(time.time())
-        response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+        response_id = ("chatcmpl-" if chat else "cmpl-") + client_request_id(request)
         sink: SseSink | JsonSink
         observe_itl: Callable[[float], None] | None = None
         if request.stream:
