@@ -135,7 +135,8 @@ def hang_up_during_prefill(client: openai.OpenAI) -> str:
 def failing_prefill(client: openai.OpenAI) -> str:
     try:
         # "fault" is not an OpenAI field: the mock prefill worker reads it from the body
-        # and fails this request (see trio_disagg.mock.FaultKind).
+        # and fails this request (see trio_disagg.mock.FaultKind). The router's log names
+        # it tut-4.<the router's own id for it>: the id the workers see (protocols 1).
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True,
                                   extra_body={"fault": "prefill_fail_before_handoff"},
                                   extra_headers={"X-Request-Id": "tut-4"})
@@ -264,7 +265,7 @@ async def steps(client: openai.OpenAI, http: httpx.AsyncClient, router: td.Disag
 # expect: client: APITimeoutError: Request timed out.
 # expect: prefill worker aborted requests=1, KV blocks held=0 staged=6 freed=6 stranded=0
 # expect: (prefills cancelled=1, B1 cleanups=0): the worker stopped computing
-# expect: [log] trio_disagg.keeper: prefill drain tut-4 failed:
+# expect: [log] trio_disagg.keeper: prefill drain tut-4.
 # expect: client: InternalServerError: HTTP 502
 # expect: 'type': 'upstream_error', 'param': None, 'code': 'prefill_failed'}
 # expect: router: in flight=0, keeper drains=0

@@ -341,9 +341,10 @@ async def settled(router: td.DisaggRouter, keeper: td.TransferKeeper) -> None:
 # expect: client <- HTTP 200, text/event-stream
 # expect: client <- data: {"error": {"type": "upstream_error", "code": "prefill_failed",
 # expect: message: Prefill returned an error in its output stream: prefill worker
-# expect: injected fault prefill_fail_after_handoff on request 'tut6-2' (after the KV transfer)
+# expect: injected fault prefill_fail_after_handoff on request 'tut6-2.
+# expect: (after the KV transfer)
 # expect: client <- data: [DONE]
-# expect: [log] trio_disagg.keeper: prefill drain tut6-3 failed:
+# expect: [log] trio_disagg.keeper: prefill drain tut6-3.
 # expect: client <- raised APIError: Prefill returned an error in its output stream
 # expect: router: in flight=0, keeper drains in flight=0, failed=2
 # expect: prefill worker: KV transfers=3, KV blocks held=0 staged=9 freed=9, rooms open=0

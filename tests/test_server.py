@@ -284,6 +284,22 @@ async def test_completion_streamed_with_usage_chunk(style: HandoffStyle) -> None
         await server.settled()
 
 
+async def test_B8_continuous_usage_stats_from_in_process_engines() -> None:
+    """vLLM's running usage for outputs that carry text, not a worker's choice."""
+    async with running() as server:
+        client = server.openai()
+        chunks = await in_thread(lambda: list(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
+            extra_body={"stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})))
+        *token_chunks, usage_chunk = chunks
+        running_usage = [chunk.usage for chunk in token_chunks]
+        assert [(u.prompt_tokens, u.completion_tokens, u.total_tokens)
+                for u in running_usage if u is not None] == [(45, n, 45 + n) for n in (1, 2, 3, 4)]
+        assert running_usage[-1] == usage_chunk.usage and usage_chunk.choices == []
+        await server.settled()
+
+
 async def test_chat_completion_not_streamed() -> None:
     async with running() as server:
         client = server.openai()
@@ -352,8 +368,10 @@ async def test_request_id_round_trip_and_session_id() -> None:
         assert response.status_code == 200
         assert response.headers["x-request-id"] == "client-id-42"
         assert response.json()["id"] == "cmpl-client-id-42"
-        assert server.prefill.requests[-1].request_id == "client-id-42"
-        assert server.decode.requests[-1].request_id == "client-id-42"
+        # the workers' id: the client's, then one of this router request's own (B8)
+        worker_id = server.decode.requests[-1].request_id
+        assert worker_id.startswith("client-id-42.") and len(worker_id) > 13
+        assert server.prefill.requests[-1].request_id == worker_id
         assert server.decode.requests[-1].routing.session_id == "session-7"
 
         response = await http.post("/v1/chat/completions", json={
@@ -361,8 +379,8 @@ async def test_request_id_round_trip_and_session_id() -> None:
             "user": "alice", "stream": True})
         fresh = response.headers["x-request-id"]
         assert uuid.UUID(fresh).version == 4
-        assert server.prefill.requests[-1].request_id == fresh
-        assert server.decode.requests[-1].request_id == fresh
+        assert server.prefill.requests[-1].request_id.rpartition(".")[0] == fresh
+        assert server.decode.requests[-1].request_id.rpartition(".")[0] == fresh
         assert server.decode.requests[-1].routing.session_id == "alice"
 
 
@@ -389,8 +407,8 @@ async def test_a_non_ascii_request_id_comes_back_as_the_client_sent_it() -> None
         assert response.status_code == 200, response.text
         assert dict(response.headers.raw)[b"x-request-id"] == sent.encode()
         assert response.json()["id"] == f"cmpl-{sent}"
-        assert server.prefill.requests[-1].request_id == sent
-        assert server.decode.requests[-1].request_id == sent
+        assert server.prefill.requests[-1].request_id.rpartition(".")[0] == sent
+        assert server.decode.requests[-1].request_id.rpartition(".")[0] == sent
 
         response = await http.post(
             "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},

@@ -189,7 +189,8 @@ def test_one_body_with_the_bootstrap_triple_for_both_legs() -> None:
     path, wire = sglang_body(request)
     assert path == "/v1/chat/completions"
     assert wire == {**body, "stream": True,  # no budget invented (B8)
-                    "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+                    # continuous_usage_stats: the router's to answer (B8)
+                    "stream_options": {"include_usage": True},
                     "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998,
                     "bootstrap_room": (1 << 63) - 1}
     assert "bootstrap_room" not in body  # the client's body is untouched

@@ -126,7 +126,8 @@ def test_prefill_and_decode_bodies_follow_protocols_section_2() -> None:
     decode = decode_body(request)
     assert decode["kv_transfer_params"] is params  # verbatim
     assert decode["stream"] is True
-    assert decode["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    # continuous_usage_stats is the router's to answer (B8, docs/protocols.md section 1)
+    assert decode["stream_options"] == {"include_usage": True}
     assert decode["min_tokens"] == 3 and decode["max_completion_tokens"] == 9
     bare = PreprocessedRequest(request_id="r", model=MODEL,
                                body={"model": MODEL, "prompt": "x"}, max_tokens=16)
@@ -567,9 +568,10 @@ async def test_stats_endpoint_stamps_each_abort_on_the_shared_monotonic_clock() 
             decode = (await http.get(cluster.decode_url + "/stats")).json()
             prefill = (await http.get(cluster.prefill_url + "/stats")).json()
         (abort,) = decode["aborts"]
-        assert abort["request_id"] == "abort-me"
+        worker_id = abort["request_id"]  # the client's id, then the router's own (B8)
+        assert worker_id.rpartition(".")[0] == "abort-me"
         assert closed_at <= abort["at"] <= time.monotonic()
-        assert list(cluster.decode.aborts) == [("abort-me", abort["at"])]
+        assert list(cluster.decode.aborts) == [(worker_id, abort["at"])]
         assert decode["stats"]["aborted"] == 1 and decode["stats"]["running"] == 0
         assert prefill["aborts"] == [] and prefill["stats"]["completed"] == 1
         await cluster.settled()

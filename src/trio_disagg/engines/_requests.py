@@ -44,8 +44,9 @@ PROMPT_ONLY_FIELDS = ("prompt_logprobs", "echo")
 
 def streaming_body(request: PreprocessedRequest, *, decode: bool = True) -> dict[str, Any]:
     """The client's body, made to stream: ``stream: true`` and
-    ``stream_options.include_usage: true``; for a decode leg (``decode``), without
-    :data:`PROMPT_ONLY_FIELDS`.
+    ``stream_options.include_usage: true`` (without vLLM's ``continuous_usage_stats``: the
+    router answers that option itself, from its own count, docs/protocols.md section 1);
+    for a decode leg (``decode``), without :data:`PROMPT_ONLY_FIELDS`.
 
     No budget is invented (B8): a body without ``max_tokens`` / ``max_completion_tokens``
     goes without one, and the worker's own default applies, as it would for the client
@@ -62,6 +63,9 @@ def streaming_body(request: PreprocessedRequest, *, decode: bool = True) -> dict
     options = wire.get("stream_options")
     options = dict(options) if isinstance(options, Mapping) else {}
     options["include_usage"] = True
+    # The stream's usage is the router's (B8): it answers vLLM's continuous usage itself
+    # (server/_writer.py); a worker's usage in every chunk would only cost a parse each.
+    options.pop("continuous_usage_stats", None)
     wire["stream_options"] = options
     if decode:
         for key in PROMPT_ONLY_FIELDS:

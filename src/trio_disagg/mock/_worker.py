@@ -77,7 +77,8 @@ class MockWorker:
     [{"request_id", "at"}, ...]}``: :attr:`stats` and :attr:`aborts`.
 
     A generation request is read, checked (400 for malformed JSON or missing fields, 404
-    for another model than ``model``), recorded in :attr:`seen`, given its fault (the
+    for another model than ``model``, 400 for an ``X-Request-Id`` already running, as
+    vLLM), recorded in :attr:`seen`, given its fault (the
     body's ``"fault"`` if the worker was made with ``fault_injection``, else
     ``fault_plan``; ``*_reject[:STATUS]`` answers that status),
     then served by the protocol's :meth:`_work`, cancelled at once if the client closes
@@ -160,6 +161,9 @@ class MockWorker:
         #: Linux ``time.monotonic()`` is ``CLOCK_MONOTONIC``, one clock for every process
         #: of the host, so a client can compare its own stamps with these (benchmark P5).
         self.aborts: deque[tuple[str, float]] = deque(maxlen=history)
+        #: The ``X-Request-Id`` of each generation request running now: a second one is
+        #: refused (400), as vLLM refuses a request whose id is already running.
+        self.running_ids: set[str] = set()
         #: Where decode workers pull this worker's KV from (set by :meth:`advertise`).
         self.host = "127.0.0.1"
         self.port = 0
@@ -325,6 +329,8 @@ class MockWorker:
             if fault is not None and fault.kind in REJECTS:
                 raise Refusal(fault.status or 503, f"{self.name} refused request "
                               f"{request_id!r} (injected fault {fault})")
+            if request_id in self.running_ids:  # vLLM's AsyncLLM.add_request: a 400
+                raise ValueError(f"Request id {request_id} already running.")
             work = self._work(exchange, body, path, fault, mock)
         except ValueError as exc:
             stats.failed += 1
@@ -335,9 +341,11 @@ class MockWorker:
             await exchange.error(refusal.message, refusal.status)
             return
         stats.running += 1
+        self.running_ids.add(request_id)
         try:
             await run_until_disconnect(receive, exchange, work)
         finally:
+            self.running_ids.discard(request_id)
             stats.running -= 1
             if exchange.disconnected:
                 self._note_abort(request_id)

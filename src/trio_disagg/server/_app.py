@@ -27,12 +27,14 @@ from ._request import (
     RequestState,
     bad_request_id,
     build_request,
+    client_request_id,
+    continuous_usage,
     listen_for_disconnect,
     read_body,
     request_id_of,
 )
 from ._responder import ENDING_WINDOW, SEND_WINDOW, Responder, end_cancelled
-from ._writer import JsonSink, SseSink, write_response
+from ._writer import ContinuousSseSink, JsonSink, SseSink, write_response
 
 logger = logging.getLogger("trio_disagg.server")
 
@@ -360,13 +362,16 @@ class OpenAIApp:
                       stream: RequestStream, include_usage: bool, *, chat: bool) -> str:
         """Write the answer of a routed request: server-sent events or one JSON body."""
         created = int(time.time())
-        response_id = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+        response_id = ("chatcmpl-" if chat else "cmpl-") + client_request_id(request)
         sink: SseSink | JsonSink
         observe_itl: Callable[[float], None] | None = None
         if request.stream:
             encoder = ChunkEncoder(chat=chat, response_id=response_id, model=request.model,
                                    created=created, include_usage=include_usage)
-            sink = SseSink(responder, encoder, include_usage)
+            if include_usage and continuous_usage(request):
+                sink = ContinuousSseSink(responder, encoder, stream)
+            else:
+                sink = SseSink(responder, encoder, include_usage)
             observe_itl = self.metrics.itl.observe
         else:
             sink = JsonSink(responder, chat=chat, response_id=response_id,

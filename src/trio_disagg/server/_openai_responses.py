@@ -226,6 +226,8 @@ class ChunkEncoder:
 
 
 DONE_EVENT = b"data: [DONE]\n\n"
+#: How every chunk of a response with ``include_usage`` ends (:class:`ChunkEncoder`).
+USAGE_NULL_END = b',"usage":null}\n\n'
 
 
 def _message_delta(message: Any) -> dict[str, Any]:
@@ -275,6 +277,17 @@ def counted_tokens(choice: Mapping[str, Any]) -> int:
     if type(choice) is RawChoice:
         return 1
     return 1 if has_content(choice) else 0
+
+
+def choice_tokens(choice: Mapping[str, Any]) -> int:
+    """Completion tokens (tokens) one streamed choice of a worker stands for: its
+    ``token_ids`` if it sent them, else :func:`counted_tokens` (the final usage's count
+    when the worker reports none)."""
+    if type(choice) is not RawChoice:
+        ids = choice.get("token_ids")
+        if type(ids) is list:
+            return len(ids)
+    return counted_tokens(choice)
 
 
 def worker_aborted(choice: Mapping[str, Any] | None) -> bool:

@@ -4,6 +4,7 @@ the router's :class:`~trio_disagg.PreprocessedRequest` (B8)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -173,6 +174,39 @@ def fresh_request_id() -> str:
             f"{digits[20:]}")
 
 
+def _draw_tag() -> None:
+    global _TAG, _serial
+    _TAG = os.urandom(4).hex()
+    _serial = itertools.count(1).__next__
+
+
+#: What makes this process's worker request ids its own among the router processes (and
+#: routers) in front of the same workers, and a serial within it: drawn at import and
+#: again in a forked child.
+_TAG = ""
+_serial = itertools.count(1).__next__
+_draw_tag()
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_draw_tag)
+
+
+def worker_request_id(request_id: str) -> str:
+    """The id the workers see for a request whose client id is ``request_id`` (rule B8,
+    docs/protocols.md section 1): ``request_id``, a dot, and an id unique to this
+    router request (this process's tag and a serial), so that two requests in flight
+    with one ``X-Request-Id`` (a retrying client) never share an id at a worker: vLLM
+    refuses a request whose id is already running, and the workers key their requests,
+    aborts and transfers by it. It starts with the client's id, for the workers' logs.
+    A counter, not a uuid4: a few hundred nanoseconds, several times less (per request)."""
+    return f"{request_id}.{_TAG}{_serial():x}"
+
+
+def client_request_id(request: PreprocessedRequest) -> str:
+    """The client's id of a request the server built (:func:`worker_request_id`'s
+    argument): the answer's ``id`` is made of it."""
+    return request.request_id.rpartition(".")[0]
+
+
 def bad_request_id() -> ApiError:
     return ApiError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID} printable characters "
                     "in UTF-8",
@@ -201,7 +235,8 @@ def build_request(
     Args:
         scope: the request's ASGI scope (its ``X-Session-Id`` header).
         data: the request body.
-        request_id: from :func:`request_id_of`.
+        request_id: from :func:`request_id_of` (the client's); the request's own id is
+            :func:`worker_request_id` of it.
         limits: what the request is checked against.
 
     Returns:
@@ -235,7 +270,7 @@ def build_request(
     options = parsed.stream_options
     include_usage = bool(options is not None and options.include_usage)
     request = PreprocessedRequest(
-        request_id=request_id,
+        request_id=worker_request_id(request_id),
         model=parsed.model,
         body=raw,
         max_tokens=budget,
@@ -243,6 +278,14 @@ def build_request(
         routing=RoutingHints(session_id=session),
     )
     return request, include_usage
+
+
+def continuous_usage(request: PreprocessedRequest) -> bool:
+    """Whether a validated request asked for vLLM's ``stream_options.continuous_usage_stats``
+    (the usage so far in every chunk, B8). As vLLM, the router honours it only with
+    ``include_usage`` (which the caller checks): without it no chunk carries a usage."""
+    options = request.body.get("stream_options")
+    return isinstance(options, dict) and options.get("continuous_usage_stats") is True
 
 
 def _typed(

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import orjson
 import trio
 
 from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput, RawChoices
@@ -25,8 +26,10 @@ from ._openai_errors import ApiError, error_for_exception
 from ._openai_responses import (
     DONE_EVENT,
     OPENAI_FINISH,
+    USAGE_NULL_END,
     ChoiceCollector,
     ChunkEncoder,
+    choice_tokens,
     completion_response,
     counted_tokens,
     failure_error,
@@ -117,6 +120,79 @@ class SseSink:
         await responder.finish(b"".join(self.parts))
 
 
+class ContinuousSseSink(SseSink):
+    """:class:`SseSink` for ``stream_options.continuous_usage_stats`` (vLLM's option, B8):
+    every chunk carries the usage so far instead of ``"usage": null``, then the final
+    usage chunk goes out as for ``include_usage``. Only a request that asks for it takes
+    this sink: the relay's path for the others is :class:`SseSink`'s, unchanged.
+
+    A chunk's usage is what the final usage would be had the response ended with it:
+    ``prompt_tokens`` and ``cached_tokens`` the prefill's (docs/protocols.md section 1;
+    the decode worker's prompt count only when no prefill reported one), and
+    ``completion_tokens`` the router's running count, counted as the final usage counts
+    when the worker reports none (a chunk's ``token_ids``, else one per chunk with
+    content). The chunk with the finish reason carries the final usage itself (its
+    completion count the worker's, if it reported one), as vLLM's last chunk does.
+    A worker's own per-chunk usage is not relayed: the option is not forwarded
+    (:func:`~trio_disagg.engines.streaming_body`).
+    """
+
+    __slots__ = ("count", "stream", "tally")
+
+    def __init__(self, responder: Responder, encoder: ChunkEncoder,
+                 stream: RequestStream) -> None:
+        super().__init__(responder, encoder, True)
+        self.stream = stream
+        #: The response's tally, set by :func:`write_response`.
+        self.tally: _Tally | None = None
+        #: Completion tokens (tokens) in the chunks sent so far.
+        self.count = 0
+
+    def text(self, text: str) -> None:
+        tally = self.tally
+        self.count = tally.tokens if tally is not None else self.count + 1
+        self.parts.append(self._stamp(self.encoder.token(text), self.count))
+
+    def choices(self, choices: Sequence[Choice]) -> None:
+        """Each of a burst's worker choices as its own event (B8), each with the count
+        of the tokens up to and with its own."""
+        events = b"".join(self.encoder.choices(choices)).split(b"\n\n")
+        events.pop()  # (after the last event's end)
+        # A run's choices are one token each (no choice object made of each).
+        counts = ([1] * len(choices) if type(choices) is RawChoices
+                  else list(map(choice_tokens, choices)))
+        count, parts, stamp = self.count, self.parts, self._stamp
+        for tokens, event in zip(counts, events, strict=True):
+            count += tokens
+            parts.append(stamp(event + b"\n\n", count))
+        self.count = count
+
+    def cut(self, text: str | None, choice: Choice | None) -> None:
+        sent = len(self.parts)
+        super().cut(text, choice)
+        if len(self.parts) > sent and self.tally is not None:
+            self.parts[-1] = self._stamp(self.parts[-1], self.tally.tokens)
+
+    async def succeed(
+        self, text: str | None, choice: Choice | None, name: str, usage: dict[str, Any]
+    ) -> None:
+        encoder = self.encoder
+        event = encoder.choice(choice, name) if choice is not None else encoder.final(text, name)
+        end = b',"usage":' + orjson.dumps(usage) + b"}\n\n"
+        self.parts += (event[:-len(USAGE_NULL_END)] + end, encoder.usage(usage), DONE_EVENT)
+        await self._finish()
+
+    def _stamp(self, event: bytes, count: int) -> bytes:
+        """``event`` (a chunk that ends with ``"usage":null``) with the usage so far."""
+        stream = self.stream
+        prompt = stream.prompt_tokens
+        reported = self.tally.usage if self.tally is not None else None
+        if prompt is None and reported is not None and reported.prompt_tokens:
+            prompt = reported.prompt_tokens  # no prefill count (yet): the decode's
+        usage = usage_dict(None, count, _cached(stream), prompt)
+        return event[:-len(USAGE_NULL_END)] + b',"usage":' + orjson.dumps(usage) + b"}\n\n"
+
+
 class JsonSink:
     """One JSON answer, or an error response.
 
@@ -202,6 +278,8 @@ async def write_response(
     A worker's ``abort`` is an error, never a success."""
     parts, batched, on_text, on_choices = sink.parts, sink.batched, sink.text, sink.choices
     tally = _Tally(first_token, observe_itl)
+    if type(sink) is ContinuousSseSink:
+        sink.tally = tally
     with stream.outputs as outputs:
         while True:
             try:
