@@ -161,7 +161,8 @@ class ChunkEncoder:
         :class:`~trio_disagg.RawChoice` that needs nothing set.
 
         What the router owns is set on the way: ``index`` 0 (one choice per response), and
-        for chat ``"role": "assistant"`` in the first delta if it has none, and a
+        for chat ``"role": "assistant"`` in the first delta if it has none (or a null one,
+        as SGLang writes every delta after its first, role-only, chunk), and a
         ``message`` (the prefill's own whole answer, S7) sent as the ``delta``.
 
         Args:
@@ -197,9 +198,10 @@ class ChunkEncoder:
                 self._first = False
                 if not isinstance(delta, Mapping):
                     delta = {}
-                if "role" not in delta:
+                if delta.get("role") is None:  # none, or SGLang's "role": null
                     fixed = dict(choice) if fixed is None else fixed
                     fixed["delta"] = {"role": "assistant", **delta}
+                    fixed["delta"]["role"] = "assistant"
         return (self._choices_head + _dumps(choice if fixed is None else fixed)
                 + self._choice_end)
 
