@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import orjson
+import pytest
 import trio
 from test_relay_adversary import MODEL, Worker, event, running
 
@@ -65,3 +66,54 @@ async def test_B8_a_first_delta_whose_role_is_null_reaches_the_client_as_the_ass
     assert parts[0].choices[0].model_extra == {"matched_stop": None}  # the rest as sent
     assert final.choices[0].message.role == "assistant"
     assert final.choices[0].message.content == "Hello"
+
+
+def logprobs_of(chat: bool, token: str, offset: int) -> dict[str, Any]:
+    raw = list(token.encode())
+    if chat:
+        return {"content": [{"token": token, "logprob": -0.25, "bytes": raw,
+                             "top_logprobs": [{"token": token, "logprob": -0.25,
+                                               "bytes": raw}]}]}
+    return {"tokens": [token], "token_logprobs": [-0.25], "top_logprobs": [{token: -0.25}],
+            "text_offset": [offset]}
+
+
+def text_choice(chat: bool, text: str, logprobs: Any, finish: str | None = None
+                ) -> dict[str, Any]:
+    body = {"delta": {"content": text}} if chat else {"text": text}
+    return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_a_chunk_with_logprobs_and_no_text_is_a_token_of_the_counted_usage(
+    chat: bool, stream: bool
+) -> None:
+    # vLLM holds back the text of a token that ends inside a UTF-8 character: its chunk
+    # has an empty text and the token's logprobs (token "bytes:\xe2"). A decode that
+    # sends no usage has its completion tokens counted by the router: that chunk is one.
+    worker = Worker()
+    tokens = ["a", "bytes:\\xe2\\x82", "\u20ac", "b"]
+    texts = ["a", "", "\u20ac", "b"]
+    choices = [text_choice(chat, text, logprobs_of(chat, token, offset))
+               for offset, (token, text) in enumerate(zip(tokens, texts, strict=True))]
+    choices[-1]["finish_reason"] = "length"
+    worker.pieces = [*(chunk(chat, choice) for choice in choices), event(b"[DONE]")]
+    async with running(worker) as url:
+        client = client_of(url)
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+
+        def ask() -> Any:
+            if chat:
+                answer = client.chat.completions.create(messages=MESSAGES, **body)
+            else:
+                answer = client.completions.create(prompt="hi", **body)
+            return list(answer)[-1] if stream else answer
+
+        with trio.fail_after(20):
+            answer = await trio.to_thread.run_sync(ask)
+    assert answer.usage is not None
+    assert (answer.usage.completion_tokens, answer.usage.total_tokens) == (
+        4, answer.usage.prompt_tokens + 4)

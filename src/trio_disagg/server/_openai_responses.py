@@ -271,11 +271,18 @@ def has_content(choice: Mapping[str, Any]) -> bool:
 
 def counted_tokens(choice: Mapping[str, Any]) -> int:
     """Tokens a worker's choice adds to the count used when the worker reports no usage
-    and sent no token ids: one for a chunk that carries part of the answer (a streamed
-    chunk is one token), else none. A :class:`~trio_disagg.RawChoice` is one,
-    unread: the reader made it only of a choice with text."""
+    and sent no token ids: its log probabilities' entries if it has some (one per token,
+    with a text or not: vLLM holds back the text of a token that ends inside a UTF-8
+    character), else one for a chunk that carries part of the answer (a streamed chunk is
+    one token), else none. A :class:`~trio_disagg.RawChoice` is one, unread: the reader
+    made it only of a choice with text."""
     if type(choice) is RawChoice:
         return 1
+    logprobs = choice.get("logprobs")
+    if logprobs and isinstance(logprobs, Mapping):  # completions' tokens, chat's content
+        entries = logprobs.get("tokens", logprobs.get("content"))
+        if type(entries) is list and entries:
+            return len(entries)
     return 1 if has_content(choice) else 0
 
 
