@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import openai
 import orjson
 import pytest
@@ -117,3 +118,35 @@ async def test_B8_a_chunk_with_logprobs_and_no_text_is_a_token_of_the_counted_us
     assert answer.usage is not None
     assert (answer.usage.completion_tokens, answer.usage.total_tokens) == (
         4, answer.usage.prompt_tokens + 4)
+
+
+@pytest.mark.parametrize("last", [{}, {"content": ""}], ids=["empty-delta", "empty-content"])
+async def test_B8_a_collected_answer_without_content_has_null_content(
+    last: dict[str, Any]
+) -> None:
+    # A worker that streamed only reasoning (cut by its budget before the answer), only a
+    # refusal or only tool calls answers a client that did not stream with
+    # "content": null, as vLLM and OpenAI do, not an empty string the worker never sent.
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"reasoning_content": "think"}, "reasoning_content"),
+        ({"reasoning": "think"}, "reasoning"),
+        ({"refusal": "no"}, "refusal"),
+        ({"tool_calls": [call]}, "tool_calls"),
+    ]
+    worker = Worker()
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for delta, field in cases:
+            worker.pieces = [
+                chunk(True, {"index": 0, "delta": {"role": "assistant", "content": ""}}),
+                chunk(True, {"index": 0, "delta": delta, "finish_reason": None}),
+                chunk(True, {"index": 0, "delta": last, "finish_reason": "length"}),
+                event(b"[DONE]")]
+            with trio.fail_after(20):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES})
+            assert response.status_code == 200, response.text
+            message = response.json()["choices"][0]["message"]
+            assert message["content"] is None, (field, message)
+            assert field in message

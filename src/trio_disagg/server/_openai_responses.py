@@ -308,10 +308,11 @@ def _merge(collected: dict[str, Any], key: str, value: Any) -> None:
 class ChoiceCollector:
     """Collects a worker's streamed choices into one non-streamed choice (B8).
 
-    Chat: ``message`` with ``content`` (concatenated; null if the worker sent only tool
-    calls), ``reasoning_content`` / ``reasoning`` / ``refusal`` (concatenated, only if
-    sent), ``tool_calls`` (merged by ``index``: ``id``, ``type`` and ``function.name``
-    from the first delta that has them, ``function.arguments`` concatenated). Completions:
+    Chat: ``message`` with ``content`` (concatenated; null if the worker sent no content
+    but tool calls, reasoning or a refusal), ``reasoning_content`` / ``reasoning`` /
+    ``refusal`` (concatenated, only if sent), ``tool_calls`` (merged by ``index``: ``id``,
+    ``type`` and ``function.name`` from the first delta that has them,
+    ``function.arguments`` concatenated). Completions:
     ``text`` concatenated. Both: ``logprobs`` lists concatenated key by key (chat
     ``content``; completions ``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset``), ``finish_reason`` as the worker sent it, ``stop_reason`` and any
@@ -401,13 +402,15 @@ class ChoiceCollector:
         if self._chat:
             message: dict[str, Any] = {"role": "assistant"}
             tool_calls = [self._tool_calls[index] for index in sorted(self._tool_calls)]
-            content = texts.get("content")
-            message["content"] = (
-                "".join(content) if content is not None else None if tool_calls else ""
-            )
+            message["content"] = "".join(texts.get("content", ()))
             for name in _TEXT_FIELDS[1:]:
                 if name in texts:
                     message[name] = "".join(texts[name])
+            if not message["content"] and (tool_calls or any(
+                    message.get(name) for name in _TEXT_FIELDS[1:])):
+                # only tool calls, reasoning or a refusal: no content, as the worker's own
+                # whole answer (vLLM's, OpenAI's) says it, not an empty string
+                message["content"] = None
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice["message"] = message
