@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 import trio
+from e2e_support import in_thread, served
 from test_relay_adversary import MODEL, Worker, event, running
 
 MESSAGES: Any = [{"role": "user", "content": "hi"}]
@@ -150,3 +151,38 @@ async def test_B8_a_collected_answer_without_content_has_null_content(
             message = response.json()["choices"][0]["message"]
             assert message["content"] is None, (field, message)
             assert field in message
+
+
+TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_B8_a_chat_whose_tool_choice_is_required_is_answered_with_its_tool_call(
+    stream: bool
+) -> None:
+    # vLLM answers a non-streamed tool_choice "required" by parsing its output as a JSON
+    # list of calls: the prefill's one token is none, and the prefill failed (400, or 500
+    # on recent builds) with its KV staged and nothing to free it (vllm-project/vllm
+    # #38911). Through the router the client gets the call the decode makes, and no KV
+    # is left behind.
+    async with served("vllm") as server:
+        client = server.openai()
+        options: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                   "tool_choice": "required", "max_tokens": 5}
+
+        def ask() -> tuple[list[Any], Any]:
+            if stream:
+                chunks = list(client.chat.completions.create(stream=True, **options))
+                calls = [call for chunk in chunks for choice in chunk.choices
+                         for call in choice.delta.tool_calls or []]
+                return calls, chunks[-1].choices[0].finish_reason
+            answer = client.chat.completions.create(**options)
+            return answer.choices[0].message.tool_calls or [], answer.choices[0].finish_reason
+
+        with trio.fail_after(20):
+            calls, finish = await in_thread(ask)
+        assert calls and calls[0].function is not None
+        assert calls[0].function.name == "lookup"
+        assert finish == "tool_calls"
+        await server.cluster.settled()  # no KV staged and left
