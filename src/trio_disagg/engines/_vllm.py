@@ -108,7 +108,8 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
     The client's body with ``stream: false``, ``max_tokens: 1`` (and
     ``max_completion_tokens: 1`` if the body has it), ``stream_options`` removed,
-    ``min_tokens`` capped at 1, and :data:`PREFILL_KV_TRANSFER_PARAMS`.
+    ``min_tokens`` capped at 1, ``tool_choice: "required"`` made the first tool's name
+    (:func:`_prefill_tool_choice`), and :data:`PREFILL_KV_TRANSFER_PARAMS`.
 
     ``min_tokens`` is capped, not removed: vLLM refuses ``min_tokens > max_tokens``, but
     a client's ``min_tokens >= 1`` must still keep the prefill's one token from ending
@@ -124,8 +125,29 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     min_tokens = wire.get("min_tokens")
     if type(min_tokens) is int and min_tokens > 1:
         wire["min_tokens"] = 1
+    if wire.get("tool_choice") == "required":
+        wire["tool_choice"] = _prefill_tool_choice(wire.get("tools"))
     wire["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
     return wire
+
+
+def _prefill_tool_choice(tools: Any) -> Any:
+    """What a prefill asks for ``tool_choice: "required"``: the first tool by name.
+
+    vLLM parses a non-streamed answer to ``"required"`` as a JSON list of calls, and the
+    prefill's one token is none: the request would fail once its KV is staged, with no
+    handoff to free it (vllm-project/vllm#38911). A named tool is not parsed, keeps
+    the tools in the prompt (the KV is the same) and, like ``"required"``, cannot end
+    on its first token; the token is the prefill's, the decode makes the answer under
+    the client's own ``"required"``. Without a named tool to take, ``"required"`` is
+    left for vLLM to refuse as it would.
+    """
+    if isinstance(tools, list) and tools and isinstance(tools[0], Mapping):
+        function = tools[0].get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if tools[0].get("type") == "function" and isinstance(name, str):
+            return {"type": "function", "function": {"name": name}}
+    return "required"
 
 
 def decode_body(request: PreprocessedRequest) -> dict[str, Any]:

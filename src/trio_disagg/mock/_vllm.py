@@ -68,7 +68,9 @@ class MockVllmWorker(MockWorker):
       "remote_block_ids", "remote_engine_id": name, "remote_request_id",
       "remote_host", "remote_port", "tp_size": 1}``. The blocks are held until a decode
       pulls them, a decode releases them, or their lease of ``kv_ttl`` seconds expires
-      (then they count as stranded).
+      (then they count as stranded). A chat prefill with ``tool_choice: "required"``
+      fails as vLLM's does (its one token is no JSON list of calls): 400, its KV staged
+      and left to its lease.
     - ``do_remote_prefill: true`` (a decode request): pull the KV from
       ``remote_host:remote_port`` over HTTP (``GET /kv/{remote_request_id}``, checking
       every byte), then generate. A failed pull is a decode error: an error event and
@@ -181,8 +183,9 @@ class MockVllmWorker(MockWorker):
         """A prefill request (``do_remote_decode``): stage the KV and answer the handoff
         (``prefill_bad_handoff``: a broken one, staging nothing)."""
         fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None})
+        forced = "messages" in body and body.get("tool_choice") == "required"
         await self._run_prefill(self.prefill_run(exchange, body, fault),
-                                _PrefillSink(self, exchange, fmt, mock))
+                                _PrefillSink(self, exchange, fmt, mock, forced))
 
     def _handoff(self, fmt: OpenAIFormat, run: Prefill, entry: StagedKV) -> bytes:
         """The prefill's answer: one token and ``kv_transfer_params`` naming ``entry``."""
@@ -232,6 +235,9 @@ class _PrefillSink(PrefillAnswers):
     exchange: Exchange
     fmt: OpenAIFormat
     mock: MockFault | None
+    #: A chat with ``tool_choice: "required"``: vLLM parses its whole answer as a JSON
+    #: list of calls, and a one-token answer is none.
+    forced_tools: bool = False
 
     async def terminal(self, run: Prefill, kind: FaultKind) -> None:
         run.answered = True
@@ -253,6 +259,14 @@ class _PrefillSink(PrefillAnswers):
         return True
 
     async def handoff(self, run: Prefill, entry: StagedKV) -> None:
+        if self.forced_tools:
+            # As vLLM: the parse of the one token fails once the KV is staged, and the
+            # error answer names no KV to free: it waits for its lease (vLLM #38911).
+            run.answered = True
+            await self.exchange.error(
+                "1 validation error for list[FunctionDefinition]: Invalid JSON: EOF while "
+                "parsing a list at line 1 column 1", 400)
+            return
         if run.kind is FaultKind.PREFILL_FAIL_AFTER_HANDOFF:
             run.release(entry)  # the request failed: the worker frees its KV
             await self.fail(run, run.message("after staging its KV"))

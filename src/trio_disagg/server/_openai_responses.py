@@ -161,7 +161,8 @@ class ChunkEncoder:
         :class:`~trio_disagg.RawChoice` that needs nothing set.
 
         What the router owns is set on the way: ``index`` 0 (one choice per response), and
-        for chat ``"role": "assistant"`` in the first delta if it has none, and a
+        for chat ``"role": "assistant"`` in the first delta if it has none (or a null one,
+        as SGLang writes every delta after its first, role-only, chunk), and a
         ``message`` (the prefill's own whole answer, S7) sent as the ``delta``.
 
         Args:
@@ -197,9 +198,10 @@ class ChunkEncoder:
                 self._first = False
                 if not isinstance(delta, Mapping):
                     delta = {}
-                if "role" not in delta:
+                if delta.get("role") is None:  # none, or SGLang's "role": null
                     fixed = dict(choice) if fixed is None else fixed
                     fixed["delta"] = {"role": "assistant", **delta}
+                    fixed["delta"]["role"] = "assistant"
         return (self._choices_head + _dumps(choice if fixed is None else fixed)
                 + self._choice_end)
 
@@ -271,11 +273,18 @@ def has_content(choice: Mapping[str, Any]) -> bool:
 
 def counted_tokens(choice: Mapping[str, Any]) -> int:
     """Tokens a worker's choice adds to the count used when the worker reports no usage
-    and sent no token ids: one for a chunk that carries part of the answer (a streamed
-    chunk is one token), else none. A :class:`~trio_disagg.RawChoice` is one,
-    unread: the reader made it only of a choice with text."""
+    and sent no token ids: its log probabilities' entries if it has some (one per token,
+    with a text or not: vLLM holds back the text of a token that ends inside a UTF-8
+    character), else one for a chunk that carries part of the answer (a streamed chunk is
+    one token), else none. A :class:`~trio_disagg.RawChoice` is one, unread: the reader
+    made it only of a choice with text."""
     if type(choice) is RawChoice:
         return 1
+    logprobs = choice.get("logprobs")
+    if logprobs and isinstance(logprobs, Mapping):  # completions' tokens, chat's content
+        entries = logprobs.get("tokens", logprobs.get("content"))
+        if type(entries) is list and entries:
+            return len(entries)
     return 1 if has_content(choice) else 0
 
 
@@ -312,10 +321,11 @@ def _merge(collected: dict[str, Any], key: str, value: Any) -> None:
 class ChoiceCollector:
     """Collects a worker's streamed choices into one non-streamed choice (B8).
 
-    Chat: ``message`` with ``content`` (concatenated; null if the worker sent only tool
-    calls), ``reasoning_content`` / ``reasoning`` / ``refusal`` (concatenated, only if
-    sent), ``tool_calls`` (merged by ``index``: ``id``, ``type`` and ``function.name``
-    from the first delta that has them, ``function.arguments`` concatenated). Completions:
+    Chat: ``message`` with ``content`` (concatenated; null if the worker sent no content
+    but tool calls, reasoning or a refusal), ``reasoning_content`` / ``reasoning`` /
+    ``refusal`` (concatenated, only if sent), ``tool_calls`` (merged by ``index``: ``id``,
+    ``type`` and ``function.name`` from the first delta that has them,
+    ``function.arguments`` concatenated). Completions:
     ``text`` concatenated. Both: ``logprobs`` lists concatenated key by key (chat
     ``content``; completions ``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset``), ``finish_reason`` as the worker sent it, ``stop_reason`` and any
@@ -405,13 +415,15 @@ class ChoiceCollector:
         if self._chat:
             message: dict[str, Any] = {"role": "assistant"}
             tool_calls = [self._tool_calls[index] for index in sorted(self._tool_calls)]
-            content = texts.get("content")
-            message["content"] = (
-                "".join(content) if content is not None else None if tool_calls else ""
-            )
+            message["content"] = "".join(texts.get("content", ()))
             for name in _TEXT_FIELDS[1:]:
                 if name in texts:
                     message[name] = "".join(texts[name])
+            if not message["content"] and (tool_calls or any(
+                    message.get(name) for name in _TEXT_FIELDS[1:])):
+                # only tool calls, reasoning or a refusal: no content, as the worker's own
+                # whole answer (vLLM's, OpenAI's) says it, not an empty string
+                message["content"] = None
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice["message"] = message
