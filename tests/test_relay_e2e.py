@@ -38,6 +38,26 @@ def chat_stream(client: openai.OpenAI, **options: Any) -> list[ChatCompletionChu
         model=MODEL, messages=MESSAGES, stream=True, **options))
 
 
+async def test_B8_a_plain_chat_stream_as_each_worker_writes_it(protocol: ProtocolName) -> None:
+    """A plain chat stream (the relay's fast path): the first delta is the assistant's,
+    the others as the worker wrote them (SGLang's ``"role": null`` and its null fields
+    included)."""
+    async with served(protocol) as server:
+        client = server.openai()
+        chunks = await in_thread(lambda: chat_stream(client, max_tokens=12))
+        deltas = [choice.delta for chunk in chunks for choice in chunk.choices]
+        assert deltas[0].role == "assistant"
+        assert all(delta.role is None for delta in deltas[1:])
+        text = "".join(delta.content or "" for delta in deltas)
+        answer: ChatCompletion = await in_thread(lambda: client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12))
+        assert text and answer.choices[0].message.content
+        assert answer.choices[0].message.role == "assistant"
+        if protocol == "sglang":  # its later deltas carry their null fields, as sent
+            assert deltas[1].model_extra == {"reasoning_content": None}
+        await server.cluster.settled()
+
+
 async def test_B8_tool_calls_reach_the_client_as_sent(protocol: ProtocolName) -> None:
     async with served(protocol) as server:
         client = server.openai()

@@ -264,7 +264,6 @@ def test_anything_unusual_is_parsed() -> None:
     second = {**text_choice("b"), "index": 1}
     unusual = [
         chunk(True, tool),  # no content first
-        chunk(True, delta_choice({"role": None, "content": "x"})),  # SGLang's delta
         chunk(True, delta_choice({"content": ""})),  # empty content
         chunk(False, text_choice("a"), second),  # two choices
         chunk(False, {**text_choice("a"), "index": 2}),  # another index
@@ -286,6 +285,31 @@ def test_anything_unusual_is_parsed() -> None:
         fast = Read([stream], raw=True)
         assert [c.raw for c in fast.raw] == choice_bytes(learned) * 2, data
         assert_same_as_parsed(stream, fast)
+
+
+def test_sglang_chat_deltas_take_the_fast_path() -> None:
+    """SGLang writes every chat delta after its role-only first chunk with ``"role":null``
+    before the content (and other null fields after it): its stream's chunks are common
+    chunks all the same, relayed as sent, and the client's bytes are the parsed path's
+    (the first delta's role set to ``assistant`` by the encoder). They were all parsed."""
+    def sglang(text: str) -> dict[str, Any]:
+        return delta_choice({"role": None, "content": text, "reasoning_content": None,
+                             "tool_calls": None})
+
+    texts = ["Hel", "lo", " wor", "ld", "!"]
+    stream = (chunk(True, delta_choice({"role": "assistant", "content": ""}))
+              + b"".join(chunk(True, sglang(text)) for text in texts)
+              + finish(True) + DONE)
+    fast = Read([stream], raw=True)
+    assert [c.raw for c in fast.raw] == [
+        orjson.dumps(sglang(text)) for text in texts]
+    assert_same_as_parsed(stream, fast)
+    # a "content" key inside another field before the delta's own: parsed, not learned
+    nested = delta_choice({"tool_calls": [{"content": "x"}], "content": "y"})
+    stream = chunk(True, nested) * 3 + finish(True) + DONE
+    fast = Read([stream], raw=True)
+    assert fast.raw == []
+    assert_same_as_parsed(stream, fast)
 
 
 def test_usage_in_every_chunk_takes_the_parsed_path_and_null_usage_does_not() -> None:

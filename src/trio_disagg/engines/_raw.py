@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 import orjson
 
 _TEXT_START = b'{"index":0,"text":"'
-_CONTENT_START = b'{"index":0,"delta":{"content":"'
+_DELTA_START = b'{"index":0,"delta":{'
+_CONTENT_KEY = b'"content":"'
 _BACKSLASH = 0x5C
 #: The bytes a JSON string cannot hold as they are: a quote, a backslash, a control.
 NOT_PLAIN = bytes(range(0x20)) + b'"\\'
@@ -44,8 +45,9 @@ def utf8_text(text: bytes) -> str | None:
 def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     """The template of ``data``, a chunk parsed as ``chunk``, if it is a common one: one
     choice, ``index`` 0 written first, then its non-empty ``text`` (completions) or
-    ``delta.content`` (chat, with no ``text``: a chunk's text is its ``text`` if it has
-    one), a null ``finish_reason``, no ``token_ids``, nothing after the choices but a
+    ``delta.content`` (chat, first in the delta or after other fields, as SGLang's
+    ``"role":null``; with no ``text``: a chunk's text is its ``text`` if it has one), a
+    null ``finish_reason``, no ``token_ids``, nothing after the choices but a
     null ``usage``, and no ``usage`` at all unless null.
 
     The chunk's bytes hold no line feed (a chunk whose data lines were joined with one is
@@ -67,15 +69,10 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     start += 11
     # The choice with another text: where the bytes put the text, if it is its text.
     probe = "a" * (len(data) + 1)  # longer than any string the chunk's bytes hold
-    if data.startswith(_TEXT_START, start):
-        text_at = start + len(_TEXT_START)
-        expected = {**choice, "text": probe}
-    elif (data.startswith(_CONTENT_START, start) and type(delta := choice.get("delta")) is dict
-            and "text" not in choice):  # (a chunk's text is its choice's "text" if it has one)
-        text_at = start + len(_CONTENT_START)
-        expected = {**choice, "delta": {**delta, "content": probe}}
-    else:
-        return None  # another order of fields (SGLang's ``"role":null`` first): parsed
+    found = _text_at(data, start, choice, probe)
+    if found is None:
+        return None  # another order of fields: parsed
+    text_at, expected = found
     end = data.find(b'"', text_at)
     if end <= text_at or data[end - 1] == _BACKSLASH:
         return None  # an empty text, or one with a quote: the next chunk learns
@@ -100,6 +97,22 @@ def learn_template(data: bytes, chunk: dict[str, Any]) -> Template | None:
     if not same:
         return None  # the bytes are not this chunk's one choice: no template
     return Template(data[:text_at], data[end:], start, tail)
+
+
+def _text_at(data: bytes, start: int, choice: dict[str, Any], probe: str
+             ) -> tuple[int, dict[str, Any]] | None:
+    """Where the text of ``data``'s choice (starting at ``start``) would start, and the
+    choice with ``probe`` for its text; None if the bytes do not start it as a common
+    chunk does."""
+    if data.startswith(_TEXT_START, start):
+        return start + len(_TEXT_START), {**choice, "text": probe}
+    if (data.startswith(_DELTA_START, start) and type(delta := choice.get("delta")) is dict
+            and "text" not in choice  # (a chunk's text is its choice's "text" if it has one)
+            and (key := data.find(_CONTENT_KEY, start + len(_DELTA_START))) >= 0):
+        # The delta's content, first (vLLM) or after other fields (SGLang's
+        # ``"role":null``); a "content" key found elsewhere fails the caller's check.
+        return key + len(_CONTENT_KEY), {**choice, "delta": {**delta, "content": probe}}
+    return None
 
 
 def _common_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:

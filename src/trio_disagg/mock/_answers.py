@@ -166,14 +166,18 @@ class OpenAIFormat(AnswerFormat):
         shape: what the request asks of its choices, or None for plain text.
         seed: with ``request_id``, fixes the logprobs.
         request_id: the request's id.
+        sglang: a plain token's chunk as SGLang writes it (``"role":null`` before the
+            content, null ``reasoning_content``, ``tool_calls``, ``matched_stop`` and
+            ``usage``), not as vLLM does.
     """
 
-    __slots__ = ("_args", "_at", "_called", "_chat", "_head", "_ids", "_model", "_offset",
-                 "_request_id", "_response_id", "_seed", "_shape", "_top", "_usage_head")
+    __slots__ = ("_args", "_at", "_called", "_chat", "_delta", "_head", "_ids", "_model",
+                 "_offset", "_request_id", "_response_id", "_seed", "_shape", "_tail",
+                 "_tail_stop", "_top", "_usage_head")
 
     def __init__(self, *, chat: bool, response_id: str, model: Any, with_ids: bool,
                  top: Mapping[str, Any] | None = None, shape: ChoiceShape | None = None,
-                 seed: int = 0, request_id: str = "") -> None:
+                 seed: int = 0, request_id: str = "", sglang: bool = False) -> None:
         kind = b"chat.completion.chunk" if chat else b"text_completion"
         head = (b'data: {"id":' + orjson.dumps(response_id) + b',"object":"' + kind
                 + b'","created":' + str(int(time.time())).encode() + b',"model":'
@@ -187,6 +191,15 @@ class OpenAIFormat(AnswerFormat):
         self._args = 0  # tool call arguments sent
         self._offset = 0  # characters of text sent (a completion's text_offset)
         self._called = False  # the tool call's first delta sent
+        # A text token's bytes around its text and after its finish: SGLang writes every
+        # delta after its role chunk with "role":null first and its other fields null
+        # after, "matched_stop" where vLLM writes "stop_reason", and a null usage.
+        self._delta, self._tail = (
+            (b'"delta":{"role":null,"content":',
+             b',"reasoning_content":null,"tool_calls":null}') if sglang
+            else (b'"delta":{"content":', b"}"))
+        self._tail_stop = b',"matched_stop":null}],"usage":null}\n\n' if sglang else (
+            b',"stop_reason":null}]}\n\n')
 
     def start(self) -> bytes:
         if not self._chat:
@@ -198,13 +211,13 @@ class OpenAIFormat(AnswerFormat):
         if self._shape is not None:
             return self._shaped_token(self._shape, text, token, finish)
         if self._chat:
-            body = b'"delta":{"content":' + orjson.dumps(text) + b"}"
+            body = self._delta + orjson.dumps(text) + self._tail
         else:
             body = b'"text":' + orjson.dumps(text)
         if self._ids:
             body += b',"token_ids":' + (b"[]" if token is None else b"[%d]" % token)
         return (self._head + body + b',"logprobs":null,"finish_reason":'
-                + orjson.dumps(finish) + b',"stop_reason":null}]}\n\n')
+                + orjson.dumps(finish) + self._tail_stop)
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         if self._shape is not None and self._shape.faults.no_usage:

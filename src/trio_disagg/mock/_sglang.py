@@ -253,7 +253,7 @@ class MockSglangWorker(MockWorker):
             return NativeFormat(exchange.request_id or ""), True
         options = body.get("stream_options")
         include_usage = isinstance(options, Mapping) and options.get("include_usage") is True
-        return self.openai_format(exchange, body, path), include_usage
+        return self.openai_format(exchange, body, path, sglang=True), include_usage
 
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
               fault: Fault | None, mock: MockFault | None = None) -> Work:

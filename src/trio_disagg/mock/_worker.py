@@ -406,7 +406,8 @@ class MockWorker:
                 and self._min_tokens(body) == 0)
 
     def openai_format(self, exchange: Exchange, body: Mapping[str, Any], path: str,
-                      top: Mapping[str, Any] | None = None) -> OpenAIFormat:
+                      top: Mapping[str, Any] | None = None, *,
+                      sglang: bool = False) -> OpenAIFormat:
         chat = path == "/v1/chat/completions"
         request_id = exchange.request_id or ""
         shape = choice_shape(body, chat=chat, decode=self.role == "decode",
@@ -415,7 +416,8 @@ class MockWorker:
                             response_id=("chatcmpl-" if chat else "cmpl-") + request_id,
                             model=body.get("model"),
                             with_ids=body.get("return_token_ids") is True, top=top,
-                            shape=shape, seed=self.seed, request_id=request_id)
+                            shape=shape, seed=self.seed, request_id=request_id,
+                            sglang=sglang)
 
     async def _decode(self, exchange: Exchange, body: Mapping[str, Any], fmt: AnswerFormat,
                       fault: Fault | None, source: KVSource | str | None, *,
