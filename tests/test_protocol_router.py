@@ -176,3 +176,21 @@ async def test_B1_a_decode_refusal_leaves_no_kv_staged(protocol: ProtocolName, s
         counters = cluster.prefill.kv.counters()
         assert (counters.served, counters.stranded_blocks) == (1, 0)
         assert cluster.router.counters.staged_kv_cleanups == 1
+
+
+@pytest.mark.parametrize("protocol", SEQUENTIAL)
+async def test_B1_the_cleanup_decode_has_an_id_of_its_own(protocol: ProtocolName) -> None:
+    """A decode worker may still run the request's id when the cleanup decode reaches it:
+    an aborted decode leg the worker has not yet seen end (its disconnect is noticed
+    later). vLLM, as the mocks, refuses an id already running with a 400, so a cleanup
+    decode sent with the request's own id failed and left the KV to the lease (seen in the
+    demo: "B1 cleanup decode for demo-0-37.589daf1c26 failed: ... already running")."""
+    cluster: Cluster[Any]
+    async with cluster_factory(protocol)() as cluster:
+        cluster.decode.running_ids.add("dr")  # the aborted decode leg, still running there
+        error = await refusal(cluster, completion("dr", fault="decode_reject:503"))
+        assert isinstance(error, WorkerError)
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()
+        assert (counters.served, counters.stranded_blocks, counters.held_blocks) == (1, 0, 0)
+        assert cluster.router.counters.staged_kv_cleanup_failures == 0

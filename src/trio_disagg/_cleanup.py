@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trio_disagg.router")
 
+#: What a B1 cleanup decode's request id adds to the request's (docs/protocols.md section 1).
+CLEANUP_SUFFIX = "-cleanup"
+
 
 def start_cleanup(router: DisaggRouter, request: PreprocessedRequest) -> None:
     """Start :func:`consume_staged_kv` for ``request`` (with its ``prefill_result``) in
@@ -55,8 +58,10 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
     reports the KV lost, or a failure after the worker accepted ends the cleanup.
     """
     router.counters.staged_kv_cleanups += 1
-    minimal = attrs.evolve(request, body=_one_token_body(request.body), max_tokens=1,
-                           stream=False)
+    # An id of its own: the aborted decode leg may still run the request's id at the
+    # worker (its disconnect not yet seen), and vLLM refuses an id already running (400).
+    minimal = attrs.evolve(request, request_id=f"{request.request_id}{CLEANUP_SUFFIX}",
+                           body=_one_token_body(request.body), max_tokens=1, stream=False)
     tried: list[Worker[DecodeEngine]] = []
     deadline = router.deadlines.handoff + router.deadlines.decode_idle
     try:
