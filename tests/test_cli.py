@@ -317,6 +317,24 @@ async def test_serve_max_connections_is_a_flag() -> None:
     assert closed == b""  # the first idle connection made room
 
 
+async def test_max_connections_past_the_file_descriptors_left_is_refused() -> None:
+    """``--max-connections`` at or past the descriptors the process may still open: the
+    idle clients would take them all, accept() would fail (an ERROR line every 0.1 s), and
+    so would every connection to a worker (health probes: the workers ejected, 503 for
+    every request) -- what the bound is there to prevent (docs/router.md)."""
+    with trio.fail_after(30):
+        done = await trio.run_process(
+            [*COMMAND, "serve", "--port", "0", "--max-connections", "1000000000"],
+            capture_stdout=True, capture_stderr=True, check=False)
+    text = done.stderr.decode()
+    assert done.returncode == 2, text
+    (line,) = text.strip().splitlines()
+    assert line.startswith("trio-disagg serve: error: --max-connections 1000000000 leaves "
+                           "no file descriptor"), line
+    assert "ulimit -n" in line
+    assert done.stdout == b""  # nothing started
+
+
 async def test_mock_style_with_a_real_backend_is_refused() -> None:
     with trio.fail_after(30):
         done = await trio.run_process(

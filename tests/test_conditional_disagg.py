@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from e2e_support import MODEL, in_thread, served
+from e2e_support import MODEL, ProtocolName, in_thread, served
 
 from trio_disagg._estimate import estimate_prompt_tokens
 from trio_disagg._pool import RoundRobin, WorkerPool
@@ -145,3 +145,26 @@ async def test_a_client_that_leaves_a_decode_only_stream_leaves_nothing_behind()
         assert router.in_flight == 0
         assert cluster.prefill.stats.requests == 0
         assert cluster.decode.stats.aborted == 1
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "trtllm"])
+async def test_a_short_prompt_with_continuous_usage_has_its_prompt_count_on_every_chunk(
+    protocol: ProtocolName,
+) -> None:
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far, the prompt
+    count included. The router answers the option from the prefill's count; a prompt sent
+    to a decode worker alone has no prefill, and its chunks said ``prompt_tokens: 0`` (and
+    a ``total_tokens`` short of it) until the last one."""
+    async with served(protocol) as server:
+        server.app.router.disagg_min_prompt_tokens = THRESHOLD
+        client = server.openai()
+        chunks = await in_thread(lambda: list(client.completions.create(
+            model=MODEL, prompt=SHORT, max_tokens=3, stream=True,
+            extra_body={"stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})))
+        prompt = count_prompt_tokens({"prompt": SHORT})
+        usages = [chunk.usage for chunk in chunks]
+        assert [(u.prompt_tokens, u.completion_tokens, u.total_tokens) for u in usages
+                if u is not None] == [(prompt, 1, prompt + 1), (prompt, 2, prompt + 2),
+                                      (prompt, 3, prompt + 3), (prompt, 3, prompt + 3)]
+        await server.cluster.settled()

@@ -508,6 +508,17 @@ def test_a_worker_url_ending_in_v1_is_refused_naming_it(url: str) -> None:
         check_worker_url(url, "vLLM")
 
 
+@pytest.mark.parametrize("url", ["http://admin:hunter2@p0:8100", "http://admin@p0:8100",
+                                 "https://:hunter2@p0"])
+def test_a_worker_url_with_credentials_is_refused_without_showing_them(url: str) -> None:
+    """``http://user:password@host`` was accepted: the credentials were never sent (the
+    workers' key goes with --worker-api-key), and the URL, the worker's name, showed them
+    on the open /health, in /metrics, in the logs and in every client's error message."""
+    with pytest.raises(ValueError, match="no user or password") as refused:
+        check_worker_url(url, "vLLM")
+    assert "hunter2" not in str(refused.value) and "admin" not in str(refused.value)
+
+
 async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:
     with trio.fail_after(30):
         done = await trio.run_process(

@@ -446,3 +446,25 @@ async def test_a_chunked_bodys_trailers_do_not_become_headers() -> None:
     assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"{}\r\n0\r\n\r\n")
     (headers,) = seen
     assert [name for name, _ in headers] == [b"host", b"transfer-encoding", b"connection"]
+
+
+async def test_a_header_value_comes_without_its_surrounding_whitespace() -> None:
+    """RFC 9110 section 5.5: a field value excludes the whitespace around it. The trailing
+    whitespace stayed: ``X-Request-Id: abc  `` came back as the id ``cmpl-abc  ``, and a
+    client's ``Authorization`` key with a trailing space was refused."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                  send: Callable[[Message], Awaitable[None]]) -> None:
+        seen.append(list(scope["headers"]))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nx-request-id:  abc \t \r\n"
+                             b"x-inner: a  b\r\nconnection: close\r\n\r\n")
+            data = await read_all(s)
+    assert data.startswith(b"HTTP/1.1 204")
+    headers = dict(seen[0])
+    assert (headers[b"x-request-id"], headers[b"x-inner"]) == (b"abc", b"a  b")

@@ -295,3 +295,21 @@ async def test_without_the_workers_key_or_with_a_wrong_one_the_client_gets_a_502
                 error["message"]), error
             assert "a missing or wrong worker API key?" in error["message"]
             assert "sk-wrong" not in error["message"]
+
+
+def test_a_non_ascii_worker_key_is_refused_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM and SGLang read a header as Latin-1 (Starlette) and compare it with their key:
+    a key with a non-ASCII character, sent as UTF-8, would never match, and every request
+    would get a 502 naming a wrong key that is right. The official clients cannot send such
+    a key either (httpx encodes headers as ASCII). Refused at startup, as a CR or LF is,
+    by the router and by the mock worker (which accepted it, unlike the real ones)."""
+    monkeypatch.delenv("TRIO_DISAGG_WORKER_API_KEY", raising=False)
+    for key in ("s3cr3t-\u00fc", "key \u20ac"):
+        with pytest.raises(StartupError, match="--worker-api-key has a non-ASCII") as caught:
+            worker_api_key_of(argparse.Namespace(worker_api_key=key, backend="vllm"))
+        assert key not in str(caught.value)
+        for protocol in ("vllm", "sglang"):
+            with pytest.raises(ValueError, match="api_key has a non-ASCII") as refused:
+                create_mock_worker("decode", protocol, api_key=key)
+            assert key not in str(refused.value)
+    assert worker_api_key_of(argparse.Namespace(worker_api_key="with space ~!", backend="vllm"))

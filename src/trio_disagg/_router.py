@@ -10,7 +10,9 @@ from here too.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 import attrs
 import trio
@@ -77,7 +79,9 @@ class DisaggRouter:
     as an ordinary request, with no prefill leg and no KV transfer: its decode worker
     computes the prefill itself (vLLM and TensorRT-LLM decode workers do, given no
     handoff; SGLang's do not, in their disaggregation mode). A prompt that cannot be
-    estimated (an image) is disaggregated. :attr:`RouterCounters.decisions` counts both.
+    estimated (an image) is disaggregated, and so is a stream that asks for vLLM's
+    ``continuous_usage_stats`` (the prompt count in every chunk: only a prefill reports
+    it before the first token). :attr:`RouterCounters.decisions` counts both.
 
     Args:
         prefill: the prefill workers.
@@ -239,9 +243,11 @@ class DisaggRouter:
 
         Returns:
             True for a prefill leg and a KV transfer; False for one decode worker alone.
-            A prompt that cannot be estimated (an image) is disaggregated (True).
+            A prompt that cannot be estimated (an image) is disaggregated (True), and so is
+            a stream that asks for vLLM's ``continuous_usage_stats``: its every chunk
+            carries the prompt count, which only a prefill reports before the first token.
         """
-        if self.disagg_min_prompt_tokens is None:
+        if self.disagg_min_prompt_tokens is None or _running_usage(request.body):
             return True
         tokens = estimate_prompt_tokens(request.body)
         return tokens is None or tokens >= self.disagg_min_prompt_tokens
@@ -475,3 +481,11 @@ def _available(pool: WorkerPool[E], role: str) -> Worker[E]:
         return pool.available()
     except NoWorkerAvailable as exc:
         raise NoWorkerAvailable(f"no {role} worker available: {exc}") from None
+
+
+def _running_usage(body: Mapping[str, Any]) -> bool:
+    """Whether ``body`` asks for the usage so far in every chunk (vLLM's
+    ``stream_options``: ``include_usage`` and ``continuous_usage_stats``)."""
+    options = body.get("stream_options")
+    return (isinstance(options, Mapping) and options.get("include_usage") is True
+            and options.get("continuous_usage_stats") is True)

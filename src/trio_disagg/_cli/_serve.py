@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from .._health import HealthMonitor, RetryPolicy
+from .._http11 import descriptors_left
 from .._keeper import TransferKeeper
 from .._pool import WorkerPool
 from .._router import DisaggRouter
@@ -62,6 +63,7 @@ async def serve_command(args: argparse.Namespace) -> int:
     if args.disagg_min_prompt_tokens is not None and args.backend == "sglang":
         raise StartupError("--disagg-min-prompt-tokens: an SGLang decode worker in "
                            "disaggregation mode cannot serve a request without its prefill")
+    check_max_connections(args.max_connections)
     if args.workers > 1:
         await client.aclose()  # each process makes its own
         return await supervised_serve(args)
@@ -78,6 +80,22 @@ async def serve_command(args: argparse.Namespace) -> int:
                                shutdown_trigger=shutdown_trigger, metrics_dir=metrics_dir)
 
     return await run_until_signalled("serve", body)
+
+
+def check_max_connections(bound: int | None) -> None:
+    """Refuse a ``--max-connections`` that leaves no file descriptor for the workers: its
+    idle clients could take every one, and then accept() and every connection to a worker
+    (health probes included) would fail.
+
+    Raises:
+        StartupError: ``bound`` is at least the descriptors the process may still open.
+    """
+    left, limit = descriptors_left()
+    if bound is not None and bound >= left:
+        raise StartupError(
+            f"--max-connections {bound} leaves no file descriptor for the connections to "
+            f"the workers: this process may open {left} more (ulimit -n {limit}); raise "
+            f"ulimit -n, or give fewer (default: half of those left)")
 
 
 async def serve_router(

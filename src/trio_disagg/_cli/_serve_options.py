@@ -76,9 +76,10 @@ def worker_api_key_of(args: argparse.Namespace) -> str | None:
     ``--api-key``).
 
     Raises:
-        StartupError: the key given is empty or blank, or has a CR, LF or NUL (it could
-            not be sent), or ``--worker-api-key`` with the embedded mocks. The message
-            names where the key came from, never the key.
+        StartupError: the key given is empty or blank, has a CR, LF or NUL (it could
+            not be sent) or a non-ASCII character (no worker would match it), or
+            ``--worker-api-key`` with the embedded mocks. The message names where the key
+            came from, never the key.
     """
     key: str | None = args.worker_api_key
     where = "--worker-api-key"
@@ -95,6 +96,9 @@ def worker_api_key_of(args: argparse.Namespace) -> str | None:
                            "none")
     if any(char in key for char in "\r\n\0"):
         raise StartupError(f"{where} has a CR, LF or NUL: it cannot go in a header")
+    if not key.isascii():
+        raise StartupError(f"{where} has a non-ASCII character: vLLM and SGLang read the "
+                           "header as Latin-1, so no worker would ever match it")
     return key
 
 

@@ -25,8 +25,9 @@ from ._server import (
     WHOLE_SENDS,
     App,
     Server,
+    descriptors_left,
     serve_http,
 )
 
 __all__ = ["ACCEPT_RETRY_DELAY", "BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "ON_DISCONNECT",
-           "WHOLE_SENDS", "WRITE_TIMEOUT", "App", "Server", "serve_http"]
+           "WHOLE_SENDS", "WRITE_TIMEOUT", "App", "Server", "descriptors_left", "serve_http"]

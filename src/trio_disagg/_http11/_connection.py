@@ -121,7 +121,9 @@ class Connection:
         # has the headers already (ASGI has no request trailers), and a trailer must not
         # add to them what the client did not send in its head.
         if len(headers) <= MAX_HEADERS and not self.parsing.head_done:
-            headers.append((name.lower(), value))
+            # The parser leaves the trailing whitespace, which is not the value's (RFC 9110
+            # section 5.5): an X-Request-Id would come back with it.
+            headers.append((name.lower(), value.rstrip(b" \t")))
         self.head_bytes += len(name) + len(value) + 4  # with ": " and CRLF
 
     def on_headers_complete(self) -> None:

@@ -43,9 +43,9 @@ ACCEPT_RETRY_DELAY = 0.1
 CLIENT_FD_SHARE = 0.5
 
 
-def default_max_connections() -> int:
-    """The connections a server accepts at once by default: :data:`CLIENT_FD_SHARE` of the
-    file descriptors the process may still open (``RLIMIT_NOFILE``)."""
+def descriptors_left() -> tuple[int, int]:
+    """The file descriptors the process may still open (``RLIMIT_NOFILE`` less those open
+    now), and that limit."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
@@ -53,7 +53,13 @@ def default_max_connections() -> int:
         open_now = len(os.listdir("/proc/self/fd"))
     except OSError:  # no /proc: a guess
         open_now = 32
-    return max(1, int((soft - open_now) * CLIENT_FD_SHARE))
+    return soft - open_now, soft
+
+
+def default_max_connections() -> int:
+    """The connections a server accepts at once by default: :data:`CLIENT_FD_SHARE` of the
+    file descriptors the process may still open (:func:`descriptors_left`)."""
+    return max(1, int(descriptors_left()[0] * CLIENT_FD_SHARE))
 
 
 class Server:

@@ -78,9 +78,16 @@ def check_worker_url(url: str, protocol: str) -> str:
 
     Raises:
         ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host, has a
-            port that is not 1 to 65535, has a query or a fragment, or ends in ``/v1``
-            (the adapter appends the endpoint's path to it).
+            port that is not 1 to 65535, has a query or a fragment, ends in ``/v1``
+            (the adapter appends the endpoint's path to it), or has a user or password
+            (never sent, and the URL names the worker in logs, ``/health`` and
+            ``/metrics``: the message then leaves the URL out).
     """
+    if "@" in url.partition("://")[2].partition("/")[0]:
+        raise ValueError(f"a {protocol} worker URL must have no user or password "
+                         "(user:password@host): they are not sent, and the URL names the "
+                         "worker in the logs, /health and /metrics; a worker's API key goes "
+                         "with --worker-api-key")
     problem = f"a {protocol} worker URL must be http(s)://host[:port], got {url!r}"
     try:
         parsed = urlsplit(url)

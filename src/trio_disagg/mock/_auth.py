@@ -23,7 +23,8 @@ class ApiKey:
 
     Raises:
         ValueError: an empty or blank key, or one with a CR, LF or NUL (no client could
-            send it). The message never shows the key.
+            send it) or a non-ASCII character (the real workers would never match it).
+            The message never shows the key.
     """
 
     __slots__ = ("_expected",)
@@ -33,6 +34,9 @@ class ApiKey:
             raise ValueError("api_key must be a non-empty string")
         if any(char in key for char in "\r\n\0"):
             raise ValueError("api_key has a CR, LF or NUL: no client could send it")
+        if not key.isascii():  # the real workers read the header as Latin-1 (Starlette)
+            raise ValueError("api_key has a non-ASCII character: vLLM and SGLang would "
+                             "never match it")
         self._expected = b"Bearer " + key.encode()
 
     def __repr__(self) -> str:
