@@ -983,48 +983,9 @@ async def test_closed_router_answers_503() -> None:
 
 
 async def test_graceful_shutdown_finishes_streams_in_flight() -> None:
-    latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.01,
-                           kv_transfer_per_token=0.0)
-    cluster = mock_cluster(latency=latency)
-    async with TransferKeeper(drain_window=5.0) as keeper:
-        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
-        app = create_app(router, models=[MODEL])
-        stop = trio.Event()
-        body = b""
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(partial(
-                    serve, app, port=0, shutdown_trigger=stop.wait, graceful_timeout=5.0))
-                http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")
-                async with http, http.stream("POST", COMPLETIONS, json={
-                        **GOOD, "max_tokens": 30, "stream": True}) as response:
-                    async for chunk in response.aiter_raw():
-                        if not stop.is_set():
-                            stop.set()  # shut down while the stream is in flight
-                        body += chunk
-            # serve returned: the stream was finished first, and the router is closed
-            assert router.closing
-            assert router.in_flight == 0
-            data = events(body)
-            assert len(data) == 31 and data[-1] == b"[DONE]"
-            with pytest.raises(httpx.ConnectError):
-                async with httpx.AsyncClient() as http:
-                    await http.get(f"http://127.0.0.1:{port}/health")
-
-
-async def _health_status(port: int) -> int | None:
-    """The status of ``GET /health`` on a new connection; None if it is refused."""
-    async with httpx.AsyncClient() as other:
-        try:
-            return (await other.get(f"http://127.0.0.1:{port}/health")).status_code
-        except httpx.ConnectError:
-            return None
-
-
-async def test_during_the_drain_a_new_connection_is_refused_not_answered_503() -> None:
-    """B3 as docs/deploy.md tells a load balancer: once the shutdown starts, the router
-    listens no more, so a new client (a request, a readiness probe of /health) has its
-    connection refused, at once, while the streams in flight finish. (The doc said they
+    """B3: the stream in flight is finished, and from the shutdown's start a new client
+    (a request, a readiness probe of /health) has its connection refused, at once, as
+    docs/deploy.md tells a load balancer: the router listens no more. (The doc said they
     got 503 ``closing``: only a request on a connection already open can.)"""
     latency = LatencyModel(ttft_per_prompt_token=0.0, inter_token_latency=0.01,
                            kv_transfer_per_token=0.0)
@@ -1044,13 +1005,26 @@ async def test_during_the_drain_a_new_connection_is_refused_not_answered_503() -
                     async for chunk in response.aiter_raw():
                         body += chunk
                         if not stop.is_set():
-                            stop.set()
+                            stop.set()  # shut down while the stream is in flight
                             # Probes until the listener is gone (it goes at once).
                             while await _health_status(port) is not None:
                                 pass
                             assert router.closing
                             assert router.in_flight == 1  # the stream goes on
-        assert events(body)[-1] == b"[DONE]"
+            # serve returned: the stream was finished first, and the router is closed
+            assert router.in_flight == 0
+            data = events(body)
+            assert len(data) == 31 and data[-1] == b"[DONE]"
+            assert await _health_status(port) is None
+
+
+async def _health_status(port: int) -> int | None:
+    """The status of ``GET /health`` on a new connection; None if it is refused."""
+    async with httpx.AsyncClient() as other:
+        try:
+            return (await other.get(f"http://127.0.0.1:{port}/health")).status_code
+        except httpx.ConnectError:
+            return None
 
 
 @pytest.mark.parametrize(("options", "message"), [
