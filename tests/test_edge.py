@@ -535,7 +535,7 @@ async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
     (["--api-key", ""], {}, "--api-key is empty"),
-    ([], {API_KEY_ENV: " "}, f"{API_KEY_ENV} is empty"),
+    ([], {API_KEY_ENV: " "}, f"{API_KEY_ENV} is blank"),
     (["--protect-metrics"], {}, "--protect-metrics needs an API key"),
 ])
 def test_an_empty_api_key_is_a_startup_error(

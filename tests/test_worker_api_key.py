@@ -166,8 +166,10 @@ def test_mock_worker_key_from_the_flag_or_vllms_variable(
     assert of("sglang", None) is None  # SGLang reads no variable
     monkeypatch.setenv("VLLM_API_KEY", "")
     assert of("vllm", None) is None  # empty: no key, as vLLM reads it
-    with pytest.raises(StartupError, match="--api-key is empty"):
+    with pytest.raises(StartupError, match="--api-key is blank"):
         of("vllm", " ")
+    with pytest.raises(StartupError, match="--api-key is empty"):
+        of("vllm", "")
 
 
 # --- serve: the key from the flag or the variable ----------------------------------------
@@ -184,8 +186,10 @@ def test_serve_worker_key_from_the_flag_or_the_variable(
     monkeypatch.setenv("TRIO_DISAGG_WORKER_API_KEY", "from-env")
     assert of(None) == "from-env"
     assert of("flag") == "flag"
-    with pytest.raises(StartupError, match=r"^--worker-api-key is empty"):
+    with pytest.raises(StartupError, match=r"^--worker-api-key is blank"):
         of(" ")
+    with pytest.raises(StartupError, match=r"^--worker-api-key is empty"):
+        of("")
     with pytest.raises(StartupError, match="--worker-api-key has a CR, LF or NUL") as caught:
         of("secret\nx")
     assert "secret" not in str(caught.value)
@@ -204,7 +208,7 @@ async def test_serve_refuses_a_blank_worker_key_in_one_line() -> None:
             env={**os.environ, "TRIO_DISAGG_WORKER_API_KEY": "  "}, check=False)
     (line,) = done.stderr.decode().strip().splitlines()
     assert done.returncode == 2
-    assert line == ("trio-disagg serve: error: TRIO_DISAGG_WORKER_API_KEY is empty; give "
+    assert line == ("trio-disagg serve: error: TRIO_DISAGG_WORKER_API_KEY is blank; give "
                     "the workers' key, or unset it to send none")
 
 

@@ -29,8 +29,8 @@ def mock_api_key_of(args: argparse.Namespace) -> str | None:
     if key is None:
         return (os.environ.get(VLLM_API_KEY_ENV) or None) if args.protocol == "vllm" else None
     if not key.strip():
-        raise StartupError("--api-key is empty; give a key, or leave it out to serve "
-                           "without one")
+        raise StartupError(f"--api-key is {'empty' if not key else 'blank'}; give a key, or "
+                           "leave it out to serve without one")
     return key
 
 

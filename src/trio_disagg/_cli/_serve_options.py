@@ -64,7 +64,8 @@ def api_key_of(args: argparse.Namespace) -> str | None:
         key = os.environ.get(API_KEY_ENV)
         where = API_KEY_ENV
     if key is not None and not key.strip():
-        raise StartupError(f"{where} is empty; give a key, or unset it to serve without one")
+        raise StartupError(f"{where} is {'empty' if not key else 'blank'}; give a key, or "
+                           "unset it to serve without one")
     if args.protect_metrics and key is None:
         raise StartupError(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
     return key
@@ -92,8 +93,8 @@ def worker_api_key_of(args: argparse.Namespace) -> str | None:
     if key is None:
         return None
     if not key.strip():
-        raise StartupError(f"{where} is empty; give the workers' key, or unset it to send "
-                           "none")
+        raise StartupError(f"{where} is {'empty' if not key else 'blank'}; give the workers' "
+                           "key, or unset it to send none")
     if any(char in key for char in "\r\n\0"):
         raise StartupError(f"{where} has a CR, LF or NUL: it cannot go in a header")
     if not key.isascii():
