@@ -1,6 +1,7 @@
 """Tutorial 5: the router's HTTP server in front of vLLM workers, with the openai client.
 
-Run it with ``uv run python examples/05_http_router.py``.
+Run it with ``uv run python examples/05_http_router.py`` (with pip, it needs
+``pip install 'trio-disagg[demo]'``: the HTTP router and the openai client).
 
 Tutorial 4 called the router from Python. This is the shape it is deployed in:
 
@@ -36,15 +37,21 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
-import openai
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 import trio_disagg as td
-from trio_disagg.engines import vllm_client, vllm_engines
-from trio_disagg.mock import LatencyModel, serve_mock_worker
-from trio_disagg.server import create_app, serve
+
+try:  # the core alone (pip install trio-disagg) has no HTTP stack
+    import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trio_disagg.engines import vllm_client, vllm_engines
+    from trio_disagg.mock import LatencyModel, serve_mock_worker
+    from trio_disagg.server import create_app, serve
+except ImportError as missing:
+    sys.exit(f"this tutorial needs the HTTP router and the openai client ({missing.name} is "
+             "not installed): pip install 'trio-disagg[demo]'")
 
 MODEL = "tutorial-model"
 # 1.5 ms of prefill per prompt token, 10 ms per decoded token: slow enough to hang up in

@@ -1,6 +1,7 @@
 """Tutorial 6: a prefill that fails after the decode's last token, over real HTTP (G3, G5).
 
-Run it with ``uv run python examples/06_bootstrap_late_failure.py``.
+Run it with ``uv run python examples/06_bootstrap_late_failure.py`` (with pip, it needs
+``pip install 'trio-disagg[demo]'``: the HTTP router and the openai client).
 
 SGLang's disaggregated serving is *concurrent*. The router picks a bootstrap room and sends
 the same request, with that room, to a prefill worker and a decode worker at once:
@@ -44,16 +45,22 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
-import openai
 import orjson
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 import trio_disagg as td
-from trio_disagg.engines import SglangEngine, sglang_engines, worker_client
-from trio_disagg.mock import LatencyModel, serve_mock_worker
-from trio_disagg.server import create_app, serve
+
+try:  # the core alone (pip install trio-disagg) has no HTTP stack
+    import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trio_disagg.engines import SglangEngine, sglang_engines, worker_client
+    from trio_disagg.mock import LatencyModel, serve_mock_worker
+    from trio_disagg.server import create_app, serve
+except ImportError as missing:
+    sys.exit(f"this tutorial needs the HTTP router and the openai client ({missing.name} is "
+             "not installed): pip install 'trio-disagg[demo]'")
 
 MODEL = "tutorial-model"
 # 0.5 ms of prefill per prompt token, 10 ms per decoded token: the whole tutorial takes
