@@ -430,3 +430,35 @@ async def test_B8_a_top_level_field_goes_with_the_usage_so_far() -> None:
     assert [c.get("service_tier") for c in chunks] == [None, "flex", None]
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]
     assert chunks[-1]["choices"] == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_B8_a_field_of_the_usage_chunk_goes_with_the_finish(stream: bool) -> None:
+    # The usage chunk after the finish is answered by the router's own; a field the
+    # worker put beside that usage reaches the client on the chunk with the finish.
+    worker = Worker()
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    worker.pieces = [
+        chunk(True, {"index": 0, "delta": {"content": "a"}}),
+        chunk(True, {"index": 0, "delta": {"content": "b"}, "finish_reason": "length"}),
+        event(orjson.dumps({"id": "w", "object": "chat.completion.chunk", "created": 7,
+                            "model": "worker", "choices": [], "usage": usage,
+                            "x_late": "u"})),
+        event(b"[DONE]")]
+    body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        with trio.fail_after(20):
+            response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = raw_chunks(response.content)
+        assert [c.get("x_late") for c in chunks] == [None, "u", None]
+        assert chunks[1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 2
+    else:
+        answer = response.json()
+        assert answer["x_late"] == "u"
+        assert answer["usage"]["completion_tokens"] == 2
