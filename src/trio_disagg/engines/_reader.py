@@ -39,7 +39,10 @@ class SseReader:
     parsed plain content chunk learns the template again (a ``created`` that ticks over
     costs one parsed chunk). A read that brought only such chunks is checked at once
     (:class:`._raw.RunReader`) and goes into the burst as one
-    :class:`~trio_disagg.RawChoices`.
+    :class:`~trio_disagg.RawChoices`. A chunk with top-level fields to relay (B8, its
+    choice a :class:`~trio_disagg.ChunkChoice`) teaches no template, and one whose fields
+    wait for the next choice (:attr:`._chunks.ChunkParser.pending`) drops the template
+    until a parsed chunk took them.
 
     Attributes:
         burst: the outputs of the reads fed so far that are not sent yet (the caller
