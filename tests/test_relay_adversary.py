@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import openai
 import orjson
@@ -23,6 +24,7 @@ from engine_support import StandIn, run_to_its_end
 
 from trio_disagg import (
     Annotated,
+    BootstrapInfo,
     DisaggRouter,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -31,9 +33,15 @@ from trio_disagg import (
     TransferKeeper,
     WorkerPool,
 )
-from trio_disagg.engines import LatencyModel, VllmEngine, WorkerClient, mock_cluster
+from trio_disagg.engines import (
+    LatencyModel,
+    SglangEngine,
+    VllmEngine,
+    WorkerClient,
+    mock_cluster,
+)
 from trio_disagg.engines._burst import Burst
-from trio_disagg.engines._chunks import SseReader
+from trio_disagg.engines._reader import SseReader
 from trio_disagg.server import create_app, serve
 
 MODEL = "mock-model"
@@ -110,11 +118,15 @@ class Worker:
 
 class Relayed(StandIn):
     """The mock decode first (it pulls the KV; its tokens are thrown away), then a vLLM
-    adapter relays the socket worker's answer."""
+    adapter (or an SGLang one, given the bootstrap room a real SGLang prefill's request
+    would have) relays the socket worker's answer."""
 
-    def __init__(self, engine: Any, url: str, client: WorkerClient) -> None:
+    def __init__(self, engine: Any, url: str, client: WorkerClient,
+                 protocol: str = "vllm") -> None:
         super().__init__(engine)
-        self.vllm = VllmEngine(url, "decode", client=client)
+        self.relay: VllmEngine | SglangEngine = (
+            SglangEngine(url, "decode", client=client) if protocol == "sglang"
+            else VllmEngine(url, "decode", client=client))
 
     async def generate(  # noqa: ASYNC128 (the wrapped engines call task_status.started())
         self,
@@ -125,18 +137,22 @@ class Relayed(StandIn):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         await run_to_its_end(self.engine, request, context)  # it pulls the KV
-        await self.vllm.generate(request, context, send_channel, task_status=task_status)
+        if isinstance(self.relay, SglangEngine):
+            request = attrs.evolve(request, bootstrap_info=BootstrapInfo(
+                host="127.0.0.1", port=8998, room=1))
+        await self.relay.generate(request, context, send_channel, task_status=task_status)
 
 
 @asynccontextmanager
-async def running(worker: Worker) -> AsyncIterator[str]:
-    """The router on a real port, its decode the socket worker's."""
+async def running(worker: Worker, protocol: str = "vllm") -> AsyncIterator[str]:
+    """The router on a real port, its decode the socket worker's, read by the
+    ``protocol`` adapter (``"vllm"`` or ``"sglang"``)."""
     cluster = mock_cluster(latency=LatencyModel.zero())
     async with trio.open_nursery() as nursery, WorkerClient() as client:
         listeners = await nursery.start(partial(trio.serve_tcp, worker.handle, 0,
                                                 host="127.0.0.1"))
         url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
-        decode = Relayed(cluster.decode[0], url, client)
+        decode = Relayed(cluster.decode[0], url, client, protocol)
         async with TransferKeeper(drain_window=5.0) as keeper:
             router = DisaggRouter(WorkerPool([cluster.prefill[0]]), WorkerPool([decode]),
                                   keeper)
@@ -257,3 +273,43 @@ async def test_B8_a_usage_count_that_is_no_count_is_counted_by_the_router(bad: A
                 counted.total_tokens) == (3, 3, 6)
         assert counted.prompt_tokens_details is not None
         assert counted.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_a_field_of_a_chunk_with_no_choice_goes_on_the_next_one_on_either_path(
+    chat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A chunk that carries nothing for the client but a top-level field (here between
+    # common chunks the fast path passes on as their bytes) hands the field to the next
+    # chunk the client gets, however the reads cut the stream: the fast path gives up its
+    # template for that chunk and learns it again after.
+    worker = Worker()
+    texts = ["a", " b", " c", " d", " e"]
+    marked = orjson.dumps({"id": "w", "object": "chat.completion.chunk" if chat
+                           else "text_completion", "created": 7, "model": "worker",
+                           "choices": [], "x_mark": [7]})
+    stream = b"".join([*(event(bare(chat, text)) for text in texts[:3]), event(marked),
+                       *(event(bare(chat, text)) for text in texts[3:]),
+                       event(bare(chat, " f", finish_reason="stop")), event(b"[DONE]")])
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+
+        async def raw_http() -> list[Any]:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            body: dict[str, Any] = {"model": MODEL, "stream": True}
+            body.update({"messages": [{"role": "user", "content": "hi"}]} if chat
+                        else {"prompt": "hi"})
+            response = await http.post(path, json=body)
+            assert response.status_code == 200, response.text
+            chunks = [orjson.loads(e.removeprefix(b"data: "))
+                      for e in response.content.split(b"\n\n") if e.startswith(b"data: {")]
+            return [{key: value for key, value in chunk.items() if key not in ("id", "created")}
+                    for chunk in chunks]  # (the response's own)
+
+        for pieces in cuts(stream):
+            worker.pieces = pieces
+            fast, slow = await both_paths(monkeypatch, raw_http)
+            assert fast == slow
+            assert [chunk.get("x_mark") for chunk in fast] == [None] * 3 + [[7]] + [None] * 2
+            choices = [chunk["choices"][0] for chunk in fast]
+            assert "".join(choice["delta"]["content"] if chat else choice["text"]
+                           for choice in choices) == "a b c d e f"

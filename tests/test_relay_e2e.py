@@ -199,8 +199,10 @@ async def test_S7_a_terminal_prefill_reaches_the_client_without_its_handoff_fiel
 ) -> None:
     # The prefill that ends the request on its first token answers the client itself
     # (S7); what it wrote for a decode (TRT-LLM's choice-level disaggregated_params with
-    # the router's disagg_request_id, vLLM's kv_transfer_params) is plumbing, not answer.
-    plumbing = {"disaggregated_params", "kv_transfer_params", "bootstrap_room"}
+    # the router's disagg_request_id and its top-level prompt_token_ids, vLLM's top-level
+    # kv_transfer_params) is plumbing, not answer (B8).
+    plumbing = {"disaggregated_params", "kv_transfer_params", "bootstrap_room",
+                "prompt_token_ids", "prompt_token_ids_b64", "sglext"}
     async with served(protocol) as server:
         client = server.openai()
         eos: Any = {"fault": "eos_first_token"}
@@ -215,4 +217,6 @@ async def test_S7_a_terminal_prefill_reaches_the_client_without_its_handoff_fiel
         assert chunks[-1].choices[0].finish_reason == "stop"
         for choice in (chat.choices[0], text.choices[0], chunks[-1].choices[0]):
             assert not plumbing & set(choice.model_extra or {})
+        for answer in (chat, text, *chunks):
+            assert not plumbing & set(answer.model_extra or {}), answer
         await server.cluster.settled()

@@ -27,8 +27,10 @@ import orjson
 import pytest
 
 from trio_disagg import LLMEngineOutput, RawChoices
-from trio_disagg.engines._chunks import ChunkParser, SseReader
-from trio_disagg.server._openai_responses import ChoiceCollector, ChunkEncoder, counted_tokens
+from trio_disagg.engines._chunks import ChunkParser
+from trio_disagg.engines._reader import SseReader
+from trio_disagg.server._collect import ChoiceCollector
+from trio_disagg.server._openai_responses import ChunkEncoder, counted_tokens
 
 #: A chunk maker: ``shape`` draws its structure (the same for each chunk of a segment),
 #: ``rng`` its text.

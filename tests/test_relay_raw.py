@@ -2,7 +2,7 @@
 neither parsed nor re-encoded, its choice's bytes go to the client as sent, and the client
 sees exactly what the parsed path gives it.
 
-The reader (engines/_chunks.py ``SseReader``) is checked on scripted worker streams; the
+The reader (engines/_reader.py ``SseReader``) is checked on scripted worker streams; the
 server on a real port, a :class:`~trio_disagg.engines.VllmEngine` decode whose worker is
 an in-memory transport answering a scripted stream (after the in-process mock decode
 pulled the KV), and raw httpx and the ``openai`` client.
@@ -40,13 +40,14 @@ from trio_disagg.engines import (
     LatencyModel,
     MockCluster,
     VllmEngine,
-    _chunks,
     _raw,
+    _reader,
     mock_cluster,
 )
 from trio_disagg.engines._burst import Burst
-from trio_disagg.engines._chunks import ChunkParser, SseReader
+from trio_disagg.engines._chunks import ChunkParser
 from trio_disagg.engines._raw import RunReader, learn_template
+from trio_disagg.engines._reader import SseReader
 from trio_disagg.server import OpenAIApp, create_app, serve
 from trio_disagg.server._openai_responses import ChunkEncoder
 
@@ -358,7 +359,7 @@ def test_a_stream_whose_every_chunk_is_another_stops_learning_templates(
         learned.append(data)
         return learn(data, chunk)
 
-    monkeypatch.setattr(_chunks, "learn_template", counted_learn)
+    monkeypatch.setattr(_reader, "learn_template", counted_learn)
     many = 200
 
     def logprobs(i: int) -> dict[str, Any]:
@@ -784,7 +785,7 @@ def test_a_read_of_many_chunks_with_escaped_texts_costs_time_linear_in_its_chunk
 
     monkeypatch.setattr(RunReader, "leading", counted_leading)
     monkeypatch.setattr(RunReader, "texts", counted_texts)
-    monkeypatch.setattr(_chunks, "learn_template", counted_learn)
+    monkeypatch.setattr(_reader, "learn_template", counted_learn)
     many = 400
     read = b"".join(chunk(False, text_choice("a\nb" if i % every == 0 else f" w{i}"))
                     for i in range(many))

@@ -1,4 +1,4 @@
-"""The relay's reading of a worker's server-sent events (engines/_chunks.py SseReader): the
+"""The relay's reading of a worker's server-sent events (engines/_reader.py SseReader): the
 same chunks come out whatever the framing the worker uses (LF, CRLF, CR, comments, ``id:``
 and ``event:`` lines, data split over lines) and however its bytes fall into socket reads,
 and each read's chunks come out as one burst."""
@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from trio_disagg import FinishKind
-from trio_disagg.engines._chunks import ChunkParser, SseReader
+from trio_disagg.engines._chunks import ChunkParser
+from trio_disagg.engines._reader import SseReader
 
 Framing = Callable[[bytes], bytes]
 

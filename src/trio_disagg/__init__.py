@@ -54,6 +54,7 @@ from ._prefill import is_bootstrap_params as is_bootstrap_params
 from ._protocols import DEFAULT_BOOTSTRAP_PORT as DEFAULT_BOOTSTRAP_PORT
 from ._protocols import Annotated as Annotated
 from ._protocols import BootstrapInfo as BootstrapInfo
+from ._protocols import ChunkChoice as ChunkChoice
 from ._protocols import CompletionUsage as CompletionUsage
 from ._protocols import FinishKind as FinishKind
 from ._protocols import FinishReason as FinishReason

@@ -125,3 +125,32 @@ class RawChoices(Sequence[Mapping[str, Any]]):
 
     def __repr__(self) -> str:
         return f"RawChoices({self.head!r}, {self.texts!r}, {self.tail!r})"
+
+
+class ChunkChoice(dict[str, Any]):
+    """A worker's choice (a dict, as it sent it) with the other top-level fields of the
+    chunk or answer it came in: those the router relays beside the choice (B8), such as
+    vLLM's ``prompt_token_ids`` or a ``system_fingerprint``.
+
+    The router owns the envelope (``id``, ``object``, ``created``, ``model``,
+    ``choices``, ``usage``) and withholds a worker's own plumbing (vLLM's
+    ``kv_transfer_params``, ...: docs/router.md, "What the router relays, and what it
+    owns"); whatever else a worker put beside the choices travels here, in
+    :attr:`fields`, for the server to write beside this choice: in the same streamed
+    chunk, or at the top level of a collected answer. A field that came in a chunk
+    without a choice worth relaying (a role-only first delta) travels with the next
+    choice. Anything that reads a choice reads it as the dict it is.
+
+    Args:
+        choice: the worker's choice object.
+        fields: the chunk's fields to relay, in the order sent (not empty).
+    """
+
+    __slots__ = ("fields",)
+
+    def __init__(self, choice: Mapping[str, Any], fields: dict[str, Any]) -> None:
+        super().__init__(choice)
+        self.fields = fields
+
+    def __repr__(self) -> str:
+        return f"ChunkChoice({dict.__repr__(self)}, fields={self.fields!r})"

@@ -18,7 +18,9 @@ import cattrs
 import cattrs.gen
 import orjson
 
-# The worker's choice kept as bytes (the relay's fast path) and its text, beside the output.
+# The worker's choice kept as bytes (the relay's fast path) and its text, beside the output;
+# a choice with its chunk's other top-level fields.
+from ._choices import ChunkChoice as ChunkChoice
 from ._choices import RawChoice as RawChoice
 from ._choices import RawChoices as RawChoices
 from ._errors import WireFormatError
@@ -182,7 +184,8 @@ class LLMEngineOutput:
     #: carried as bytes is a :class:`RawChoice` (a mapping that parses itself when read);
     #: the others are dicts. A read that brought only common chunks is one
     #: :class:`RawChoices` (a sequence of such choices, kept as their shared bytes and
-    #: their texts); otherwise a list. In process only: never on the wire.
+    #: their texts); otherwise a list. A choice whose chunk had top-level fields the
+    #: router relays (B8) is a :class:`ChunkChoice`. In process only: never on the wire.
     choices: Sequence[Mapping[str, Any]] | None = attrs.field(
         default=None, eq=False, repr=False)
 

@@ -24,21 +24,16 @@ from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
-from ._chunks import (
-    ChunkParser,
-    SseReader,
-    error_message,
-    error_text,
-    excerpt,
-    is_error_object,
-)
+from ._chunks import ChunkParser
 from ._handoffs import needs_handoff
 from ._headers import CREDENTIAL_STATUSES, credentials_refused
 from ._httpx import HttpxWorkerClient
+from ._reader import SseReader
 from ._requests import check_worker_url, request_headers
 from ._stopper import SendChannel, Stopper, send_quietly
 from ._transport import TransportError
 from ._wire import WorkerClient
+from ._worker_errors import error_message, error_text, excerpt, is_error_object
 
 Item = Annotated[LLMEngineOutput]
 Role = Literal["prefill", "decode"]

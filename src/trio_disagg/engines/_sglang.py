@@ -44,6 +44,7 @@ from ._chunks import (
     make_usage,
     parse_finish,
 )
+from ._fields import PLUMBING
 from ._handoffs import (
     handoff_problem,
 )
@@ -67,12 +68,19 @@ from ._stopper import (
 )
 
 __all__ = [
-    "GENERATE_PATH", "SglangEngine", "bootstrap_problem", "native_output",
+    "GENERATE_PATH", "SGLANG_WITHHELD", "SglangEngine", "bootstrap_problem", "native_output",
     "parse_prefill_spec", "sglang_body", "sglang_engines",
 ]
 
 #: SGLang's native generation endpoint.
 GENERATE_PATH = "/generate"
+
+#: Top-level fields of an SGLang chunk or answer never relayed to the client (B8): its
+#: ``sglext`` describes one worker's own request, not the client's: the decode's
+#: ``cached_tokens_details`` counts the KV the prefill sent it as cached (as its
+#: ``cached_tokens`` would, S4) and its ``routed_experts`` covers only the tokens it
+#: computed.
+SGLANG_WITHHELD = PLUMBING | {"sglext"}
 
 
 def parse_prefill_spec(spec: str) -> tuple[str, int]:
@@ -379,7 +387,7 @@ class SglangEngine(HttpEngine):
         return sglang_body(request, decode=self.role == "decode")
 
     def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
-        return _NativeParser() if path == GENERATE_PATH else ChunkParser()
+        return _NativeParser() if path == GENERATE_PATH else ChunkParser(withheld=SGLANG_WITHHELD)
 
     async def _relay(
         self,

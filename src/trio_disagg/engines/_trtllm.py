@@ -28,12 +28,13 @@ import attrs
 
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
-from .._protocols import FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
+from .._protocols import ChunkChoice, FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
 from ._chunks import (
     FINISH,
     ChunkParser,
     first_choice,
 )
+from ._fields import PLUMBING, with_fields
 from ._handoffs import (
     NON_EMPTY,
     Must,
@@ -54,14 +55,20 @@ from ._requests import (
 )
 
 __all__ = [
-    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "ContextParams", "TrtllmEngine", "context_body",
-    "context_problem", "generation_body", "trtllm_engines",
+    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TRTLLM_WITHHELD", "ContextParams",
+    "TrtllmEngine", "context_body", "context_problem", "generation_body", "trtllm_engines",
 ]
 
 #: The key under which the handoff payload (the context's ``disaggregated_params``)
 #: carries the context's ``prompt_token_ids`` to the generation request; it is taken out
 #: again there (TensorRT-LLM's ``DisaggregatedParams`` accepts no unknown field).
 PROMPT_TOKEN_IDS_KEY = "prompt_token_ids"
+
+#: Top-level fields of a TensorRT-LLM answer that are the disaggregation's plumbing, never
+#: relayed to the client (B8): the context's ``prompt_token_ids`` (and its base64 form,
+#: ``prompt_token_ids_b64``) are the prompt's tokens for the generation server, sent
+#: whether the client asked for them or not.
+TRTLLM_WITHHELD = PLUMBING | {"prompt_token_ids", "prompt_token_ids_b64"}
 
 #: TensorRT-LLM's finish reasons: ``not_finished`` means a handoff is needed, like
 #: ``length``; ``timeout`` is a failure.
@@ -239,7 +246,7 @@ class TrtllmEngine(HttpEngine):
         return endpoint_for(body), body
 
     def _parser(self, request: PreprocessedRequest, path: str) -> ChunkParser:
-        return ChunkParser(TRTLLM_FINISH)
+        return ChunkParser(TRTLLM_FINISH, TRTLLM_WITHHELD)
 
     def _handoff_problem(self, answer: Mapping[str, Any]) -> tuple[str, str] | None:
         return context_problem(answer)
@@ -256,11 +263,12 @@ class TrtllmEngine(HttpEngine):
             return output
         choice = first_choice(answer)
         params = choice.get("disaggregated_params") if choice is not None else None
-        if choice is not None and "disaggregated_params" in choice:
+        if output.choices and "disaggregated_params" in (sent := output.choices[0]):
             # The handoff is for the generation server, not the client: a terminal
             # context's choice reaches the client (S7), so it goes without it.
-            output.choices = [{key: value for key, value in choice.items()
-                               if key != "disaggregated_params"}]
+            kept = {key: value for key, value in sent.items() if key != "disaggregated_params"}
+            output.choices = [with_fields(kept, sent.fields) if type(sent) is ChunkChoice
+                              else kept]
         if isinstance(params, Mapping):
             handoff = dict(params)
             handoff.setdefault("request_type", "context_only")

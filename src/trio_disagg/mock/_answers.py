@@ -169,15 +169,20 @@ class OpenAIFormat(AnswerFormat):
         sglang: a plain token's chunk as SGLang writes it (``"role":null`` before the
             content, null ``reasoning_content``, ``tool_calls``, ``matched_stop`` and
             ``usage``), not as vLLM does.
+        prompt_ids: the prompt's token ids to send as vLLM does for ``return_token_ids``
+            (0.10.2 on): a chat's at the top level of its role-only first chunk and of
+            its whole answer, a completion's in the first chunk's choice and in its
+            whole answer's; None: not sent.
     """
 
     __slots__ = ("_args", "_at", "_called", "_chat", "_delta", "_head", "_ids", "_model",
-                 "_offset", "_request_id", "_response_id", "_seed", "_shape", "_tail",
-                 "_tail_stop", "_top", "_usage_head")
+                 "_offset", "_prompt_ids", "_request_id", "_response_id", "_seed", "_shape",
+                 "_tail", "_tail_stop", "_top", "_usage_head")
 
     def __init__(self, *, chat: bool, response_id: str, model: Any, with_ids: bool,
                  top: Mapping[str, Any] | None = None, shape: ChoiceShape | None = None,
-                 seed: int = 0, request_id: str = "", sglang: bool = False) -> None:
+                 seed: int = 0, request_id: str = "", sglang: bool = False,
+                 prompt_ids: list[int] | None = None) -> None:
         kind = b"chat.completion.chunk" if chat else b"text_completion"
         head = (b'data: {"id":' + orjson.dumps(response_id) + b',"object":"' + kind
                 + b'","created":' + str(int(time.time())).encode() + b',"model":'
@@ -187,6 +192,7 @@ class OpenAIFormat(AnswerFormat):
         self._chat, self._ids, self._model, self._top = chat, with_ids, model, top
         self._response_id, self._request_id = response_id, request_id
         self._shape, self._seed = shape, seed
+        self._prompt_ids = prompt_ids  # (a completion's: until its first chunk took them)
         self._at = 0  # tokens sent
         self._args = 0  # tool call arguments sent
         self._offset = 0  # characters of text sent (a completion's text_offset)
@@ -204,8 +210,16 @@ class OpenAIFormat(AnswerFormat):
     def start(self) -> bytes:
         if not self._chat:
             return b""
+        ids = b"" if self._prompt_ids is None else (
+            b',"prompt_token_ids":' + orjson.dumps(self._prompt_ids))
         return (self._head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
-                b'"finish_reason":null}]}\n\n')
+                b'"finish_reason":null}]' + ids + b"}\n\n")
+
+    def _first_prompt_ids(self) -> list[int] | None:
+        """A completion's prompt ids, for its first chunk only."""
+        ids = None if self._chat else self._prompt_ids
+        self._prompt_ids = None if ids is not None else self._prompt_ids
+        return ids
 
     def token(self, text: str, token: int | None, finish: str | None) -> bytes:
         if self._shape is not None:
@@ -214,6 +228,8 @@ class OpenAIFormat(AnswerFormat):
             body = self._delta + orjson.dumps(text) + self._tail
         else:
             body = b'"text":' + orjson.dumps(text)
+            if (ids := self._first_prompt_ids()) is not None:
+                body += b',"prompt_token_ids":' + orjson.dumps(ids)
         if self._ids:
             body += b',"token_ids":' + (b"[]" if token is None else b"[%d]" % token)
         return (self._head + body + b',"logprobs":null,"finish_reason":'
@@ -265,6 +281,8 @@ class OpenAIFormat(AnswerFormat):
                  "stop_reason": shape.stop_reason() if finish is not None else None}
         if not self._chat:
             choice: dict[str, Any] = {"index": 0, "text": text}
+            if (prompt_ids := self._first_prompt_ids()) is not None:
+                choice["prompt_token_ids"] = prompt_ids
             if self._ids:
                 choice["token_ids"] = [] if token is None else [token]
             choice["logprobs"] = (self._completion_logprobs(
@@ -368,6 +386,8 @@ class OpenAIFormat(AnswerFormat):
             entry["stop_reason"] = None
         if self._ids:
             entry["token_ids"] = token_ids
+        if self._prompt_ids is not None and not self._chat:
+            entry["prompt_token_ids"] = self._prompt_ids
         if choice:
             entry.update(choice)
         answer: dict[str, Any] = {
@@ -378,6 +398,8 @@ class OpenAIFormat(AnswerFormat):
             "choices": [entry],
             "usage": usage,
         }
+        if self._prompt_ids is not None and self._chat:
+            answer["prompt_token_ids"] = self._prompt_ids
         if self._top:
             answer.update(self._top)
         if top:

@@ -154,3 +154,13 @@ def resolve_max_tokens(max_tokens: int | None, body: Mapping[str, Any], default:
         else:
             max_tokens = default
     return max(0, max_tokens)
+
+
+def prompt_token_ids(seed: int, body: Mapping[str, Any]) -> list[int]:
+    """The mock's tokenization of a prompt: the body's own token ids, or one id per
+    prompt token fixed by the prompt (as many as :func:`count_prompt_tokens` counts)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return list(prompt)
+    stream = TokenStream(seed, "prompt:" + prompt_fingerprint(body).hex())
+    return [stream.next_id() for _ in range(count_prompt_tokens(body))]

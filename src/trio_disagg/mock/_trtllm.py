@@ -28,7 +28,7 @@ from ._faults import Fault, FaultKind
 from ._kv import StagedKV
 from ._kvwire import RemoteKV
 from ._sinks import PrefillAnswers
-from ._text import WORDS, TokenStream, count_prompt_tokens, prompt_fingerprint
+from ._text import WORDS, prompt_token_ids
 from ._wire_faults import REMOVED, MockFault, MockFaultKind
 from ._worker import MockWorker, Refusal, Work
 
@@ -74,16 +74,6 @@ def decode_opaque_state(ctx_request_id: Any, state: Any) -> RemoteKV | str:
         return f"encoded_opaque_state is not this mock's: {fields!r:.80}"
     return RemoteKV(host=host, port=port, key=str(ctx_request_id), engine_id=engine,
                     block_ids=tuple(blocks))
-
-
-def prompt_token_ids(seed: int, body: Mapping[str, Any]) -> list[int]:
-    """The mock's tokenization of a prompt: the body's own token ids, or one id per
-    prompt token fixed by the prompt (as many as :func:`count_prompt_tokens` counts)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return list(prompt)
-    stream = TokenStream(seed, "prompt:" + prompt_fingerprint(body).hex())
-    return [stream.next_id() for _ in range(count_prompt_tokens(body))]
 
 
 class MockTrtllmWorker(MockWorker):

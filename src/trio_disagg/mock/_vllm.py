@@ -24,7 +24,7 @@ from ._faults import Fault, FaultKind
 from ._kv import StagedKV
 from ._kvwire import RemoteKV
 from ._sinks import PrefillAnswers
-from ._text import WORDS
+from ._text import WORDS, prompt_token_ids
 from ._wire_faults import REMOVED, MockFault, MockFaultKind
 from ._worker import MockWorker, Work
 
@@ -83,8 +83,11 @@ class MockVllmWorker(MockWorker):
     ``default_max_tokens``) tokens of pseudo-words fixed by ``seed`` and the
     ``X-Request-Id`` (so a prefill's token equals its decode's first token),
     ``latency.inter_token_latency`` seconds apart, ``finish_reason: "length"``; a usage
-    chunk if ``stream_options.include_usage``; ``token_ids`` in each choice if the body
-    asks ``return_token_ids``. ``min_tokens`` holds ``eos_first_token``'s EOS off until
+    chunk if ``stream_options.include_usage``; if the body asks ``return_token_ids``,
+    ``token_ids`` in each choice and, as vLLM 0.10.2 on, the prompt's token ids
+    (:func:`~._text.prompt_token_ids`) as ``prompt_token_ids``: a chat's at the top level of
+    its role-only first chunk and of its whole answer, a completion's in its first
+    choice. ``min_tokens`` holds ``eos_first_token``'s EOS off until
     that many tokens went out (a prefill given ``min_tokens >= 1`` hands off as usual).
 
     Choices beyond text (B8), on every protocol's OpenAI endpoints (the shared OpenAI
@@ -170,7 +173,8 @@ class MockVllmWorker(MockWorker):
         if params.get("do_remote_decode") is True:
             return partial(self._prefill, exchange, body, path, fault, mock)
         # Every vLLM answer has kv_transfer_params, null unless it is a handoff.
-        fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None})
+        fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None},
+                                 prompt_ids=self._prompt_ids(body))
         source = parse_remote_kv(params) if params.get("do_remote_prefill") is True else None
         options = body.get("stream_options")
         include_usage = body.get("stream") is True and isinstance(options, Mapping) and (
@@ -182,10 +186,15 @@ class MockVllmWorker(MockWorker):
                        fault: Fault | None, mock: MockFault | None = None) -> None:
         """A prefill request (``do_remote_decode``): stage the KV and answer the handoff
         (``prefill_bad_handoff``: a broken one, staging nothing)."""
-        fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None})
+        fmt = self.openai_format(exchange, body, path, top={"kv_transfer_params": None},
+                                 prompt_ids=self._prompt_ids(body))
         forced = "messages" in body and body.get("tool_choice") == "required"
         await self._run_prefill(self.prefill_run(exchange, body, fault),
                                 _PrefillSink(self, exchange, fmt, mock, forced))
+
+    def _prompt_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids a body asks for with ``return_token_ids``, else None."""
+        return prompt_token_ids(self.seed, body) if body.get("return_token_ids") is True else None
 
     def _handoff(self, fmt: OpenAIFormat, run: Prefill, entry: StagedKV) -> bytes:
         """The prefill's answer: one token and ``kv_transfer_params`` naming ``entry``."""

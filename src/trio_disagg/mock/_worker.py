@@ -407,7 +407,8 @@ class MockWorker:
 
     def openai_format(self, exchange: Exchange, body: Mapping[str, Any], path: str,
                       top: Mapping[str, Any] | None = None, *,
-                      sglang: bool = False) -> OpenAIFormat:
+                      sglang: bool = False,
+                      prompt_ids: list[int] | None = None) -> OpenAIFormat:
         chat = path == "/v1/chat/completions"
         request_id = exchange.request_id or ""
         shape = choice_shape(body, chat=chat, decode=self.role == "decode",
@@ -417,7 +418,7 @@ class MockWorker:
                             model=body.get("model"),
                             with_ids=body.get("return_token_ids") is True, top=top,
                             shape=shape, seed=self.seed, request_id=request_id,
-                            sglang=sglang)
+                            sglang=sglang, prompt_ids=prompt_ids)
 
     async def _decode(self, exchange: Exchange, body: Mapping[str, Any], fmt: AnswerFormat,
                       fault: Fault | None, source: KVSource | str | None, *,

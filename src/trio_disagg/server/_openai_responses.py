@@ -3,7 +3,7 @@
 Response chunks are built by :class:`ChunkEncoder` from prebuilt byte strings, so a token
 costs one ``orjson.dumps`` of its text (docs/design.md P4), and a worker's own choice, relayed
 as sent (B8), one ``orjson.dumps`` of that choice, or none when it came as its bytes (a
-:class:`~trio_disagg.RawChoice`). :class:`ChoiceCollector` collects a
+:class:`~trio_disagg.RawChoice`). :class:`._collect.ChoiceCollector` collects a
 worker's streamed choices into one answer for a client that did not stream.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from .._protocols import (
+    ChunkChoice,
     CompletionUsage,
     FinishKind,
     FinishReason,
@@ -108,8 +109,8 @@ class ChunkEncoder:
             and :meth:`usage` builds the final usage chunk.
     """
 
-    __slots__ = ("_between", "_chat", "_choice_end", "_choices_head", "_end", "_first", "_head",
-                 "_mid", "_null_end", "_usage_head")
+    __slots__ = ("_between", "_chat", "_choice_end", "_choices_head", "_end", "_fields_end",
+                 "_first", "_head", "_mid", "_null_end", "_usage_head")
 
     def __init__(
         self, *, chat: bool, response_id: str, model: str, created: int, include_usage: bool
@@ -124,6 +125,7 @@ class ChunkEncoder:
         self._head = head + b',"choices":[{"index":0,'
         self._choices_head = head + b',"choices":['
         self._choice_end = b"]" + usage_null + b"}\n\n"
+        self._fields_end = usage_null + b"}\n\n"  # after a worker's fields (B8)
         self._between = self._choice_end + self._choices_head  # between two choice chunks
         self._usage_head = head + b',"choices":[]'
         self._mid = b',"logprobs":null,"finish_reason":'
@@ -160,6 +162,9 @@ class ChunkEncoder:
         envelope: one ``orjson.dumps`` of the choice, or its own bytes for a
         :class:`~trio_disagg.RawChoice` that needs nothing set.
 
+        A :class:`~trio_disagg.ChunkChoice`'s :attr:`~trio_disagg.ChunkChoice.fields`
+        go at the top level of its chunk, after ``choices`` and before ``usage``.
+
         What the router owns is set on the way: ``index`` 0 (one choice per response), and
         for chat ``"role": "assistant"`` in the first delta if it has none (or a null one,
         as SGLang writes every delta after its first, role-only, chunk), and a
@@ -189,6 +194,7 @@ class ChunkEncoder:
         if finish_reason is not None and choice.get("finish_reason") is None:
             fixed = dict(choice) if fixed is None else fixed
             fixed["finish_reason"] = finish_reason
+        fields = choice.fields if type(choice) is ChunkChoice else None
         if self._chat:
             delta = choice.get("delta")
             if delta is None and "message" in choice:
@@ -202,8 +208,11 @@ class ChunkEncoder:
                     fixed = dict(choice) if fixed is None else fixed
                     fixed["delta"] = {"role": "assistant", **delta}
                     fixed["delta"]["role"] = "assistant"
-        return (self._choices_head + _dumps(choice if fixed is None else fixed)
-                + self._choice_end)
+        body = self._choices_head + _dumps(choice if fixed is None else fixed)
+        if fields is None:
+            return body + self._choice_end
+        # the worker's other top-level fields, after the choices, before the usage
+        return body + b"]," + _dumps(fields)[1:-1] + self._fields_end
 
     def choices(self, choices: Sequence[Mapping[str, Any]]) -> list[bytes]:
         """A chunk for each choice (:meth:`choice`), without a call per
@@ -250,11 +259,7 @@ def _message_delta(message: Any) -> dict[str, Any]:
 
 #: The fields of a chat delta that carry text, concatenated when a non-streamed answer is
 #: collected (``content`` is always in the answer; the others only if the worker sent them).
-_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
-
-#: Keys of a choice the collector handles itself; any other key's lists are concatenated
-#: and any other value is the last one the worker sent.
-_CHOICE_KEYS = frozenset({"index", "delta", "message", "text", "logprobs", "finish_reason"})
+TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
 
 
 def has_content(choice: Mapping[str, Any]) -> bool:
@@ -268,7 +273,7 @@ def has_content(choice: Mapping[str, Any]) -> bool:
         part = choice.get("message")
     if not isinstance(part, Mapping):
         return False
-    return bool(part.get("tool_calls")) or any(part.get(name) for name in _TEXT_FIELDS)
+    return bool(part.get("tool_calls")) or any(part.get(name) for name in TEXT_FIELDS)
 
 
 def counted_tokens(choice: Mapping[str, Any]) -> int:
@@ -305,143 +310,15 @@ def worker_aborted(choice: Mapping[str, Any] | None) -> bool:
     return choice is not None and choice.get("finish_reason") == "abort"
 
 
-def _merge(collected: dict[str, Any], key: str, value: Any) -> None:
-    """Lists are concatenated (into a list of the collector's own, so a long answer costs
-    linear time); any other value replaces an earlier one unless it is null."""
-    if isinstance(value, list):
-        earlier = collected.get(key)
-        if isinstance(earlier, list):
-            earlier.extend(value)
-        else:
-            collected[key] = list(value)
-    elif value is not None or key not in collected:
-        collected[key] = value
-
-
-class ChoiceCollector:
-    """Collects a worker's streamed choices into one non-streamed choice (B8).
-
-    Chat: ``message`` with ``content`` (concatenated; null if the worker sent no content
-    but tool calls, reasoning or a refusal), ``reasoning_content`` / ``reasoning`` /
-    ``refusal`` (concatenated, only if sent), ``tool_calls`` (merged by ``index``: ``id``,
-    ``type`` and ``function.name`` from the first delta that has them,
-    ``function.arguments`` concatenated). Completions:
-    ``text`` concatenated. Both: ``logprobs`` lists concatenated key by key (chat
-    ``content``; completions ``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset``), ``finish_reason`` as the worker sent it, ``stop_reason`` and any
-    other key as sent last (lists concatenated). A ``message`` (the prefill's own whole
-    answer, S7) is collected as a delta.
-
-    Args:
-        chat: a ``chat.completion`` rather than a ``text_completion``.
-    """
-
-    __slots__ = ("_chat", "_extra", "_logprobs", "_texts", "_tool_calls")
-
-    def __init__(self, *, chat: bool) -> None:
-        self._chat = chat
-        self._texts: dict[str, list[str]] = {}
-        self._tool_calls: dict[int, dict[str, Any]] = {}
-        self._logprobs: dict[str, Any] | None = None
-        self._extra: dict[str, Any] = {}
-
-    def add_text(self, text: str) -> None:
-        """Text of an output that carries no choice (an in-process engine)."""
-        self._texts.setdefault("text" if not self._chat else "content", []).append(text)
-
-    def add(self, choice: Mapping[str, Any]) -> None:
-        """One choice of the worker, as it sent it."""
-        texts = self._texts
-        if self._chat:
-            part = choice.get("delta")
-            if part is None:
-                part = choice.get("message")
-            if isinstance(part, Mapping):
-                for name in _TEXT_FIELDS:
-                    value = part.get(name)
-                    if isinstance(value, str):
-                        texts.setdefault(name, []).append(value)
-                calls = part.get("tool_calls")
-                if isinstance(calls, list):
-                    self._add_tool_calls(calls)
-        else:
-            text = choice.get("text")
-            if isinstance(text, str):
-                texts.setdefault("text", []).append(text)
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, Mapping):
-            self._add_logprobs(logprobs)
-        extra = self._extra
-        for key, value in choice.items():
-            if key not in _CHOICE_KEYS:
-                _merge(extra, key, value)
-
-    def _add_tool_calls(self, calls: list[Any]) -> None:
-        merged = self._tool_calls
-        for position, call in enumerate(calls):
-            if not isinstance(call, Mapping):
-                continue
-            index = call.get("index")
-            if type(index) is not int:
-                index = position
-            entry = merged.get(index)
-            if entry is None:
-                entry = merged[index] = {"id": None, "type": None,
-                                         "function": {"name": None, "arguments": ""}}
-            if entry["id"] is None and call.get("id") is not None:
-                entry["id"] = call["id"]
-            if entry["type"] is None and call.get("type") is not None:
-                entry["type"] = call["type"]
-            function = call.get("function")
-            if isinstance(function, Mapping):
-                target = entry["function"]
-                if target["name"] is None and function.get("name") is not None:
-                    target["name"] = function["name"]
-                arguments = function.get("arguments")
-                if isinstance(arguments, str):
-                    target["arguments"] += arguments
-
-    def _add_logprobs(self, logprobs: Mapping[str, Any]) -> None:
-        if self._logprobs is None:
-            self._logprobs = {}
-        collected = self._logprobs
-        for key, value in logprobs.items():
-            _merge(collected, key, value)
-
-    def choice(self, finish_reason: Any) -> dict[str, Any]:
-        """The collected choice, ending with ``finish_reason`` (the worker's, as sent)."""
-        texts = self._texts
-        choice: dict[str, Any] = {"index": 0}
-        if self._chat:
-            message: dict[str, Any] = {"role": "assistant"}
-            tool_calls = [self._tool_calls[index] for index in sorted(self._tool_calls)]
-            message["content"] = "".join(texts.get("content", ()))
-            for name in _TEXT_FIELDS[1:]:
-                if name in texts:
-                    message[name] = "".join(texts[name])
-            if not message["content"] and (tool_calls or any(
-                    message.get(name) for name in _TEXT_FIELDS[1:])):
-                # only tool calls, reasoning or a refusal: no content, as the worker's own
-                # whole answer (vLLM's, OpenAI's) says it, not an empty string
-                message["content"] = None
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            choice["message"] = message
-        else:
-            choice["text"] = "".join(texts.get("text", ()))
-        choice["logprobs"] = self._logprobs
-        choice["finish_reason"] = finish_reason
-        choice.update(self._extra)
-        return choice
-
-
 def completion_response(
     *, chat: bool, response_id: str, model: str, created: int, text: str,
     finish_reason: str, usage: dict[str, Any], choice: dict[str, Any] | None = None,
+    fields: Mapping[str, Any] | None = None,
 ) -> bytes:
     """The JSON of a non-streamed ``text_completion`` or ``chat.completion``: ``choice``
-    (a :class:`ChoiceCollector`'s) if given, else one made of ``text`` and
-    ``finish_reason``."""
+    (a :class:`~._collect.ChoiceCollector`'s) if given, else one made of ``text`` and
+    ``finish_reason``; ``fields``, the worker's top-level fields the router relays (B8),
+    after the router's own."""
     if choice is None and chat:
         choice = {
             "index": 0,
@@ -451,11 +328,14 @@ def completion_response(
         }
     elif choice is None:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return _dumps({
+    answer = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
         "usage": usage,
-    })
+    }
+    if fields:
+        answer.update(fields)
+    return _dumps(answer)

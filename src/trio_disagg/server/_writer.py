@@ -18,16 +18,23 @@ from typing import Any
 import orjson
 import trio
 
-from .._protocols import Annotated, CompletionUsage, FinishReason, LLMEngineOutput, RawChoices
+from .._protocols import (
+    Annotated,
+    ChunkChoice,
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    RawChoices,
+)
 from .._router import RequestStream
 from .._router_types import StreamOutputs
+from ._collect import ChoiceCollector
 from ._metrics import outcome_of
 from ._openai_errors import ApiError, error_for_exception
 from ._openai_responses import (
     DONE_EVENT,
     OPENAI_FINISH,
     USAGE_NULL_END,
-    ChoiceCollector,
     ChunkEncoder,
     choice_tokens,
     completion_response,
@@ -87,7 +94,9 @@ class SseSink:
         """What came with a finish that did not complete: sent before the error event."""
         if choice is not None:
             if has_content(choice):
-                self.parts.append(self.encoder.choice({**choice, "finish_reason": None}))
+                cut = {**choice, "finish_reason": None}
+                self.parts.append(self.encoder.choice(
+                    ChunkChoice(cut, choice.fields) if type(choice) is ChunkChoice else cut))
         elif text:
             self.parts.append(self.encoder.token(text))
 
@@ -257,7 +266,7 @@ class JsonSink:
         body = completion_response(
             chat=self.chat, response_id=self.response_id, model=self.model,
             created=self.created, text="".join(self.texts), finish_reason=name, usage=usage,
-            choice=answer,
+            choice=answer, fields=collector.fields if collector is not None else None,
         )
         await self.responder.respond(200, body)
 
