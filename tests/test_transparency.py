@@ -84,6 +84,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
             "id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}),
+    # a role of the model's chat template (Llama 3's ipython): vLLM and TensorRT-LLM take
+    # any role, and a worker that does not refuses it itself
+    ("a template's own role", CHAT, {"max_tokens": 2, "messages": [
+        *MESSAGES, {"role": "ipython", "content": '{"temperature": 21}'}]}),
     ("long prompt", COMPLETIONS, {"prompt": "word " * 4000, "max_tokens": 2}),
     ("token ids", COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 2}),
 ]

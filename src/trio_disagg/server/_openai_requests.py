@@ -31,9 +31,6 @@ Stop = NewType("Stop", object)
 #: A chat message's ``content``: a string or a list of content parts (objects with a type).
 Content = NewType("Content", object)
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
 @attrs.define(slots=True, kw_only=True)
 class StreamOptions:
     """OpenAI's ``stream_options``."""
@@ -74,7 +71,9 @@ class CompletionRequest(_SamplingFields):
 
 @attrs.define(slots=True, kw_only=True)
 class ChatMessage:
-    """One message of a chat completion request."""
+    """One message of a chat completion request. Its ``role`` is any string: a chat
+    template may define roles of its own (Llama 3's ``ipython``), which vLLM and
+    TensorRT-LLM take; a worker that does not refuses the request itself (B8)."""
 
     role: str
     content: Content | None = None
@@ -238,11 +237,12 @@ def check_max_tokens(name: str, value: int, limit: int) -> None:
 
 
 def check_chat(request: ChatCompletionRequest) -> None:
-    """Chat-only checks: at least one message, known roles, ``top_logprobs`` only with
-    ``logprobs``, each tool a function with a name.
+    """Chat-only checks: at least one message, ``top_logprobs`` only with ``logprobs``,
+    each tool a function with a name. A message's role is the worker's to judge (any
+    string passes: :class:`ChatMessage`).
 
     Raises:
-        ApiError: 400 naming the offending message.
+        ApiError: 400 naming the offending field.
     """
     if not request.messages:
         raise ApiError(400, "messages must contain at least one message",
@@ -262,13 +262,6 @@ def check_chat(request: ChatCompletionRequest) -> None:
             raise ApiError(400, f"tools[{index}] must be {{\"type\": \"function\", "
                            f"\"function\": {{\"name\": ...}}}}", param=f"tools[{index}]",
                            code="invalid_value")
-    for index, message in enumerate(request.messages):
-        if message.role not in CHAT_ROLES:
-            raise ApiError(
-                400, f"messages[{index}].role: unknown role {message.role!r} "
-                f"(expected one of {', '.join(sorted(CHAT_ROLES))})",
-                param=f"messages[{index}].role", code="invalid_value",
-            )
 
 
 #: Request fields about the prompt, which only the prefill computed: a decode never sees
