@@ -253,6 +253,29 @@ async def test_B8_a_worker_refusal_reaches_the_openai_client_as_the_worker_sent_
         await server.cluster.settled()
 
 
+async def test_B8_what_would_be_several_choices_is_refused_alike_before_any_worker() -> None:
+    """``n`` > 1, ``best_of`` > 1 and a batch of prompts would each be several choices
+    from the worker: the router refuses them alike (one choice per response), a 400
+    ``unsupported_value`` naming the field, and no worker hears of them."""
+    async with served("vllm") as server:
+        client = server.openai()
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("n", partial(client.chat.completions.create, model=MODEL, messages=MESSAGES,
+                          max_tokens=2, n=2)),
+            ("best_of", partial(client.completions.create, model=MODEL, prompt="a",
+                                max_tokens=2, best_of=2)),
+            ("prompt", partial(client.completions.create, model=MODEL, prompt=["a", "b"],
+                               max_tokens=2)),
+            ("prompt", partial(client.completions.create, model=MODEL,
+                               prompt=[[1, 2], [3]], max_tokens=2))]
+        for param, call in calls:
+            error = await _openai_error(call)
+            assert isinstance(error, openai.BadRequestError), param
+            assert (error.param, error.code) == (param, "unsupported_value"), error.body
+        assert server.cluster.prefill.stats.requests == 0
+        assert server.cluster.decode.stats.requests == 0
+
+
 async def test_B8_the_openai_client_retries_a_bad_gateway_and_gives_up_as_usual() -> None:
     """A worker's 5xx is the router's 502: the client's own retries run as against the
     worker (``max_retries`` + 1 attempts), then it raises ``InternalServerError``."""

@@ -96,6 +96,12 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
 
 
+def _is_batch(value: Any) -> bool:
+    """Several prompts in one request (vLLM answers each with a choice of its own)."""
+    return isinstance(value, list) and len(value) > 1 and all(
+        isinstance(item, str) or (_is_token_list(item) and item) for item in value)
+
+
 def _structure_prompt(value: Any, _: type) -> Any:
     if isinstance(value, str) or (_is_token_list(value) and value):
         return value
@@ -103,10 +109,8 @@ def _structure_prompt(value: Any, _: type) -> Any:
         (only,) = value
         if isinstance(only, str) or (_is_token_list(only) and only):
             return value
-    if isinstance(value, list) and len(value) > 1 and all(
-        isinstance(item, str) or _is_token_list(item) for item in value
-    ):
-        raise ValueError("batched prompts (a list of several prompts) are not supported")
+    if _is_batch(value):
+        return value  # well typed; refused by check_completion, as n > 1 is
     raise TypeError(f"expected a string or a list of token ids, got {describe_value(value)}")
 
 
@@ -291,8 +295,9 @@ def check_prompt_fields(body: Mapping[str, Any]) -> None:
 
 
 def check_completion(request: CompletionRequest) -> None:
-    """Completions-only checks: a non-empty prompt, token ids not negative, ``logprobs``
-    between 0 and 20 (the bound chat's ``top_logprobs`` has, vLLM's default
+    """Completions-only checks: a non-empty prompt, and only one (a batch of several is
+    refused as ``n`` > 1 is: one choice per response), token ids not negative,
+    ``logprobs`` between 0 and 20 (the bound chat's ``top_logprobs`` has, vLLM's default
     ``max_logprobs``), no ``best_of`` > 1.
 
     Raises:
@@ -300,6 +305,10 @@ def check_completion(request: CompletionRequest) -> None:
     """
     if isinstance(request.prompt, str) and not request.prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if _is_batch(request.prompt):
+        raise ApiError(400, "batched prompts (a list of several prompts) are not supported: "
+                       "one choice per response; send one request per prompt",
+                       param="prompt", code="unsupported_value")
     prompt = request.prompt
     ids = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], list) else prompt
     # A list of token ids here is all ints (typed already): min() scans it in C.
