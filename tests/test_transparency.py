@@ -181,6 +181,18 @@ async def test_B8_what_an_app_sends_gets_what_the_worker_would_answer(
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize("protocol", ["vllm", "trtllm"])
+async def test_B8_a_request_served_by_a_decode_worker_alone_is_relayed_alike(
+        protocol: ProtocolName) -> None:
+    """Conditional disaggregation (``--disagg-min-prompt-tokens``): a request served by
+    the decode worker alone, with no prefill, gets what that worker answers too."""
+    async with served(protocol) as server:
+        server.app.router.disagg_min_prompt_tokens = 1 << 30  # every prompt is short
+        found = await differences(server, CASES)
+        assert server.cluster.prefill.stats.requests == 0
+    assert not found, "\n".join(found)
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_B8_a_whole_answer_from_the_prefill_is_the_workers_too(
         protocol: ProtocolName) -> None:
