@@ -158,7 +158,7 @@ async def differences(server: Served, cases: list[tuple[str, str, dict[str, Any]
     async with httpx.AsyncClient(timeout=20.0, trust_env=False) as client:
         for (name, path, fields), stream in itertools.product(cases, (False, True)):
             body = {"model": MODEL, **fields, "stream": stream}
-            if stream and path == CHAT:
+            if stream and (path == CHAT or name.startswith("completion")):
                 body["stream_options"] = {"include_usage": True}
             routed, direct = await both(server, client, path, body)
             if seen_as(routed, stream) != seen_as(direct, stream):
