@@ -146,7 +146,8 @@ async def both(server: Served, client: httpx.AsyncClient, path: str, body: dict[
     await server.cluster.settled()  # the worker's own id is free again
     workers = (server.cluster.decode, server.cluster.prefill)  # a terminal prefill: the
     ids = [seen.request_id for worker in workers for seen in worker.seen  # prefill's
-           if seen.request_id.startswith(rid + ".")]
+           if seen.request_id.startswith(rid + ".")
+           and not seen.request_id.endswith("-cleanup")]
     direct = await client.post(server.cluster.decode_url + path, json=body,
                                headers={"x-request-id": ids[0] if ids else rid})
     return routed, direct
