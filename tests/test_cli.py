@@ -302,6 +302,23 @@ async def test_serve_max_tokens_limit_is_a_flag() -> None:
     assert "between 1 and 8" in error["message"]
 
 
+async def test_serve_model_may_be_repeated_for_every_name_the_workers_serve() -> None:
+    """A worker serving a model under several names (vLLM's ``--served-model-name`` aliases)
+    answers an app that uses any of them: so does the router given each (B8); only a name
+    given to none is a 404."""
+    with trio.fail_after(60):
+        async with serving("--model", "llama-3", "--model", "meta/llama-3") as port, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            answers = [await http.post("/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2}) for name in ("llama-3", "meta/llama-3", "trio-disagg-mock")]
+            listed = (await http.get("/v1/models")).json()
+    assert [answer.status_code for answer in answers] == [200, 200, 404]
+    assert [answer.json()["model"] for answer in answers[:2]] == ["llama-3", "meta/llama-3"]
+    assert answers[2].json()["error"]["code"] == "model_not_found"
+    assert [model["id"] for model in listed["data"]] == ["llama-3", "meta/llama-3"]
+
+
 async def test_serve_max_connections_is_a_flag() -> None:
     """An operator bounds the client connections: at the bound the one idle the longest
     is closed to make room for a client with a request."""

@@ -18,7 +18,13 @@ from ._arg_types import (
     positive_seconds,
     seconds,
 )
-from ._serve_options import API_KEY_ENV, POLICIES, WORKER_API_KEY_ENV, deadline_defaults
+from ._serve_options import (
+    API_KEY_ENV,
+    DEFAULT_MODEL,
+    POLICIES,
+    WORKER_API_KEY_ENV,
+    deadline_defaults,
+)
 
 #: What ``add_subparsers`` returns: where each command adds its parser.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -75,8 +81,10 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
                                 "workers were started with (vLLM, SGLang --api-key) "
                                 f"(default: ${WORKER_API_KEY_ENV} if set, else none; prefer "
                                 "the variable: it stays out of process listings)")
-    serve_cmd.add_argument("--model", default="trio-disagg-mock",
-                           help="the model name clients must ask for")
+    serve_cmd.add_argument("--model", action="append", metavar="MODEL",
+                           help="a model name clients may ask for (repeat for several: every "
+                                "name the workers serve, such as vLLM's --served-model-name "
+                                f"aliases; others get 404) (default: {DEFAULT_MODEL})")
     serve_cmd.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES),
                            help="worker selection for both pools")
     serve_cmd.add_argument("--mock-style", choices=["sequential", "bootstrap"],

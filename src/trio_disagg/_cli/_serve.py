@@ -24,6 +24,7 @@ from ._serve_options import (
     cancel_windows,
     deadlines_of,
     engines_for,
+    models_of,
     worker_api_key_of,
 )
 from ._signals import SHUTDOWN_SIGNALS, ignoring_signals, run_until_signalled
@@ -139,7 +140,8 @@ async def serve_router(
                                f"{first_os_error(group)}") from None
         tune_gc_for_serving()  # after start-up: see SERVE_GC_THRESHOLD
         pid = f", pid {os.getpid()}" if args.supervised else ""
-        print(f"trio-disagg: serving {args.model!r} on "
+        names = ", ".join(repr(model) for model in models_of(args))
+        print(f"trio-disagg: serving {names} on "
               f"http://{display_address(args.host, port)}/v1 "
               f"({args.backend}: {len(router.prefill)} prefill, "
               f"{len(router.decode)} decode{pid})", flush=True)
@@ -157,7 +159,7 @@ def router_app(
     """
     try:
         app = create_app(
-            router, models=[args.model], max_body_bytes=args.max_body_bytes,
+            router, models=models_of(args), max_body_bytes=args.max_body_bytes,
             max_prompt_bytes=args.max_prompt_bytes, max_tokens_limit=args.max_tokens_limit,
             default_max_tokens=min(16, args.max_tokens_limit), api_key=api_key,
             protect_metrics=args.protect_metrics, max_in_flight=args.max_in_flight,

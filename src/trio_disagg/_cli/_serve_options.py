@@ -38,6 +38,15 @@ API_KEY_ENV = "TRIO_DISAGG_API_KEY"
 WORKER_API_KEY_ENV = "TRIO_DISAGG_WORKER_API_KEY"
 
 
+#: The model name ``serve`` accepts when no ``--model`` is given.
+DEFAULT_MODEL = "trio-disagg-mock"
+
+
+def models_of(args: argparse.Namespace) -> list[str]:
+    """The ``--model`` names, each once, in order; :data:`DEFAULT_MODEL` if none."""
+    return list(dict.fromkeys(args.model)) if args.model else [DEFAULT_MODEL]
+
+
 def deadline_defaults() -> dict[str, float]:
     """Each :class:`Deadlines` field's default, in seconds: one ``--NAME-deadline`` option
     each."""

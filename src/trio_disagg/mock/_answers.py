@@ -168,7 +168,8 @@ class OpenAIFormat(AnswerFormat):
         request_id: the request's id.
         sglang: a plain token's chunk as SGLang writes it (``"role":null`` before the
             content, null ``reasoning_content``, ``tool_calls``, ``matched_stop`` and
-            ``usage``), not as vLLM does.
+            ``usage``), not as vLLM does; a plain whole answer's choice likewise has
+            ``matched_stop`` where vLLM's has ``stop_reason``.
         prompt_ids: the prompt's token ids to send as vLLM does for ``return_token_ids``
             (0.10.2 on): a chat's at the top level of its role-only first chunk and of
             its whole answer, a completion's in the first chunk's choice and in its
@@ -176,8 +177,8 @@ class OpenAIFormat(AnswerFormat):
     """
 
     __slots__ = ("_args", "_at", "_called", "_chat", "_delta", "_head", "_ids", "_model",
-                 "_offset", "_prompt_ids", "_request_id", "_response_id", "_seed", "_shape",
-                 "_tail", "_tail_stop", "_top", "_usage_head")
+                 "_offset", "_prompt_ids", "_request_id", "_response_id", "_seed", "_sglang",
+                 "_shape", "_tail", "_tail_stop", "_top", "_usage_head")
 
     def __init__(self, *, chat: bool, response_id: str, model: Any, with_ids: bool,
                  top: Mapping[str, Any] | None = None, shape: ChoiceShape | None = None,
@@ -191,7 +192,7 @@ class OpenAIFormat(AnswerFormat):
         self._usage_head = head + b',"choices":[],"usage":'
         self._chat, self._ids, self._model, self._top = chat, with_ids, model, top
         self._response_id, self._request_id = response_id, request_id
-        self._shape, self._seed = shape, seed
+        self._shape, self._seed, self._sglang = shape, seed, sglang
         self._prompt_ids = prompt_ids  # (a completion's: until its first chunk took them)
         self._at = 0  # tokens sent
         self._args = 0  # tool call arguments sent
@@ -352,6 +353,8 @@ class OpenAIFormat(AnswerFormat):
                 message["tool_calls"] = [{"id": shape.call_id, "type": "function",
                                           "function": {"name": shape.tool,
                                                        "arguments": arguments}}]
+            elif tokens and not rest:
+                message["content"] = None  # all reasoning: no content, as vLLM and SGLang
             else:
                 message["content"] = "".join(word for word, _ in rest) if tokens else text
             if shape.reasoning_tokens:
@@ -383,7 +386,8 @@ class OpenAIFormat(AnswerFormat):
                 entry["text"] = text
             entry["logprobs"] = None
             entry["finish_reason"] = finish
-            entry["stop_reason"] = None
+            # the field its chunks end with: SGLang's ``matched_stop``, vLLM's ``stop_reason``
+            entry["matched_stop" if self._sglang else "stop_reason"] = None
         if self._ids:
             entry["token_ids"] = token_ids
         if self._prompt_ids is not None and not self._chat:

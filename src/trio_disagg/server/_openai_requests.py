@@ -31,9 +31,6 @@ Stop = NewType("Stop", object)
 #: A chat message's ``content``: a string or a list of content parts (objects with a type).
 Content = NewType("Content", object)
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
 @attrs.define(slots=True, kw_only=True)
 class StreamOptions:
     """OpenAI's ``stream_options``."""
@@ -74,7 +71,9 @@ class CompletionRequest(_SamplingFields):
 
 @attrs.define(slots=True, kw_only=True)
 class ChatMessage:
-    """One message of a chat completion request."""
+    """One message of a chat completion request. Its ``role`` is any string: a chat
+    template may define roles of its own (Llama 3's ``ipython``), which vLLM and
+    TensorRT-LLM take; a worker that does not refuses the request itself (B8)."""
 
     role: str
     content: Content | None = None
@@ -97,6 +96,12 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
 
 
+def _is_batch(value: Any) -> bool:
+    """Several prompts in one request (vLLM answers each with a choice of its own)."""
+    return isinstance(value, list) and len(value) > 1 and all(
+        isinstance(item, str) or (_is_token_list(item) and item) for item in value)
+
+
 def _structure_prompt(value: Any, _: type) -> Any:
     if isinstance(value, str) or (_is_token_list(value) and value):
         return value
@@ -104,10 +109,8 @@ def _structure_prompt(value: Any, _: type) -> Any:
         (only,) = value
         if isinstance(only, str) or (_is_token_list(only) and only):
             return value
-    if isinstance(value, list) and len(value) > 1 and all(
-        isinstance(item, str) or _is_token_list(item) for item in value
-    ):
-        raise ValueError("batched prompts (a list of several prompts) are not supported")
+    if _is_batch(value):
+        return value  # well typed; refused by check_completion, as n > 1 is
     raise TypeError(f"expected a string or a list of token ids, got {describe_value(value)}")
 
 
@@ -238,11 +241,12 @@ def check_max_tokens(name: str, value: int, limit: int) -> None:
 
 
 def check_chat(request: ChatCompletionRequest) -> None:
-    """Chat-only checks: at least one message, known roles, ``top_logprobs`` only with
-    ``logprobs``, each tool a function with a name.
+    """Chat-only checks: at least one message, ``top_logprobs`` only with ``logprobs``,
+    each tool a function with a name. A message's role is the worker's to judge (any
+    string passes: :class:`ChatMessage`).
 
     Raises:
-        ApiError: 400 naming the offending message.
+        ApiError: 400 naming the offending field.
     """
     if not request.messages:
         raise ApiError(400, "messages must contain at least one message",
@@ -262,13 +266,6 @@ def check_chat(request: ChatCompletionRequest) -> None:
             raise ApiError(400, f"tools[{index}] must be {{\"type\": \"function\", "
                            f"\"function\": {{\"name\": ...}}}}", param=f"tools[{index}]",
                            code="invalid_value")
-    for index, message in enumerate(request.messages):
-        if message.role not in CHAT_ROLES:
-            raise ApiError(
-                400, f"messages[{index}].role: unknown role {message.role!r} "
-                f"(expected one of {', '.join(sorted(CHAT_ROLES))})",
-                param=f"messages[{index}].role", code="invalid_value",
-            )
 
 
 #: Request fields about the prompt, which only the prefill computed: a decode never sees
@@ -298,8 +295,9 @@ def check_prompt_fields(body: Mapping[str, Any]) -> None:
 
 
 def check_completion(request: CompletionRequest) -> None:
-    """Completions-only checks: a non-empty prompt, token ids not negative, ``logprobs``
-    between 0 and 20 (the bound chat's ``top_logprobs`` has, vLLM's default
+    """Completions-only checks: a non-empty prompt, and only one (a batch of several is
+    refused as ``n`` > 1 is: one choice per response), token ids not negative,
+    ``logprobs`` between 0 and 20 (the bound chat's ``top_logprobs`` has, vLLM's default
     ``max_logprobs``), no ``best_of`` > 1.
 
     Raises:
@@ -307,6 +305,10 @@ def check_completion(request: CompletionRequest) -> None:
     """
     if isinstance(request.prompt, str) and not request.prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if _is_batch(request.prompt):
+        raise ApiError(400, "batched prompts (a list of several prompts) are not supported: "
+                       "one choice per response; send one request per prompt",
+                       param="prompt", code="unsupported_value")
     prompt = request.prompt
     ids = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], list) else prompt
     # A list of token ids here is all ints (typed already): min() scans it in C.
