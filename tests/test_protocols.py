@@ -30,6 +30,7 @@ from trio_disagg import (
     from_wire,
     to_wire,
 )
+from trio_disagg._copy import routed_copy
 from trio_disagg._protocols import dumps, loads
 
 FINISH_WIRE_FORMS: list[tuple[FinishReason, Any]] = [
@@ -272,3 +273,30 @@ def test_a_request_with_fields_of_the_wrong_type_is_refused(
     if error is TypeError:  # over the wire it is a WireFormatError naming the field
         with pytest.raises(WireFormatError, match=next(iter(fields))):
             from_wire(good | fields, PreprocessedRequest)
+
+
+def test_routed_copy_is_evolve_with_the_routers_additions() -> None:
+    # The router copies requests with routed_copy() (cheaper than attrs.evolve): no field
+    # may be dropped. A field added to PreprocessedRequest or RoutingHints fails here until
+    # routed_copy() copies it too.
+    assert [field.name for field in attrs.fields(PreprocessedRequest)] == [
+        "request_id", "model", "body", "max_tokens", "stream", "routing",
+        "prefill_result", "bootstrap_info"]
+    assert [field.name for field in attrs.fields(RoutingHints)] == [
+        "session_id", "prefill_worker", "decode_worker"]
+    request = PreprocessedRequest(
+        request_id="r-1", model="m", body={"prompt": "hi"}, max_tokens=3, stream=True,
+        routing=RoutingHints(session_id="s", prefill_worker="p0", decode_worker="d0"),
+        prefill_result=PrefillResult(disaggregated_params={"a": 1}),
+        bootstrap_info=BootstrapInfo(host="h", port=1, room=2),
+    )
+    result = PrefillResult(disaggregated_params={"b": 2})
+    info = BootstrapInfo(host="h2", port=3, room=4)
+    copy = routed_copy(request, "p", "d", result, info)
+    assert copy == attrs.evolve(
+        request, routing=attrs.evolve(request.routing, prefill_worker="p", decode_worker="d"),
+        prefill_result=result, bootstrap_info=info)
+    assert copy is not request and copy.routing is not request.routing
+    for field in attrs.fields(PreprocessedRequest):
+        if field.name not in ("routing", "prefill_result", "bootstrap_info"):
+            assert getattr(copy, field.name) is getattr(request, field.name), field.name

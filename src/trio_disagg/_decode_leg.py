@@ -53,7 +53,10 @@ async def accepted_decode(
     tried: list[Worker[DecodeEngine]] = []
     while True:
         tried.append(owner.decode_worker)
-        decode_send, decode_receive = trio.open_memory_channel[Item](router.channel_buffer)
+        # Annotated, not subscripted: the subscript is a lookup on every request (P4a).
+        decode_send: trio.MemorySendChannel[Item]
+        decode_receive: trio.MemoryReceiveChannel[Item]
+        decode_send, decode_receive = trio.open_memory_channel(router.channel_buffer)
         try:
             await gate.dispatch(nursery, start, router, owner, decode_request,
                                 decode_context, decode_send)

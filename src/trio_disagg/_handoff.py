@@ -36,6 +36,7 @@ import trio
 
 from ._cleanup import start_cleanup
 from ._context import RequestContext
+from ._copy import routed_copy
 from ._engine import CancelWindow, DecodeEngine, HandoffStyle, PrefillEngine
 from ._errors import WorkerError
 from ._gated import GatedOutputs
@@ -190,17 +191,17 @@ class HandoffOwner:
         completion = await self.prefill_task.result()
         if isinstance(completion, Terminal):
             return completion
-        routing = self.request.routing
+        request, decode_name = self.request, self.request.routing.decode_worker
         if not self.decode_placed:  # S12: chosen now, with the pool's load of the moment
             self.decode_worker = self.router._place_decode(self)
             self.decode_placed = True
             # Counted until its decode leg leases it: requests whose prefills end in the
             # same scheduler batch are placed before any of their legs starts.
             self.reserve_decode()
-            routing = attrs.evolve(routing, decode_worker=self.decode_worker.name)
+            decode_name = self.decode_worker.name
         # The owner's request becomes the decode's (one copy, not two per request).
-        self.request = attrs.evolve(self.request, routing=routing,
-                                    prefill_result=completion.result)
+        self.request = routed_copy(request, request.routing.prefill_worker, decode_name,
+                                   completion.result, request.bootstrap_info)
         return self.request
 
     def switch_prefill_worker(self, worker: Worker[PrefillEngine]) -> None:

@@ -203,7 +203,10 @@ async def _read_answer(
             or it sent more outputs than a prefill answers with.
     """
     worker = owner.prefill_leg_worker
-    send, receive = trio.open_memory_channel[Item](SEQUENTIAL_PREFILL_OUTPUTS)
+    # Annotated, not subscripted: the subscript is a lookup on every request (P4a).
+    send: trio.MemorySendChannel[Item]
+    receive: trio.MemoryReceiveChannel[Item]
+    send, receive = trio.open_memory_channel(SEQUENTIAL_PREFILL_OUTPUTS)
     first: Item | None = None
     refused: WorkerError | None = None
     with receive:

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-import attrs
 import trio
 from trio_util import AsyncValue
 
 from ._context import RequestContext
+from ._copy import routed_copy
 from ._decode_leg import StreamHooks, accepted_decode
 from ._engine import DecodeEngine, PrefillEngine
 from ._errors import DeadlineExceeded, NoWorkerAvailable, RouterClosed, WorkerError
@@ -258,9 +258,9 @@ class DisaggRouter:
             decode_worker = _select(self.decode, "decode", request,
                                     request.routing.decode_worker)
             self.counters.decisions[DECODE_ONLY] += 1
-            routing = attrs.evolve(request.routing, decode_worker=decode_worker.name)
-            owner: HandoffOwner = DecodeOnlyOwner(
-                self, attrs.evolve(request, routing=routing), context, None, decode_worker)
+            routed = routed_copy(request, request.routing.prefill_worker, decode_worker.name,
+                                 request.prefill_result, request.bootstrap_info)
+            owner: HandoffOwner = DecodeOnlyOwner(self, routed, context, None, decode_worker)
             owner.reserve_decode()  # counted from its choice (S12), as below
             return owner
         prefill_worker = _select(self.prefill, "prefill", request,
@@ -273,17 +273,15 @@ class DisaggRouter:
         # run would all see the same idle pool and land on one worker. Now the pool is
         # only checked, so that no KV is staged for a decode pool that has no worker.
         placed_now = strategy is BootstrapOwner or request.routing.decode_worker is not None
+        decode_name = request.routing.decode_worker
         if placed_now:
-            decode_worker = _select(self.decode, "decode", request,
-                                    request.routing.decode_worker)
-            routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name,
-                                   decode_worker=decode_worker.name)
+            decode_worker = _select(self.decode, "decode", request, decode_name)
+            decode_name = decode_worker.name
         else:
             # A stand-in until then, named nowhere: not to the prefill worker, nor to the
             # decode policy as if the request had asked for it.
             decode_worker = _available(self.decode, "decode")
-            routing = attrs.evolve(request.routing, prefill_worker=prefill_worker.name)
-        request = attrs.evolve(request, routing=routing)
+        info = request.bootstrap_info
         if strategy is BootstrapOwner:
             if engine.bootstrap_host is None or engine.bootstrap_port is None:
                 raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")
@@ -291,7 +289,9 @@ class DisaggRouter:
                 pass
             info = BootstrapInfo(host=engine.bootstrap_host, port=engine.bootstrap_port,
                                  room=room)
-            request = attrs.evolve(request, bootstrap_info=info)
+        # One copy with all the router adds, not one per addition (P4a).
+        request = routed_copy(request, prefill_worker.name, decode_name,
+                              request.prefill_result, info)
         self.counters.decisions[DISAGGREGATED] += 1
         owner = strategy(self, request, context, prefill_worker, decode_worker)
         owner.decode_placed = placed_now
