@@ -197,6 +197,16 @@ async def both_paths(monkeypatch: pytest.MonkeyPatch,
     return seen[0], seen[1]
 
 
+async def post_hi(http: httpx.AsyncClient, *, chat: bool) -> httpx.Response:
+    """A streamed ``hi`` through the router, chat or completion; its 200 answer."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": MODEL, "stream": True}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    response = await http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 async def test_B8_odd_worker_events_reach_the_client_alike_with_and_without_the_fast_path(
     chat: bool, monkeypatch: pytest.MonkeyPatch
@@ -221,12 +231,7 @@ async def test_B8_odd_worker_events_reach_the_client_alike_with_and_without_the_
                      if p.choices], completions[-1].usage)
 
         async def raw_http() -> list[Any]:
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            body: dict[str, Any] = {"model": MODEL, "stream": True}
-            body.update({"messages": [{"role": "user", "content": "hi"}]} if chat
-                        else {"prompt": "hi"})
-            response = await http.post(path, json=body)
-            assert response.status_code == 200, response.text
+            response = await post_hi(http, chat=chat)
             events = response.content.split(b"\n\n")
             assert events[-2:] == [b"data: [DONE]", b""]
             parsed = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
@@ -294,12 +299,7 @@ async def test_B8_a_field_of_a_chunk_with_no_choice_goes_on_the_next_one_on_eith
     async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
 
         async def raw_http() -> list[Any]:
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            body: dict[str, Any] = {"model": MODEL, "stream": True}
-            body.update({"messages": [{"role": "user", "content": "hi"}]} if chat
-                        else {"prompt": "hi"})
-            response = await http.post(path, json=body)
-            assert response.status_code == 200, response.text
+            response = await post_hi(http, chat=chat)
             chunks = [orjson.loads(e.removeprefix(b"data: "))
                       for e in response.content.split(b"\n\n") if e.startswith(b"data: {")]
             return [{key: value for key, value in chunk.items() if key not in ("id", "created")}
