@@ -79,11 +79,19 @@ class RunFailed(Exception):
 # --- processes ---------------------------------------------------------------------------
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port nothing listens on, never one given before: servers started at once
+    bind theirs only later."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def _libc_clock_getcpuclockid() -> Callable[[int], int | None] | None:
@@ -153,20 +161,31 @@ class Servers:
         self.all: list[Server] = []
 
     async def start(self, name: str, argv: list[str], port: int) -> Server:
-        process = spawn(argv)
-        server = Server(name, port, process)
-        self.all.append(server)
+        return (await self.start_all([(name, argv, port)]))[0]
+
+    async def start_all(self, specs: Sequence[tuple[str, list[str], int]]) -> list[Server]:
+        """Start the servers ``(name, argv, port)`` at once (each imports its stack in a
+        process of its own), then wait until each listens."""
+        servers = [Server(name, port, spawn(argv)) for name, argv, port in specs]
+        self.all.extend(servers)
+        for server in servers:
+            await self._listening(server)
+        return servers
+
+    async def _listening(self, server: Server) -> None:
+        process = server.process
         with trio.move_on_after(60):
             while process.poll() is None:
                 try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
                 except OSError:
                     await trio.sleep(0.05)
                     continue
                 await stream.aclose()
-                return server
+                return
         error = server.log_tail() if process.poll() is not None else "(still starting)"
-        raise RunFailed(f"{name} did not start listening on port {port}: {error}")
+        raise RunFailed(f"{server.name} did not start listening on port {server.port}: "
+                        f"{error}")
 
     def stop(self) -> None:
         for server in self.all:
@@ -232,32 +251,26 @@ def router_command(python: str, prefill: Server, decode: Server, port: int) -> l
 
 async def start_cluster(servers: Servers, itl: float, anchors: Sequence[str],
                         router_python: str = sys.executable) -> Cluster:
-    prefill = await servers.start("prefill worker", mock_worker("prefill", p := free_port(),
-                                                                  itl), p)
-    decode = await servers.start("decode worker", mock_worker("decode", p := free_port(),
-                                                                itl), p)
-    targets = {"direct": decode}
-    port = free_port()
-    targets["router"] = await servers.start(
-        "router", router_command(router_python, prefill, decode, port), port)
+    prefill, decode = await servers.start_all([
+        ("prefill worker", mock_worker("prefill", p := free_port(), itl), p),
+        ("decode worker", mock_worker("decode", p := free_port(), itl), p)])
+    specs = [("router", router_command(router_python, prefill, decode, p := free_port()), p)]
     if "proxy" in anchors:
-        port = free_port()
-        targets["proxy"] = await servers.start("proxy", [
-            sys.executable, str(PROXY), "--port", str(port), "--prefill", prefill.url,
-            "--decode", decode.url], port)
-    command = vllm_router_command()
+        specs.append(("proxy", [sys.executable, str(PROXY), "--port", str(p := free_port()),
+                                "--prefill", prefill.url, "--decode", decode.url], p))
     if "bare relay" in anchors:
-        port = free_port()
-        targets["bare relay"] = await servers.start("bare relay", [
-            sys.executable, str(BARE_RELAY), "--port", str(port), "--prefill", prefill.url,
-            "--decode", decode.url], port)
+        specs.append(("bare relay", [
+            sys.executable, str(BARE_RELAY), "--port", str(p := free_port()),
+            "--prefill", prefill.url, "--decode", decode.url], p))
+    command = vllm_router_command()
     if "vllm-router" in anchors and command is not None:
-        port = free_port()
-        targets["vllm-router"] = await servers.start("vllm-router", [
+        specs.append(("vllm-router", [
             command, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--prefill", prefill.url, "--decode", decode.url, "--host", "127.0.0.1",
-            "--port", str(port), "--policy", "round_robin", "--log-level", "warning",
-            "--prometheus-port", str(free_port())], port)
+            "--port", str(p := free_port()), "--policy", "round_robin", "--log-level",
+            "warning", "--prometheus-port", str(free_port())], p))
+    targets = {"direct": decode}
+    targets.update((server.name, server) for server in await servers.start_all(specs))
     return Cluster([prefill, decode], targets)
 
 

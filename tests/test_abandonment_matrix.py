@@ -63,7 +63,7 @@ WINDOWS = {"vllm": CancelWindow.ANYTIME, "sglang": CancelWindow.BEFORE_HANDOFF,
 LONG = Deadlines(prefill=30.0, handoff=30.0, decode_idle=30.0, terminal_hold=30.0,
                  transfer=300.0)
 #: The one deadline a deadline cell is about.
-SHORT = 1.0
+SHORT = 0.5
 #: Seconds from the client's outcome to the clean end state, at most.
 SETTLE = 1.5
 #: Seconds (beyond :data:`SHORT`) a client waits for its answer.

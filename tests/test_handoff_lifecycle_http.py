@@ -46,7 +46,7 @@ from trio_disagg.workers import MockWorker, create_mock_worker, serve_worker
 
 # --- B1: an answer at the prefill deadline ------------------------------------------------
 
-PREFILL_DEADLINE = 1.0
+PREFILL_DEADLINE = 0.5
 
 
 @pytest.mark.parametrize("offset", [-0.2, -0.02, -0.002, 0.002, 0.02])
