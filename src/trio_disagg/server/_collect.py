@@ -20,10 +20,11 @@ _DELTA_KEYS = frozenset({"role", "tool_calls", *TEXT_FIELDS})
 
 def _merge(collected: dict[str, Any], key: str, value: Any) -> None:
     """Lists are concatenated (into a list of the collector's own, so a long answer costs
-    linear time); any other value replaces an earlier one unless it is null."""
+    linear time); any other value replaces an earlier one unless it is null (a list after
+    a string's fragments too: a value of another kind is the last sent)."""
     if isinstance(value, list):
         earlier = collected.get(key)
-        if isinstance(earlier, list):
+        if type(earlier) is list:
             earlier.extend(value)
         else:
             collected[key] = list(value)
