@@ -13,6 +13,10 @@ import trio
 from test_relay_adversary import MODEL, Worker, event, running
 from test_relay_fidelity import MESSAGES, chunk
 
+from trio_disagg import ChunkChoice
+from trio_disagg.engines._chunks import ChunkParser
+from trio_disagg.engines._reader import SseReader
+
 
 def delta_chunks(deltas: list[dict[str, Any]], finish: str = "stop") -> list[bytes]:
     """A chat stream of ``deltas`` (the last one with ``finish``), then ``[DONE]``."""
@@ -50,3 +54,34 @@ async def test_B8_a_delta_field_that_changes_kind_is_collected_as_last_sent() ->
             deltas = [orjson.loads(e.removeprefix(b"data: "))["choices"][0]["delta"]
                       for e in streamed.content.split(b"\n\n") if e.startswith(b"data: {")]
             assert [delta.get("x_kind") for delta in deltas] == values
+
+
+def test_B8_fields_of_many_chunks_without_a_choice_gather_in_linear_time() -> None:
+    # A worker may send chunk after chunk with no choice to relay but a field of its own
+    # (before the finish: they wait for the next choice; after it: they go with the
+    # finish). The fields gather in one dict, updated in place: a copy per chunk would
+    # cost such a stream time quadratic in its length (seconds for a few thousand).
+    count = 3000
+    parser = ChunkParser()
+    reader = SseReader(parser)
+    waiting = [b"data: " + orjson.dumps({"choices": [], f"x_{at}": at}) + b"\n\n"
+               for at in range(count)]
+    assert reader.feed(waiting[0]) is None
+    gathering = parser.pending
+    for data in waiting[1:]:
+        assert reader.feed(data) is None
+        assert parser.pending is gathering  # the same dict, never a copy
+    finish = {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}
+    assert reader.feed(b"data: " + orjson.dumps(finish) + b"\n\n") is None
+    assert reader.final is not None and reader.final.choices
+    choice = reader.final.choices[0]
+    assert type(choice) is ChunkChoice and choice.fields == {
+        f"x_{at}": at for at in range(count)}
+    after = choice.fields
+    for at in range(count):
+        late = b"data: " + orjson.dumps({"choices": [], f"y_{at}": at}) + b"\n\n"
+        assert reader.feed(late) is None
+        last = reader.final.choices[0]
+        assert type(last) is ChunkChoice and last.fields is after  # the same, no copy
+    assert len(after) == 2 * count
+    assert list(after)[-1] == f"y_{count - 1}"  # in the order sent
