@@ -85,3 +85,28 @@ def test_B8_fields_of_many_chunks_without_a_choice_gather_in_linear_time() -> No
         assert type(last) is ChunkChoice and last.fields is after  # the same, no copy
     assert len(after) == 2 * count
     assert list(after)[-1] == f"y_{count - 1}"  # in the order sent
+
+
+async def test_B8_a_tool_calls_own_fields_reach_a_client_that_did_not_stream() -> None:
+    # A tool call's delta may carry fields the router does not know, beside its id,
+    # type and function (and in its function, beside name and arguments): a newer
+    # worker's, or a provider's own. A client that did not stream gets them in its
+    # answer's tool call, collected as a choice's other fields are (a list concatenated,
+    # anything else as last sent), not only the four the router merges itself.
+    first = {"index": 0, "id": "call_1", "type": "function", "x_origin": "parser",
+             "x_spans": [1], "function": {"name": "f", "arguments": "{", "x_strict": True}}
+    later = {"index": 0, "x_spans": [2], "function": {"arguments": "}"}}
+    worker = Worker()
+    worker.pieces = delta_chunks([{"role": "assistant", "content": None},
+                                  {"tool_calls": [first]}, {"tool_calls": [later]}],
+                                 "tool_calls")
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        with trio.fail_after(20):
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": MESSAGES})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"] == [{
+        "id": "call_1", "type": "function", "x_origin": "parser", "x_spans": [1, 2],
+        "function": {"name": "f", "arguments": "{}", "x_strict": True}}]
