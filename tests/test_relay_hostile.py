@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import orjson
+import pytest
 import trio
 from test_relay_adversary import MODEL, Worker, event, running
 from test_relay_fidelity import MESSAGES, chunk
@@ -16,6 +17,8 @@ from test_relay_fidelity import MESSAGES, chunk
 from trio_disagg import ChunkChoice
 from trio_disagg.engines._chunks import ChunkParser
 from trio_disagg.engines._reader import SseReader
+from trio_disagg.server._collect import ChoiceCollector
+from trio_disagg.server._openai_responses import ChunkEncoder, completion_response
 
 
 def delta_chunks(deltas: list[dict[str, Any]], finish: str = "stop") -> list[bytes]:
@@ -110,3 +113,36 @@ async def test_B8_a_tool_calls_own_fields_reach_a_client_that_did_not_stream() -
     assert choice["message"]["tool_calls"] == [{
         "id": "call_1", "type": "function", "x_origin": "parser", "x_spans": [1, 2],
         "function": {"name": "f", "arguments": "{}", "x_strict": True}}]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_B8_a_chunk_choice_an_engine_made_never_breaks_or_rewrites_the_envelope(
+    include_usage: bool
+) -> None:
+    # An in-process engine may make its own ChunkChoice (the type is public): one with no
+    # field, or with a field named as one of the router's own (id, model, usage, ...).
+    # Each streamed chunk stays one valid JSON object with the router's envelope, and a
+    # collected answer keeps the router's id, model and usage.
+    encoder = ChunkEncoder(chat=True, response_id="chatcmpl-r", model="m", created=1,
+                           include_usage=include_usage)
+    collector = ChoiceCollector(chat=True)
+    choices = [ChunkChoice({"index": 0, "delta": {"content": "a"}}, {}),
+               ChunkChoice({"index": 0, "delta": {"content": "b"}},
+                           {"id": "w", "model": "other", "usage": 5, "x_own": 1})]
+    for choice in choices:
+        event = encoder.choice(choice)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        payload = event.removeprefix(b"data: ").removesuffix(b"\n\n")
+        assert (payload.count(b'"id"'), payload.count(b'"usage"')) == (
+            1, 1 if include_usage else 0), payload
+        chunk_sent = orjson.loads(payload)
+        assert (chunk_sent["id"], chunk_sent["model"]) == ("chatcmpl-r", "m")
+        collector.add(choice)
+    assert choices[1].fields == {"x_own": 1}
+    answer = orjson.loads(completion_response(
+        chat=True, response_id="chatcmpl-r", model="m", created=1, text="",
+        finish_reason="stop", usage={"completion_tokens": 2}, choice=collector.choice("stop"),
+        fields=collector.fields))
+    assert (answer["id"], answer["model"], answer["usage"], answer["x_own"]) == (
+        "chatcmpl-r", "m", {"completion_tokens": 2}, 1)
+    assert answer["choices"][0]["message"]["content"] == "ab"
