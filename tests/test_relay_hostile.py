@@ -5,6 +5,7 @@ sends the bytes; the client reads what the router relays on a real port."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
@@ -146,3 +147,51 @@ def test_B8_a_chunk_choice_an_engine_made_never_breaks_or_rewrites_the_envelope(
     assert (answer["id"], answer["model"], answer["usage"], answer["x_own"]) == (
         "chatcmpl-r", "m", {"completion_tokens": 2}, 1)
     assert answer["choices"][0]["message"]["content"] == "ab"
+
+
+class Tolerant(Worker):
+    """A :class:`Worker` the router may stop reading (after what it could not relay)."""
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        # the router may close the connection: its right, once it gave up
+        with contextlib.suppress(trio.BrokenResourceError):
+            await super().handle(stream)
+
+
+@pytest.mark.parametrize("where", ["top", "delta"])
+async def test_B8_a_field_nested_too_deep_to_relay_is_the_workers_error(where: str) -> None:
+    # JSON nested 300 deep parses (orjson reads up to 1024 levels) but cannot be written
+    # again (orjson writes up to 255): the client gets a 502 naming the worker's chunk
+    # (an error event once the stream started), never an internal error of the router's;
+    # or, streamed, the chunk as the worker sent it, where the router relays its bytes.
+    worker = Tolerant()
+    if where == "top":
+        odd = event(orjson.dumps({"id": "w", "object": "chat.completion.chunk",
+                                  "created": 7, "model": "worker", "choices": [
+                                      {"index": 0, "delta": {"content": "b"}}]})[:-1]
+                    + b',"x_deep":' + b"[" * 300 + b"]" * 300 + b"}")
+    else:
+        odd = chunk(True, {"index": 0, "delta": {"content": "b", "x_deep": "@@"}}).replace(
+            b'"@@"', b"[" * 300 + b"]" * 300)
+    first = chunk(True, {"index": 0, "delta": {"content": "a"}, "finish_reason": None})
+    worker.pieces = [b"".join([first, odd, *delta_chunks([{"content": "c"}])])]
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for stream in (False, True):
+            with trio.fail_after(20):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES, "stream": stream})
+            if stream and response.status_code == 200:  # (else a 502: nothing went out)
+                events = response.content.split(b"\n\n")
+                assert events[-2:] == [b"data: [DONE]", b""]
+                sent = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+                if "error" not in sent[-1]:  # relayed as its bytes: as the worker sent it
+                    assert where == "delta"
+                    assert b'"x_deep":' + b"[" * 300 + b"]" * 300 in events[1]
+                    assert "".join(e["choices"][0]["delta"]["content"] for e in sent) == "abc"
+                    continue
+                error = sent[-1]["error"]
+            else:
+                assert response.status_code == 502, response.text
+                error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("upstream_error", "worker_error"), error
+            assert "nested" in error["message"]
