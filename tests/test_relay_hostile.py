@@ -195,3 +195,29 @@ async def test_B8_a_field_nested_too_deep_to_relay_is_the_workers_error(where: s
                 error = response.json()["error"]
             assert (error["type"], error["code"]) == ("upstream_error", "worker_error"), error
             assert "nested" in error["message"]
+
+
+async def test_B8_an_error_object_nested_too_deep_to_quote_is_still_the_workers_error(
+) -> None:
+    # vLLM sends {"error": {...}} mid-stream when a request fails; a worker whose error
+    # object has no message to quote is quoted whole, but one nested deeper than orjson
+    # writes cannot be: the client still gets the worker's error (a 502, or an error
+    # event after what went out), not the router's own crash.
+    worker = Tolerant()
+    first = chunk(True, {"index": 0, "delta": {"content": "a"}, "finish_reason": None})
+    error = event(b'{"error":' + b"[" * 300 + b"]" * 300 + b"}")
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for stream in (False, True):
+            worker.pieces = [b"".join([first, error, event(b"[DONE]")])]
+            with trio.fail_after(20):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES, "stream": stream})
+            if stream and response.status_code == 200:  # (else a 502: nothing went out)
+                events = response.content.split(b"\n\n")
+                assert events[-2:] == [b"data: [DONE]", b""]
+                found = orjson.loads(events[-3].removeprefix(b"data: "))["error"]
+            else:
+                assert response.status_code == 502, response.text
+                found = response.json()["error"]
+            assert (found["type"], found["code"]) == ("upstream_error", "worker_error"), found
+            assert "reported an error" in found["message"]
