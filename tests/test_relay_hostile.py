@@ -221,3 +221,26 @@ async def test_B8_an_error_object_nested_too_deep_to_quote_is_still_the_workers_
                 found = response.json()["error"]
             assert (found["type"], found["code"]) == ("upstream_error", "worker_error"), found
             assert "reported an error" in found["message"]
+
+
+async def test_B8_a_request_nested_deeper_than_the_router_writes_is_a_400() -> None:
+    # The router reads a body orjson reads (1024 levels), but sends it on to a worker
+    # written again (255): a client's field nested 300 deep is the client's 400 at the
+    # edge, not a prefill "crashed" 502; one nested 150 deep goes on as sent.
+    worker = Tolerant()
+    worker.pieces = delta_chunks([{"content": "a"}])
+    head = orjson.dumps({"model": MODEL, "messages": MESSAGES})[:-1]
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for depth, status in ((300, 400), (150, 200)):
+            for stream in (b"false", b"true"):
+                body = (head + b',"stream":' + stream + b',"x_deep":' + b"[" * depth
+                        + b"]" * depth + b"}")
+                with trio.fail_after(20):
+                    response = await http.post("/v1/chat/completions", content=body,
+                                               headers={"content-type": "application/json"})
+                assert response.status_code == status, response.text
+                if status == 400:
+                    error = response.json()["error"]
+                    assert (error["type"], error["code"]) == (
+                        "invalid_request_error", "invalid_json")
+                    assert "nested" in error["message"]

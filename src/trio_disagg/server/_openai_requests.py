@@ -184,12 +184,41 @@ def parse_json(data: bytes) -> Any:
     """Parse a request body.
 
     Raises:
-        ApiError: 400 ``invalid_json`` for malformed JSON (or an empty body).
+        ApiError: 400 ``invalid_json`` for malformed JSON (or an empty body), or JSON
+            nested deeper than :data:`MAX_DEPTH` levels (orjson reads 1024, but writes
+            only 255: the body could not be sent on to a worker).
     """
     try:
-        return orjson.loads(data)
+        body = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"malformed JSON in request body: {exc}", code="invalid_json") from None
+    # (two counts in C: a body with fewer brackets than that cannot be nested that deep)
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
+        raise ApiError(400, f"request body nested deeper than {MAX_DEPTH} levels",
+                       code="invalid_json")
+    return body
+
+
+#: The deepest nesting of a request body the router takes: the adapters write it again
+#: (orjson writes 255 levels), some a level or two deeper than the client did.
+MAX_DEPTH = 200
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s lists and objects nest (0 for a scalar), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _check_range(name: str, value: float | None, low: float, high: float) -> None:
