@@ -193,7 +193,7 @@ def parse_json(data: bytes) -> Any:
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"malformed JSON in request body: {exc}", code="invalid_json") from None
     # (two counts in C: a body with fewer brackets than that cannot be nested that deep)
-    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _too_deep(body):
         raise ApiError(400, f"request body nested deeper than {MAX_DEPTH} levels",
                        code="invalid_json")
     return body
@@ -202,23 +202,21 @@ def parse_json(data: bytes) -> Any:
 #: The deepest nesting of a request body the router takes: the adapters write it again
 #: (orjson writes 255 levels), some a level or two deeper than the client did.
 MAX_DEPTH = 200
+#: The deepest nesting orjson writes.
+_WRITTEN_DEPTH = 255
 
 
-def _depth(value: Any) -> int:
-    """How deep ``value``'s lists and objects nest (0 for a scalar), without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, level)
-        stack.extend((child, level + 1) for child in children)
-    return deepest
+def _too_deep(body: Any) -> bool:
+    """Whether ``body`` nests deeper than :data:`MAX_DEPTH`: written by orjson (in C, as
+    fast as the body was read) inside enough lists to take it past what orjson writes."""
+    wrapped = body
+    for _ in range(_WRITTEN_DEPTH - MAX_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 def _check_range(name: str, value: float | None, low: float, high: float) -> None:
