@@ -127,6 +127,12 @@ class RawChoices(Sequence[Mapping[str, Any]]):
         return f"RawChoices({self.head!r}, {self.texts!r}, {self.tail!r})"
 
 
+#: The router's envelope of every chunk and answer (B8): its own ``id``, ``object``,
+#: ``created`` and ``model``, the choices it writes one by one, and the ``usage`` it
+#: corrects from the prefill (S4). Never a :class:`ChunkChoice`'s field.
+ENVELOPE = frozenset({"id", "object", "created", "model", "choices", "usage"})
+
+
 class ChunkChoice(dict[str, Any]):
     """A worker's choice (a dict, as it sent it) with the other top-level fields of the
     chunk or answer it came in: those the router relays beside the choice (B8), such as
@@ -143,14 +149,19 @@ class ChunkChoice(dict[str, Any]):
 
     Args:
         choice: the worker's choice object.
-        fields: the chunk's fields to relay, in the order sent (not empty).
+        fields: the chunk's fields to relay, in the order sent (those of the router's
+            ``ENVELOPE`` left out).
     """
 
     __slots__ = ("fields",)
 
     def __init__(self, choice: Mapping[str, Any], fields: dict[str, Any]) -> None:
         super().__init__(choice)
-        self.fields = fields
+        # A field named as one of the router's own (an in-process engine's ChunkChoice)
+        # is not relayed: the envelope is the router's.
+        self.fields = (fields if fields.keys().isdisjoint(ENVELOPE)
+                       else {key: value for key, value in fields.items()
+                             if key not in ENVELOPE})
 
     def __repr__(self) -> str:
         return f"ChunkChoice({dict.__repr__(self)}, fields={self.fields!r})"

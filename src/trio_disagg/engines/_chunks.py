@@ -96,8 +96,11 @@ class ChunkParser:
         """:meth:`add` for a chunk with fields to relay, or after one whose choice was not
         relayed: its choice, if relayed, carries them all; else they wait."""
         fields = relayed_fields(chunk, self.kept)
-        if self.pending is not None:
-            fields = {**self.pending, **fields}
+        if (pending := self.pending) is not None:
+            # Updated in place: a copy per chunk would cost a stream of field-only
+            # chunks, each with a key of its own, time quadratic in its length.
+            pending.update(fields)
+            fields = pending
         known = len(burst.choices)
         final = openai_chunk(chunk, burst, self.finish_table)
         if final is not None and final.choices:
@@ -117,11 +120,12 @@ class ChunkParser:
         if (usage := self.usage(chunk)) is not None:
             final.completion_usage = usage
         if final.choices and not chunk.keys() <= self.kept:
-            *before, last = final.choices
+            last = final.choices[-1]
             fields = relayed_fields(chunk, self.kept)
             if type(last) is ChunkChoice:
-                fields = {**last.fields, **fields}
-            final.choices = [*before, with_fields(last, fields)]
+                last.fields.update(fields)  # in place (as pending: linear time)
+            else:
+                final.choices = [*final.choices[:-1], with_fields(last, fields)]
 
     def usage(self, chunk: Mapping[str, Any]) -> CompletionUsage | None:
         """The usage of a chunk that follows the finish (OpenAI's usage chunk)."""

@@ -7,12 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._choices import ENVELOPE as ENVELOPE
 from .._protocols import ChunkChoice
-
-#: The router's envelope of every chunk and answer: its own ``id``, ``object``,
-#: ``created`` and ``model``, the choices it writes one by one, and the ``usage`` it
-#: corrects from the prefill (S4).
-ENVELOPE = frozenset({"id", "object", "created", "model", "choices", "usage"})
 
 #: The disaggregation's own plumbing, whatever the protocol: vLLM's (and Dynamo's)
 #: ``kv_transfer_params`` and TensorRT-LLM's ``disaggregated_params`` say where one

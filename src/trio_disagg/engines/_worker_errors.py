@@ -35,7 +35,10 @@ def error_text(answer: Mapping[str, Any]) -> str:
         value = answer.get(key)
         if isinstance(value, str) and value:
             return value[:MESSAGE_LIMIT]
-    return orjson.dumps(answer).decode()[:MESSAGE_LIMIT]
+    try:
+        return orjson.dumps(answer).decode()[:MESSAGE_LIMIT]
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes (it reads 1024)
+        return "an error object nested too deeply to quote"
 
 
 def error_message(data: bytes, status: int) -> str:

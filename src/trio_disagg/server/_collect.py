@@ -18,12 +18,19 @@ _CHOICE_KEYS = frozenset({"index", "delta", "message", "text", "logprobs", "fini
 _DELTA_KEYS = frozenset({"role", "tool_calls", *TEXT_FIELDS})
 
 
+#: Keys of a tool call's delta (and of its ``function``) the collector merges itself;
+#: any other key is collected as :func:`_merge` says (B8).
+_CALL_KEYS = frozenset({"index", "id", "type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "arguments"})
+
+
 def _merge(collected: dict[str, Any], key: str, value: Any) -> None:
     """Lists are concatenated (into a list of the collector's own, so a long answer costs
-    linear time); any other value replaces an earlier one unless it is null."""
+    linear time); any other value replaces an earlier one unless it is null (a list after
+    a string's fragments too: a value of another kind is the last sent)."""
     if isinstance(value, list):
         earlier = collected.get(key)
-        if isinstance(earlier, list):
+        if type(earlier) is list:
             earlier.extend(value)
         else:
             collected[key] = list(value)
@@ -59,7 +66,8 @@ class ChoiceCollector:
     but tool calls, reasoning or a refusal), ``reasoning_content`` / ``reasoning`` /
     ``refusal`` (concatenated, only if sent), ``tool_calls`` (merged by ``index``: ``id``,
     ``type`` and ``function.name`` from the first delta that has them,
-    ``function.arguments`` concatenated). Completions:
+    ``function.arguments`` concatenated; a call's or its function's other fields as a
+    choice's other keys). Completions:
     ``text`` concatenated. Both: ``logprobs`` lists concatenated key by key (chat
     ``content``; completions ``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset``), ``finish_reason`` as the worker sent it, ``stop_reason`` and any
@@ -146,6 +154,10 @@ class ChoiceCollector:
                 entry["id"] = call["id"]
             if entry["type"] is None and call.get("type") is not None:
                 entry["type"] = call["type"]
+            if not call.keys() <= _CALL_KEYS:  # (the common call: none other)
+                for key, value in call.items():
+                    if key not in _CALL_KEYS:
+                        _merge(entry, key, value)
             function = call.get("function")
             if isinstance(function, Mapping):
                 target = entry["function"]
@@ -154,6 +166,10 @@ class ChoiceCollector:
                 arguments = function.get("arguments")
                 if isinstance(arguments, str):
                     target["arguments"] += arguments
+                if not function.keys() <= _FUNCTION_KEYS:
+                    for key, value in function.items():
+                        if key not in _FUNCTION_KEYS:
+                            _merge(target, key, value)
 
     def _add_logprobs(self, logprobs: Mapping[str, Any]) -> None:
         if self._logprobs is None:

@@ -184,12 +184,39 @@ def parse_json(data: bytes) -> Any:
     """Parse a request body.
 
     Raises:
-        ApiError: 400 ``invalid_json`` for malformed JSON (or an empty body).
+        ApiError: 400 ``invalid_json`` for malformed JSON (or an empty body), or JSON
+            nested deeper than :data:`MAX_DEPTH` levels (orjson reads 1024, but writes
+            only 255: the body could not be sent on to a worker).
     """
     try:
-        return orjson.loads(data)
+        body = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"malformed JSON in request body: {exc}", code="invalid_json") from None
+    # (two counts in C: a body with fewer brackets than that cannot be nested that deep)
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _too_deep(body):
+        raise ApiError(400, f"request body nested deeper than {MAX_DEPTH} levels",
+                       code="invalid_json")
+    return body
+
+
+#: The deepest nesting of a request body the router takes: the adapters write it again
+#: (orjson writes 255 levels), some a level or two deeper than the client did.
+MAX_DEPTH = 200
+#: The deepest nesting orjson writes.
+_WRITTEN_DEPTH = 255
+
+
+def _too_deep(body: Any) -> bool:
+    """Whether ``body`` nests deeper than :data:`MAX_DEPTH`: written by orjson (in C, as
+    fast as the body was read) inside enough lists to take it past what orjson writes."""
+    wrapped = body
+    for _ in range(_WRITTEN_DEPTH - MAX_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 def _check_range(name: str, value: float | None, low: float, high: float) -> None:

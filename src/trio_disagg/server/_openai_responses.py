@@ -209,7 +209,7 @@ class ChunkEncoder:
                     fixed["delta"] = {"role": "assistant", **delta}
                     fixed["delta"]["role"] = "assistant"
         body = self._choices_head + _dumps(choice if fixed is None else fixed)
-        if fields is None:
+        if not fields:  # (none, or an in-process engine's ChunkChoice without one)
             return body + self._choice_end
         # the worker's other top-level fields, after the choices, before the usage
         return body + b"]," + _dumps(fields)[1:-1] + self._fields_end

@@ -284,7 +284,29 @@ async def write_response(
     ``requests_total`` outcome. ``first_token`` is called with the first output,
     ``observe_itl`` (if given) with the seconds since the output before, for each later one
     (an output may carry a burst of tokens: one observation).
-    A worker's ``abort`` is an error, never a success."""
+    A worker's ``abort`` is an error, never a success; so is a worker's choice or field
+    that cannot be written again (:data:`UNWRITABLE`)."""
+    try:
+        return await _write_response(stream, sink, first_token, observe_itl)
+    except orjson.JSONEncodeError as exc:
+        failure = ApiError(502, f"{UNWRITABLE} ({exc})", type="upstream_error",
+                           code="worker_error")
+    return await _fail(sink, failure)
+
+
+#: Why a worker's answer that orjson read cannot be relayed: orjson reads JSON nested up
+#: to 1024 levels but writes only 255 (or an in-process engine's value is not JSON).
+UNWRITABLE = ("a worker sent a choice or field the router cannot relay: JSON nested "
+              "deeper than 255 levels, or a value that is not JSON")
+
+
+async def _write_response(
+    stream: RequestStream,
+    sink: SseSink | JsonSink,
+    first_token: Callable[[], None],
+    observe_itl: Callable[[float], None] | None,
+) -> str:
+    """:func:`write_response`, but for a choice or field it cannot write."""
     parts, batched, on_text, on_choices = sink.parts, sink.batched, sink.text, sink.choices
     tally = _Tally(first_token, observe_itl)
     if type(sink) is ContinuousSseSink:

@@ -1,0 +1,246 @@
+"""The faithful relay (B8) against a hostile or quirky worker's chunks: fields whose kind
+changes from one chunk to the next, tool calls with keys the router does not know, and
+streams of many field-only chunks. A socket worker (``test_relay_adversary.Worker``)
+sends the bytes; the client reads what the router relays on a real port."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
+import orjson
+import pytest
+import trio
+from test_relay_adversary import MODEL, Worker, event, running
+from test_relay_fidelity import MESSAGES, chunk
+
+from trio_disagg import ChunkChoice
+from trio_disagg.engines._chunks import ChunkParser
+from trio_disagg.engines._reader import SseReader
+from trio_disagg.server._collect import ChoiceCollector
+from trio_disagg.server._openai_responses import ChunkEncoder, completion_response
+
+
+def delta_chunks(deltas: list[dict[str, Any]], finish: str = "stop") -> list[bytes]:
+    """A chat stream of ``deltas`` (the last one with ``finish``), then ``[DONE]``."""
+    last = len(deltas) - 1
+    return [*(chunk(True, {"index": 0, "delta": delta,
+                           "finish_reason": finish if at == last else None})
+              for at, delta in enumerate(deltas)), event(b"[DONE]")]
+
+
+async def test_B8_a_delta_field_that_changes_kind_is_collected_as_last_sent() -> None:
+    # A delta field the router does not know that is a string in one chunk and a list
+    # (or an object) in the next is no fragment any more: a client that did not stream
+    # gets it as last sent, never a 500 from joining a list's items as text.
+    worker = Worker()
+    cases: list[tuple[list[Any], Any]] = [
+        (["ab", [1, "c"]], [1, "c"]),
+        (["ab", {"k": 1}], {"k": 1}),
+        ([[1], "ab", "cd"], "abcd"),
+        (["ab", None, "cd"], "abcd"),
+    ]
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for values, expected in cases:
+            worker.pieces = delta_chunks([{"content": "x", "x_kind": value}
+                                          for value in values])
+            with trio.fail_after(20):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES})
+            assert response.status_code == 200, (values, response.text)
+            message = response.json()["choices"][0]["message"]
+            assert message["content"] == "x" * len(values)
+            assert message["x_kind"] == expected, values
+            with trio.fail_after(20):
+                streamed = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES, "stream": True})
+            deltas = [orjson.loads(e.removeprefix(b"data: "))["choices"][0]["delta"]
+                      for e in streamed.content.split(b"\n\n") if e.startswith(b"data: {")]
+            assert [delta.get("x_kind") for delta in deltas] == values
+
+
+def test_B8_fields_of_many_chunks_without_a_choice_gather_in_linear_time() -> None:
+    # A worker may send chunk after chunk with no choice to relay but a field of its own
+    # (before the finish: they wait for the next choice; after it: they go with the
+    # finish). The fields gather in one dict, updated in place: a copy per chunk would
+    # cost such a stream time quadratic in its length (seconds for a few thousand).
+    count = 3000
+    parser = ChunkParser()
+    reader = SseReader(parser)
+    waiting = [b"data: " + orjson.dumps({"choices": [], f"x_{at}": at}) + b"\n\n"
+               for at in range(count)]
+    assert reader.feed(waiting[0]) is None
+    gathering = parser.pending
+    for data in waiting[1:]:
+        assert reader.feed(data) is None
+        assert parser.pending is gathering  # the same dict, never a copy
+    finish = {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}
+    assert reader.feed(b"data: " + orjson.dumps(finish) + b"\n\n") is None
+    assert reader.final is not None and reader.final.choices
+    choice = reader.final.choices[0]
+    assert type(choice) is ChunkChoice and choice.fields == {
+        f"x_{at}": at for at in range(count)}
+    after = choice.fields
+    for at in range(count):
+        late = b"data: " + orjson.dumps({"choices": [], f"y_{at}": at}) + b"\n\n"
+        assert reader.feed(late) is None
+        last = reader.final.choices[0]
+        assert type(last) is ChunkChoice and last.fields is after  # the same, no copy
+    assert len(after) == 2 * count
+    assert list(after)[-1] == f"y_{count - 1}"  # in the order sent
+
+
+async def test_B8_a_tool_calls_own_fields_reach_a_client_that_did_not_stream() -> None:
+    # A tool call's delta may carry fields the router does not know, beside its id,
+    # type and function (and in its function, beside name and arguments): a newer
+    # worker's, or a provider's own. A client that did not stream gets them in its
+    # answer's tool call, collected as a choice's other fields are (a list concatenated,
+    # anything else as last sent), not only the four the router merges itself.
+    first = {"index": 0, "id": "call_1", "type": "function", "x_origin": "parser",
+             "x_spans": [1], "function": {"name": "f", "arguments": "{", "x_strict": True}}
+    later = {"index": 0, "x_spans": [2], "function": {"arguments": "}"}}
+    worker = Worker()
+    worker.pieces = delta_chunks([{"role": "assistant", "content": None},
+                                  {"tool_calls": [first]}, {"tool_calls": [later]}],
+                                 "tool_calls")
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        with trio.fail_after(20):
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": MESSAGES})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"] == [{
+        "id": "call_1", "type": "function", "x_origin": "parser", "x_spans": [1, 2],
+        "function": {"name": "f", "arguments": "{}", "x_strict": True}}]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_B8_a_chunk_choice_an_engine_made_never_breaks_or_rewrites_the_envelope(
+    include_usage: bool
+) -> None:
+    # An in-process engine may make its own ChunkChoice (the type is public): one with no
+    # field, or with a field named as one of the router's own (id, model, usage, ...).
+    # Each streamed chunk stays one valid JSON object with the router's envelope, and a
+    # collected answer keeps the router's id, model and usage.
+    encoder = ChunkEncoder(chat=True, response_id="chatcmpl-r", model="m", created=1,
+                           include_usage=include_usage)
+    collector = ChoiceCollector(chat=True)
+    choices = [ChunkChoice({"index": 0, "delta": {"content": "a"}}, {}),
+               ChunkChoice({"index": 0, "delta": {"content": "b"}},
+                           {"id": "w", "model": "other", "usage": 5, "x_own": 1})]
+    for choice in choices:
+        event = encoder.choice(choice)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        payload = event.removeprefix(b"data: ").removesuffix(b"\n\n")
+        assert (payload.count(b'"id"'), payload.count(b'"usage"')) == (
+            1, 1 if include_usage else 0), payload
+        chunk_sent = orjson.loads(payload)
+        assert (chunk_sent["id"], chunk_sent["model"]) == ("chatcmpl-r", "m")
+        collector.add(choice)
+    assert choices[1].fields == {"x_own": 1}
+    answer = orjson.loads(completion_response(
+        chat=True, response_id="chatcmpl-r", model="m", created=1, text="",
+        finish_reason="stop", usage={"completion_tokens": 2}, choice=collector.choice("stop"),
+        fields=collector.fields))
+    assert (answer["id"], answer["model"], answer["usage"], answer["x_own"]) == (
+        "chatcmpl-r", "m", {"completion_tokens": 2}, 1)
+    assert answer["choices"][0]["message"]["content"] == "ab"
+
+
+class Tolerant(Worker):
+    """A :class:`Worker` the router may stop reading (after what it could not relay)."""
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        # the router may close the connection: its right, once it gave up
+        with contextlib.suppress(trio.BrokenResourceError):
+            await super().handle(stream)
+
+
+@pytest.mark.parametrize("where", ["top", "delta"])
+async def test_B8_a_field_nested_too_deep_to_relay_is_the_workers_error(where: str) -> None:
+    # JSON nested 300 deep parses (orjson reads up to 1024 levels) but cannot be written
+    # again (orjson writes up to 255): the client gets a 502 naming the worker's chunk
+    # (an error event once the stream started), never an internal error of the router's;
+    # or, streamed, the chunk as the worker sent it, where the router relays its bytes.
+    worker = Tolerant()
+    if where == "top":
+        odd = event(orjson.dumps({"id": "w", "object": "chat.completion.chunk",
+                                  "created": 7, "model": "worker", "choices": [
+                                      {"index": 0, "delta": {"content": "b"}}]})[:-1]
+                    + b',"x_deep":' + b"[" * 300 + b"]" * 300 + b"}")
+    else:
+        odd = chunk(True, {"index": 0, "delta": {"content": "b", "x_deep": "@@"}}).replace(
+            b'"@@"', b"[" * 300 + b"]" * 300)
+    first = chunk(True, {"index": 0, "delta": {"content": "a"}, "finish_reason": None})
+    worker.pieces = [b"".join([first, odd, *delta_chunks([{"content": "c"}])])]
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for stream in (False, True):
+            with trio.fail_after(20):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES, "stream": stream})
+            if stream and response.status_code == 200:  # (else a 502: nothing went out)
+                events = response.content.split(b"\n\n")
+                assert events[-2:] == [b"data: [DONE]", b""]
+                sent = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+                if "error" not in sent[-1]:  # relayed as its bytes: as the worker sent it
+                    assert where == "delta"
+                    assert b'"x_deep":' + b"[" * 300 + b"]" * 300 in events[1]
+                    assert "".join(e["choices"][0]["delta"]["content"] for e in sent) == "abc"
+                    continue
+                error = sent[-1]["error"]
+            else:
+                assert response.status_code == 502, response.text
+                error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("upstream_error", "worker_error"), error
+            assert "nested" in error["message"]
+
+
+async def test_B8_an_error_object_nested_too_deep_to_quote_is_still_the_workers_error(
+) -> None:
+    # vLLM sends {"error": {...}} mid-stream when a request fails; a worker whose error
+    # object has no message to quote is quoted whole, but one nested deeper than orjson
+    # writes cannot be: the client still gets the worker's error (a 502, or an error
+    # event after what went out), not the router's own crash.
+    worker = Tolerant()
+    first = chunk(True, {"index": 0, "delta": {"content": "a"}, "finish_reason": None})
+    error = event(b'{"error":' + b"[" * 300 + b"]" * 300 + b"}")
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for stream in (False, True):
+            worker.pieces = [b"".join([first, error, event(b"[DONE]")])]
+            with trio.fail_after(20):
+                response = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": MESSAGES, "stream": stream})
+            if stream and response.status_code == 200:  # (else a 502: nothing went out)
+                events = response.content.split(b"\n\n")
+                assert events[-2:] == [b"data: [DONE]", b""]
+                found = orjson.loads(events[-3].removeprefix(b"data: "))["error"]
+            else:
+                assert response.status_code == 502, response.text
+                found = response.json()["error"]
+            assert (found["type"], found["code"]) == ("upstream_error", "worker_error"), found
+            assert "reported an error" in found["message"]
+
+
+async def test_B8_a_request_nested_deeper_than_the_router_writes_is_a_400() -> None:
+    # The router reads a body orjson reads (1024 levels), but sends it on to a worker
+    # written again (255): a client's field nested 300 deep is the client's 400 at the
+    # edge, not a prefill "crashed" 502; one nested 150 deep goes on as sent.
+    worker = Tolerant()
+    worker.pieces = delta_chunks([{"content": "a"}])
+    head = orjson.dumps({"model": MODEL, "messages": MESSAGES})[:-1]
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for depth, status in ((300, 400), (150, 200)):
+            for stream in (b"false", b"true"):
+                body = (head + b',"stream":' + stream + b',"x_deep":' + b"[" * depth
+                        + b"]" * depth + b"}")
+                with trio.fail_after(20):
+                    response = await http.post("/v1/chat/completions", content=body,
+                                               headers={"content-type": "application/json"})
+                assert response.status_code == status, response.text
+                if status == 400:
+                    error = response.json()["error"]
+                    assert (error["type"], error["code"]) == (
+                        "invalid_request_error", "invalid_json")
+                    assert "nested" in error["message"]
