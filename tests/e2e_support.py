@@ -34,6 +34,8 @@ PROTOCOLS: tuple[ProtocolName, ...] = ("vllm", "sglang", "trtllm")
 MODEL = "mock-model"
 PROMPT = " ".join(f"word{i}" for i in range(45))  # 45 tokens: 3 blocks, a partial cache hit
 PROMPT_TOKENS = 45
+#: A chat of that prompt.
+MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
 FAST = LatencyModel(ttft_per_prompt_token=0.0001, inter_token_latency=0.0005,
                     kv_transfer_per_token=0.0001)
 #: Tokens slow enough for a client to hang up mid-stream.

@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 from e2e_support import (
+    MESSAGES,
     MODEL,
     PROMPT,
     PROMPT_TOKENS,
@@ -28,7 +29,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 pytestmark = pytest.mark.parametrize("protocol", PROTOCOLS)
 
-MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
 TOOLS: list[Any] = [{"type": "function", "function": {
     "name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 

@@ -158,6 +158,25 @@ class Tolerant(Worker):
             await super().handle(stream)
 
 
+async def post_chat(http: httpx.AsyncClient, *, stream: bool) -> httpx.Response:
+    with trio.fail_after(20):
+        return await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MESSAGES, "stream": stream})
+
+
+def worker_error(response: httpx.Response, *, stream: bool) -> dict[str, Any] | None:
+    """The worker's error as the client got it: a 502's, or (once a stream started) its
+    last event's; None for a stream that ended without one."""
+    if stream and response.status_code == 200:  # (else a 502: nothing went out)
+        events = response.content.split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        last: dict[str, Any] = orjson.loads(events[-3].removeprefix(b"data: "))
+        return last.get("error")
+    assert response.status_code == 502, response.text
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
 @pytest.mark.parametrize("where", ["top", "delta"])
 async def test_B8_a_field_nested_too_deep_to_relay_is_the_workers_error(where: str) -> None:
     # JSON nested 300 deep parses (orjson reads up to 1024 levels) but cannot be written
@@ -177,22 +196,15 @@ async def test_B8_a_field_nested_too_deep_to_relay_is_the_workers_error(where: s
     worker.pieces = [b"".join([first, odd, *delta_chunks([{"content": "c"}])])]
     async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
         for stream in (False, True):
-            with trio.fail_after(20):
-                response = await http.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": MESSAGES, "stream": stream})
-            if stream and response.status_code == 200:  # (else a 502: nothing went out)
+            response = await post_chat(http, stream=stream)
+            error = worker_error(response, stream=stream)
+            if error is None:  # relayed as its bytes: as the worker sent it
                 events = response.content.split(b"\n\n")
-                assert events[-2:] == [b"data: [DONE]", b""]
                 sent = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
-                if "error" not in sent[-1]:  # relayed as its bytes: as the worker sent it
-                    assert where == "delta"
-                    assert b'"x_deep":' + b"[" * 300 + b"]" * 300 in events[1]
-                    assert "".join(e["choices"][0]["delta"]["content"] for e in sent) == "abc"
-                    continue
-                error = sent[-1]["error"]
-            else:
-                assert response.status_code == 502, response.text
-                error = response.json()["error"]
+                assert where == "delta"
+                assert b'"x_deep":' + b"[" * 300 + b"]" * 300 in events[1]
+                assert "".join(e["choices"][0]["delta"]["content"] for e in sent) == "abc"
+                continue
             assert (error["type"], error["code"]) == ("upstream_error", "worker_error"), error
             assert "nested" in error["message"]
 
@@ -209,16 +221,8 @@ async def test_B8_an_error_object_nested_too_deep_to_quote_is_still_the_workers_
     async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
         for stream in (False, True):
             worker.pieces = [b"".join([first, error, event(b"[DONE]")])]
-            with trio.fail_after(20):
-                response = await http.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": MESSAGES, "stream": stream})
-            if stream and response.status_code == 200:  # (else a 502: nothing went out)
-                events = response.content.split(b"\n\n")
-                assert events[-2:] == [b"data: [DONE]", b""]
-                found = orjson.loads(events[-3].removeprefix(b"data: "))["error"]
-            else:
-                assert response.status_code == 502, response.text
-                found = response.json()["error"]
+            found = worker_error(await post_chat(http, stream=stream), stream=stream)
+            assert found is not None
             assert (found["type"], found["code"]) == ("upstream_error", "worker_error"), found
             assert "reported an error" in found["message"]
 

@@ -16,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 from e2e_support import (
+    MESSAGES,
     MODEL,
     PROMPT,
     PROMPT_TOKENS,
@@ -30,7 +31,6 @@ from openai.types.chat import ChatCompletionChunk
 
 pytestmark = pytest.mark.parametrize("protocol", PROTOCOLS)
 
-MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
 
