@@ -17,7 +17,7 @@ from test_relay_fidelity import MESSAGES, chunk
 
 from trio_disagg import ChunkChoice
 from trio_disagg.engines._chunks import ChunkParser
-from trio_disagg.engines._reader import SseReader
+from trio_disagg.engines._reader import EVENT_BYTES_LIMIT, SseReader
 from trio_disagg.server._collect import ChoiceCollector
 from trio_disagg.server._openai_responses import ChunkEncoder, completion_response
 
@@ -248,3 +248,54 @@ async def test_B8_a_request_nested_deeper_than_the_router_writes_is_a_400() -> N
                     assert (error["type"], error["code"]) == (
                         "invalid_request_error", "invalid_json")
                     assert "nested" in error["message"]
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["at-once", "after-a-token"])
+async def test_B8_a_chunk_with_a_second_choice_is_the_workers_error(first: bool) -> None:
+    # The router asks each worker for one choice (n and best_of > 1 are refused): a
+    # chunk with two is the worker's fault. The client gets the worker's error (a 502,
+    # or an error event after what went out), never the first choice with the second
+    # dropped without a word; streamed or collected, on either path.
+    worker = Tolerant()
+    two = chunk(True, {"index": 0, "delta": {"content": "b"}}).replace(
+        b"}]", b'},{"index":1,"delta":{"content":"x"}}]', 1)
+    head = [chunk(True, {"index": 0, "delta": {"content": "a"}, "finish_reason": None})
+            ] if first else []
+    worker.pieces = [b"".join([*head, two, *delta_chunks([{"content": "c"}])])]
+    async with running(worker) as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for stream in (False, True):
+            found = worker_error(await post_chat(http, stream=stream), stream=stream)
+            assert found is not None
+            assert (found["type"], found["code"]) == ("upstream_error", "worker_error"), found
+            assert "2 choices" in found["message"]
+
+
+def test_B8_an_event_that_never_ends_is_read_in_linear_time_and_bounded() -> None:
+    # A broken worker that sends line after line and never the blank line that ends an
+    # event: each read is held, not joined to all before it (that cost a few thousand
+    # reads seconds of the router's one thread), and past EVENT_BYTES_LIMIT the stream
+    # is the worker's error, not the router's memory.
+    reader = SseReader(ChunkParser())
+    assert reader.feed(chunk(False, {"index": 0, "text": "a"})) is None
+    line = b"data: " + b"x" * 1017 + b"\n"  # 1 KiB
+    problem = None
+    reads = 0
+    while problem is None:
+        reads += 1
+        problem = reader.feed(line * 64)
+        assert reads * 64 * 1024 <= EVENT_BYTES_LIMIT + 64 * 1024
+    assert reads * 64 * 1024 > EVENT_BYTES_LIMIT
+    assert problem == f"sent an event of more than {EVENT_BYTES_LIMIT} bytes"
+    # an event that ends in time is read whole, whatever the reads its lines came in
+    # (a data line each: lines are joined by LF, whitespace between JSON's tokens)
+    reader = SseReader(ChunkParser())
+    lines = [b'{"choices":[{"index":0,"text":"long","finish_reason":null}]',
+             *(b',"x_%d":"%s"' % (at, b"y" * 90) for at in range(50)), b"}"]
+    for line in lines:
+        assert reader.feed(b"data: " + line + b"\n") is None
+    assert reader.feed(b"\r\n") is None  # the blank line, CRLF after LF line ends
+    output = reader.burst.take()
+    assert output is not None and output.text == "long"
+    assert output.choices is not None
+    choice = output.choices[0]
+    assert type(choice) is ChunkChoice and choice.fields["x_49"] == "y" * 90

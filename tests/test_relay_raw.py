@@ -262,11 +262,9 @@ def test_logprobs_and_reasoning_ride_along_in_the_bytes() -> None:
 def test_anything_unusual_is_parsed() -> None:
     tool = delta_choice({"tool_calls": [{"index": 0, "id": "c", "type": "function",
                                          "function": {"name": "f", "arguments": "{}"}}]})
-    second = {**text_choice("b"), "index": 1}
     unusual = [
         chunk(True, tool),  # no content first
         chunk(True, delta_choice({"content": ""})),  # empty content
-        chunk(False, text_choice("a"), second),  # two choices
         chunk(False, {**text_choice("a"), "index": 2}),  # another index
         chunk(False, text_choice("a", token_ids=[5])),  # token ids are counted
         chunk(False, text_choice("a"), usage={"prompt_tokens": 1, "completion_tokens": 1,

@@ -57,7 +57,16 @@ def two_lines(data: bytes) -> bytes:
     return b"data: " + head + b",\ndata: " + tail + b"\n\n" if tail else plain(data)
 
 
-FRAMINGS: list[Framing] = [plain, crlf, cr, with_comments, no_space, two_lines]
+def two_lines_crlf(data: bytes) -> bytes:
+    return two_lines(data).replace(b"\n", b"\r\n")
+
+
+def two_lines_cr(data: bytes) -> bytes:
+    return two_lines(data).replace(b"\n", b"\r")
+
+
+FRAMINGS: list[Framing] = [plain, crlf, cr, with_comments, no_space, two_lines,
+                           two_lines_crlf, two_lines_cr]
 
 
 def splits(stream: bytes) -> Iterator[list[bytes]]:

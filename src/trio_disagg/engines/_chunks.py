@@ -184,6 +184,17 @@ def first_choice(answer: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return choice if type(choice) is dict or isinstance(choice, Mapping) else None
 
 
+def choices_beyond_one(answer: Mapping[str, Any]) -> str | None:
+    """What is wrong with an answer or a chunk that carries more than one choice, in
+    words for an error naming the worker; None if it carries one or none. The router
+    asks each worker for one choice (it refuses ``n`` and ``best_of`` > 1): a second is
+    the worker's fault, never dropped without a word (B8)."""
+    choices = answer.get("choices")
+    if type(choices) is list and len(choices) > 1:
+        return f"sent {len(choices)} choices in one answer; the router asked for one"
+    return None
+
+
 #: Choice and delta keys that carry nothing of their own (a role-only delta, an empty
 #: text): anything else that is not empty is worth a chunk to the client (B8).
 _BARE_CHOICE_KEYS = frozenset({"index", "text", "delta", "message", "finish_reason"})

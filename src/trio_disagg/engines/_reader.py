@@ -10,7 +10,7 @@ import orjson
 
 from .._protocols import LLMEngineOutput, RawChoice, RawChoices
 from ._burst import Burst
-from ._chunks import ChunkParser
+from ._chunks import ChunkParser, choices_beyond_one
 from ._raw import NOT_PLAIN, Run, RunReader, Template, learn_template, utf8_text
 from ._sse import normalise_line_ends, sse_data, stream_start
 from ._worker_errors import error_text
@@ -18,6 +18,18 @@ from ._worker_errors import error_text
 #: Templates learned in a row that carry nothing (but the chunk that taught each) after
 #: which a stream is parsed: its chunks differ from each other outside their text.
 UNUSED_LIMIT = 4
+
+#: Bytes of one event the reader holds while its end has not come: what a whole answer
+#: may be (``JSON_BODY_LIMIT``). A worker that sends more without a blank line is wrong.
+EVENT_BYTES_LIMIT = 16 * 1024 * 1024
+
+
+def chunk_problem(chunk: dict[str, Any]) -> str | None:
+    """What is wrong with a parsed chunk, in words for an error naming the worker: an
+    error object, or more than one choice (:func:`._chunks.choices_beyond_one`)."""
+    if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
+        return f"reported an error: {error_text(chunk)}"
+    return choices_beyond_one(chunk)
 
 
 class SseReader:
@@ -52,8 +64,8 @@ class SseReader:
         done: ``[DONE]`` came.
     """
 
-    __slots__ = ("_fresh", "_held", "_parser", "_pending", "_runs", "_template", "_unused",
-                 "burst", "done", "final")
+    __slots__ = ("_fresh", "_held", "_held_bytes", "_last", "_parser", "_pending", "_runs",
+                 "_template", "_unused", "burst", "done", "final")
 
     #: Take the fast path (False: every chunk is parsed, as a check of the fast path).
     raw_choices: ClassVar[bool] = True
@@ -61,7 +73,9 @@ class SseReader:
     def __init__(self, parser: ChunkParser) -> None:
         self._parser = parser
         self._pending = b""  # the start of an event the next read completes
-        self._held: list[bytes] = []  # reads after it without a line end
+        self._held: list[bytes] = []  # reads after it that did not end it
+        self._held_bytes = 0  # their length
+        self._last = b""  # the last bytes held (a line end split between two reads)
         self._fresh = True  # no byte of the stream read yet
         #: Templates learned in a row that carried no chunk but the one that taught them.
         self._unused = 0
@@ -79,6 +93,7 @@ class SseReader:
         Returns:
             What is wrong with the stream, in words for an error naming the worker (a
             malformed chunk, a chunk that is not an object, an error event), else None.
+            A chunk with more than one choice is wrong too (the router asks for one).
             Reading stops at the first such chunk, and at ``[DONE]``.
         """
         if self._fresh:  # a byte order mark the stream starts with is no event's
@@ -87,13 +102,17 @@ class SseReader:
                 return None
             part, self._pending, self._fresh = start, b"", False
         if self._pending:
-            if b"\n" not in part and b"\r" not in part:
-                # No line end came: no event is complete (nor after a CR: _data_of). Held
-                # as it is, for a long event in many reads to cost time linear in bytes.
+            if not self._ends_an_event(part):
+                # Held as it is, for a long event in many reads to cost time linear in its
+                # bytes (not a copy of all before it at each read), and bounded.
                 self._held.append(part)
+                self._held_bytes += len(part)
+                if len(self._pending) + self._held_bytes > EVENT_BYTES_LIMIT:
+                    return f"sent an event of more than {EVENT_BYTES_LIMIT} bytes"
                 return None
             if self._held:
                 part, self._held = b"".join([self._pending, *self._held, part]), []
+                self._held_bytes = 0
             else:
                 part = self._pending + part
         runs = self._runs
@@ -125,6 +144,18 @@ class SseReader:
             if problem is not None:
                 return problem
         return None
+
+    def _ends_an_event(self, part: bytes) -> bool:
+        """Whether ``part`` may end the pending event: a blank line in it, or one its
+        first line end makes with the line end the bytes before it ended with (LF, CR or
+        CRLF, split between two reads)."""
+        joined = window = (self._last if self._held else self._pending)[-3:] + part
+        if b"\r" in window:
+            window = window.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n\n" in window:
+            return True
+        self._last = joined[-3:]
+        return False
 
     def _runs_of(self, runs: RunReader, chunks: list[bytes], begin: int, end: int,
                  found: list[Run]) -> tuple[str | None, int]:
@@ -181,8 +212,8 @@ class SseReader:
                 return f"sent a malformed chunk: {data[:200]!r}", len(chunks)
             if type(chunk) is not dict:
                 return f"sent a chunk that is not an object: {data[:200]!r}", len(chunks)
-            if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
-                return f"reported an error: {error_text(chunk)}", len(chunks)
+            if (problem := chunk_problem(chunk)) is not None:
+                return problem, len(chunks)
             if self.final is None:
                 known = len(burst.choices)
                 self.final = add(chunk, burst)
