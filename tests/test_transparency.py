@@ -345,3 +345,22 @@ async def test_B8_an_openai_timeout_ends_the_workers_request() -> None:
                 extra_body={"fault": "decode_stall"}))
         await server.cluster.settled()
         assert server.cluster.decode.stats.running == 0
+
+
+@pytest.mark.parametrize(("protocol", "no_calls"), [("vllm", []), ("sglang", None),
+                                                    ("trtllm", [])])
+async def test_B8_a_whole_chat_answer_without_tool_calls_has_the_workers_empty_value(
+        protocol: ProtocolName, no_calls: list[Any] | None) -> None:
+    """vLLM's and TensorRT-LLM's whole chat answer carry ``tool_calls: []`` when no tool
+    was called (SGLang's a null): an app that iterates ``message.tool_calls`` works
+    against the router as against the worker. The router's answer is collected from a
+    stream that never says so: the adapter knows it (``whole_message``)."""
+    async with served(protocol) as server:
+        router, direct = _clients(server)
+        for client in (router, direct):
+            answer = await in_thread(partial(
+                client.chat.completions.create, model=MODEL, messages=MESSAGES,
+                max_tokens=3))
+            assert answer.choices[0].message.content
+            assert answer.choices[0].message.tool_calls == no_calls
+        await server.cluster.settled()

@@ -14,6 +14,7 @@ its connection closes).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Protocol
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
@@ -132,6 +133,11 @@ class HttpEngine:
     #: The worker's health endpoint (vLLM, SGLang and TensorRT-LLM all serve
     #: ``GET /health``: docs/protocols.md section 1).
     health_path: ClassVar[str] = "/health"
+    #: The fields the worker's own whole chat answer carries in its ``message`` even when
+    #: it generated nothing for them, with that value: the router's answer to a client
+    #: that did not stream, collected from the decode's stream, carries them too (B8;
+    #: vLLM's ``tool_calls: []``, which an OpenAI client reads as a list, not None).
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ shared by every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`); t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -329,6 +330,8 @@ class SglangEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "SGLang"
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"reasoning_content": None, "tool_calls": None})
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
 
     def __init__(

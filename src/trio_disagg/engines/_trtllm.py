@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar
 
 import attrs
@@ -234,6 +235,8 @@ class TrtllmEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "TensorRT-LLM"
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"reasoning_content": None, "tool_calls": []})
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
     prefill_handoff_style: ClassVar[HandoffStyle] = HandoffStyle.CONTEXT_FIRST
 

@@ -15,6 +15,7 @@ every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar
 
 import attrs
@@ -248,6 +249,7 @@ class VllmEngine(HttpEngine):
     """
 
     protocol: ClassVar[str] = "vLLM"
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType({"tool_calls": []})
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.ANYTIME
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:

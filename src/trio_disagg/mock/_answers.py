@@ -170,6 +170,8 @@ class OpenAIFormat(AnswerFormat):
             content, null ``reasoning_content``, ``tool_calls``, ``matched_stop`` and
             ``usage``), not as vLLM does; a plain whole answer's choice likewise has
             ``matched_stop`` where vLLM's has ``stop_reason``.
+        whole_message: the fields a whole chat answer's ``message`` carries even when
+            nothing was generated for them, with these values (vLLM's ``tool_calls: []``).
         prompt_ids: the prompt's token ids to send as vLLM does for ``return_token_ids``
             (0.10.2 on): a chat's at the top level of its role-only first chunk and of
             its whole answer, a completion's in the first chunk's choice and in its
@@ -178,12 +180,13 @@ class OpenAIFormat(AnswerFormat):
 
     __slots__ = ("_args", "_at", "_called", "_chat", "_delta", "_head", "_ids", "_model",
                  "_offset", "_prompt_ids", "_request_id", "_response_id", "_seed", "_sglang",
-                 "_shape", "_tail", "_tail_stop", "_top", "_usage_head")
+                 "_shape", "_tail", "_tail_stop", "_top", "_usage_head", "_whole_message")
 
     def __init__(self, *, chat: bool, response_id: str, model: Any, with_ids: bool,
                  top: Mapping[str, Any] | None = None, shape: ChoiceShape | None = None,
                  seed: int = 0, request_id: str = "", sglang: bool = False,
-                 prompt_ids: list[int] | None = None) -> None:
+                 prompt_ids: list[int] | None = None,
+                 whole_message: Mapping[str, Any] | None = None) -> None:
         kind = b"chat.completion.chunk" if chat else b"text_completion"
         head = (b'data: {"id":' + orjson.dumps(response_id) + b',"object":"' + kind
                 + b'","created":' + str(int(time.time())).encode() + b',"model":'
@@ -194,6 +197,7 @@ class OpenAIFormat(AnswerFormat):
         self._response_id, self._request_id = response_id, request_id
         self._shape, self._seed, self._sglang = shape, seed, sglang
         self._prompt_ids = prompt_ids  # (a completion's: until its first chunk took them)
+        self._whole_message = whole_message or {}
         self._at = 0  # tokens sent
         self._args = 0  # tool call arguments sent
         self._offset = 0  # characters of text sent (a completion's text_offset)
@@ -388,6 +392,11 @@ class OpenAIFormat(AnswerFormat):
             entry["finish_reason"] = finish
             # the field its chunks end with: SGLang's ``matched_stop``, vLLM's ``stop_reason``
             entry["matched_stop" if self._sglang else "stop_reason"] = None
+        if self._chat:
+            message = entry["message"]
+            for key, value in self._whole_message.items():
+                if message.get(key) is None:
+                    message[key] = list(value) if isinstance(value, list) else value
         if self._ids:
             entry["token_ids"] = token_ids
         if self._prompt_ids is not None and not self._chat:

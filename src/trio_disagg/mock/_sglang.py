@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any, ClassVar, Unpack
 
 import attrs
@@ -159,6 +160,8 @@ class MockSglangWorker(MockWorker):
 
     protocol: ClassVar[str] = "sglang"
     owned_by: ClassVar[str] = "sglang"
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"reasoning_content": None, "tool_calls": None})
     flat_errors: ClassVar[bool] = True
 
     def __init__(self, role: Role, *, bootstrap_port: int | None = None,

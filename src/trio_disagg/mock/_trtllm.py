@@ -16,6 +16,7 @@ import base64
 import binascii
 from collections.abc import Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import attrs
@@ -130,6 +131,8 @@ class MockTrtllmWorker(MockWorker):
 
     protocol: ClassVar[str] = "trtllm"
     owned_by: ClassVar[str] = "tensorrt_llm"
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"reasoning_content": None, "tool_calls": []})
     flat_errors: ClassVar[bool] = True
     releases_unpulled_kv: ClassVar[bool] = False
     takes_api_key: ClassVar[bool] = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import attrs
@@ -165,6 +166,7 @@ class MockVllmWorker(MockWorker):
 
     protocol: ClassVar[str] = "vllm"
     owned_by: ClassVar[str] = "vllm"
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType({"tool_calls": []})
 
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
               fault: Fault | None, mock: MockFault | None = None) -> Work:

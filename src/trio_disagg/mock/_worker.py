@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import attrs
@@ -57,8 +58,6 @@ class Refusal(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -110,6 +109,9 @@ class MockWorker:
     releases_unpulled_kv: ClassVar[bool] = True
     #: Whether the real worker can be started with an API key (vLLM, SGLang: ``--api-key``).
     takes_api_key: ClassVar[bool] = True
+    #: The fields the real worker's whole chat answer carries in its ``message`` even when
+    #: it generated nothing for them (vLLM's and TensorRT-LLM's ``tool_calls: []``).
+    whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def __init__(
         self,
@@ -406,19 +408,17 @@ class MockWorker:
                 and self._min_tokens(body) == 0)
 
     def openai_format(self, exchange: Exchange, body: Mapping[str, Any], path: str,
-                      top: Mapping[str, Any] | None = None, *,
-                      sglang: bool = False,
+                      top: Mapping[str, Any] | None = None, *, sglang: bool = False,
                       prompt_ids: list[int] | None = None) -> OpenAIFormat:
         chat = path == "/v1/chat/completions"
         request_id = exchange.request_id or ""
         shape = choice_shape(body, chat=chat, decode=self.role == "decode",
                              request_id=request_id)
-        return OpenAIFormat(chat=chat,
-                            response_id=("chatcmpl-" if chat else "cmpl-") + request_id,
-                            model=body.get("model"),
-                            with_ids=body.get("return_token_ids") is True, top=top,
-                            shape=shape, seed=self.seed, request_id=request_id,
-                            sglang=sglang, prompt_ids=prompt_ids)
+        return OpenAIFormat(
+            chat=chat, response_id=("chatcmpl-" if chat else "cmpl-") + request_id,
+            model=body.get("model"), with_ids=body.get("return_token_ids") is True, top=top,
+            shape=shape, seed=self.seed, request_id=request_id, sglang=sglang,
+            prompt_ids=prompt_ids, whole_message=self.whole_message)
 
     async def _decode(self, exchange: Exchange, body: Mapping[str, Any], fmt: AnswerFormat,
                       fault: Fault | None, source: KVSource | str | None, *,

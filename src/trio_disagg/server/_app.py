@@ -17,6 +17,7 @@ from .._protocols import (
     PreprocessedRequest,
 )
 from .._router import DisaggRouter, RequestStream
+from ._collect import EMPTY, whole_messages
 from ._edge import Edge, Refusal, discard_body, expects_continue
 from ._endpoints import InfoEndpoints
 from ._metrics import ServerMetrics, outcome_of
@@ -75,6 +76,8 @@ class OpenAIApp:
         self.default_max_tokens = default_max_tokens
         self.linger = linger
         self.metrics = ServerMetrics(router, http_in_flight=lambda: len(self._active))
+        #: What each worker's own whole chat answer carries in its ``message`` (B8).
+        self._whole_messages = whole_messages(router)
         #: The checks at the edge: API key, content type, admission, prompt size, faults.
         self.edge = edge if edge is not None else Edge(
             api_key=None, protect_metrics=False, max_in_flight=None, max_keeper_tasks=None,
@@ -374,8 +377,10 @@ class OpenAIApp:
                 sink = SseSink(responder, encoder, include_usage)
             observe_itl = self.metrics.itl.observe
         else:
+            served_by = stream.decode_worker or stream.prefill_worker
             sink = JsonSink(responder, chat=chat, response_id=response_id,
-                            model=request.model, created=created)
+                            model=request.model, created=created,
+                            whole_message=self._whole_messages.get(served_by or "", EMPTY))
         return await write_response(stream, sink, lambda: self._first_token(stream),
                                     observe_itl)
 

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 from .._protocols import ChunkChoice
 from ._openai_responses import TEXT_FIELDS
+
+if TYPE_CHECKING:
+    from .._router import DisaggRouter
 
 #: Keys of a choice the collector handles itself; any other key's lists are concatenated
 #: and any other value is the last one the worker sent.
@@ -22,6 +26,8 @@ _DELTA_KEYS = frozenset({"role", "tool_calls", *TEXT_FIELDS})
 #: any other key is collected as :func:`_merge` says (B8).
 _CALL_KEYS = frozenset({"index", "id", "type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "arguments"})
+
+EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def _merge(collected: dict[str, Any], key: str, value: Any) -> None:
@@ -80,13 +86,18 @@ class ChoiceCollector:
 
     Args:
         chat: a ``chat.completion`` rather than a ``text_completion``.
+        whole_message: the fields the worker's own whole chat answer carries in its
+            ``message`` even when it generated nothing for them, with that value
+            (``HttpEngine.whole_message``: vLLM's ``tool_calls: []``); a field the
+            stream filled keeps what it sent.
     """
 
     __slots__ = ("_chat", "_extra", "_logprobs", "_message", "_texts", "_tool_calls",
-                 "fields")
+                 "_whole_message", "fields")
 
-    def __init__(self, *, chat: bool) -> None:
+    def __init__(self, *, chat: bool, whole_message: Mapping[str, Any] = EMPTY) -> None:
         self._chat = chat
+        self._whole_message = whole_message
         self._texts: dict[str, list[str]] = {}
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self._logprobs: dict[str, Any] | None = None
@@ -198,6 +209,9 @@ class ChoiceCollector:
                 message["tool_calls"] = tool_calls
             for key, value in self._message.items():
                 message[key] = "".join(value) if type(value) is _Fragments else value
+            for key, value in self._whole_message.items():
+                if message.get(key) is None:
+                    message[key] = list(value) if type(value) is list else value
             choice["message"] = message
         else:
             choice["text"] = "".join(texts.get("text", ()))
@@ -205,3 +219,16 @@ class ChoiceCollector:
         choice["finish_reason"] = finish_reason
         choice.update(self._extra)
         return choice
+
+
+def whole_messages(router: DisaggRouter) -> dict[str, Mapping[str, Any]]:
+    """The fields each worker's own whole chat answer carries in its ``message`` (its
+    adapter's ``whole_message``), by worker name; an in-process engine, whose outputs
+    carry no choice to collect, has none."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for pool in (router.prefill, router.decode):
+        for worker in pool.workers:
+            fields = getattr(worker.engine, "whole_message", None)
+            if isinstance(fields, Mapping) and fields:
+                found[worker.name] = fields
+    return found

@@ -243,12 +243,16 @@ USAGE_NULL_END = b',"usage":null}\n\n'
 
 def _message_delta(message: Any) -> dict[str, Any]:
     """A whole answer's ``message`` as a streamed ``delta``: the same fields, each tool
-    call with the ``index`` a streamed tool call carries."""
+    call with the ``index`` a streamed tool call carries. An empty ``tool_calls`` (vLLM's
+    whole answer has one when no tool was called) is left out, as the worker's own
+    stream leaves it: a client reads a delta's ``[]`` as a list, not as None."""
     if not isinstance(message, Mapping):
         return {}
     delta = dict(message)
     calls = delta.get("tool_calls")
-    if isinstance(calls, list):
+    if calls == []:
+        del delta["tool_calls"]
+    elif isinstance(calls, list):
         delta["tool_calls"] = [
             {"index": position, **call}
             if isinstance(call, Mapping) and "index" not in call else call

@@ -28,7 +28,7 @@ from .._protocols import (
 )
 from .._router import RequestStream
 from .._router_types import StreamOutputs
-from ._collect import ChoiceCollector
+from ._collect import EMPTY, ChoiceCollector
 from ._metrics import outcome_of
 from ._openai_errors import ApiError, error_for_exception
 from ._openai_responses import (
@@ -206,19 +206,22 @@ class JsonSink:
     """One JSON answer, or an error response.
 
     Outputs that carry the worker's own choice are collected by a :class:`ChoiceCollector`
-    (B8); the text of outputs without one (the in-process engines) makes the answer.
+    (B8), with the fields the worker's whole chat answer carries (``whole_message``); the
+    text of outputs without one (the in-process engines) makes the answer.
     """
 
     __slots__ = ("chat", "collector", "created", "model", "parts", "responder",
-                 "response_id", "texts")
+                 "response_id", "texts", "whole_message")
 
     #: Await each output: one answer at the end, nothing to batch.
     batched = False
 
     def __init__(
-        self, responder: Responder, *, chat: bool, response_id: str, model: str, created: int
+        self, responder: Responder, *, chat: bool, response_id: str, model: str, created: int,
+        whole_message: Mapping[str, Any] = EMPTY,
     ) -> None:
         self.responder = responder
+        self.whole_message = whole_message
         self.chat = chat
         self.response_id = response_id
         self.model = model
@@ -233,7 +236,8 @@ class JsonSink:
     def choice(self, choice: Choice) -> None:
         collector = self.collector
         if collector is None:
-            collector = self.collector = ChoiceCollector(chat=self.chat)
+            collector = self.collector = ChoiceCollector(
+                chat=self.chat, whole_message=self.whole_message)
         if self.texts:  # text of outputs without a choice came first: in order
             collector.add_text("".join(self.texts))
             self.texts.clear()
