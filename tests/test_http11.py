@@ -468,3 +468,28 @@ async def test_a_header_value_comes_without_its_surrounding_whitespace() -> None
     assert data.startswith(b"HTTP/1.1 204")
     headers = dict(seen[0])
     assert (headers[b"x-request-id"], headers[b"x-inner"]) == (b"abc", b"a  b")
+
+
+@pytest.mark.parametrize("head", [
+    pytest.param(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
+                 b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
+                 b"http2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n{}", id="curl-http2"),
+    pytest.param(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\n"
+                 b"upgrade: websocket\r\n\r\n", id="websocket"),
+])
+async def test_an_upgrade_is_refused_with_a_400_and_never_served_without_its_body(
+        head: bytes) -> None:
+    """An offer to switch protocols (``curl --http2`` on an ``http://`` URL offers h2c)
+    gets the documented 400. httptools stops parsing at the head of such a request (what
+    follows would be the new protocol's): served, it reached the app with its body
+    dropped, and the client got the app's answer to an empty body."""
+    with trio.fail_after(10):
+        async with serving(_never_called_app) as port, \
+                await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(head)
+            data = await read_all(s)
+    status, _, body = data.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 Bad Request\r\n"), data
+    error = orjson.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "malformed_request")
+    assert "upgrades are not supported" in error["message"]
