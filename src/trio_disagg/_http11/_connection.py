@@ -40,12 +40,16 @@ REQUEST_COST = 1024
 UPGRADE_REFUSED = (b"upgrades are not supported: this server speaks HTTP/1.1 only; send the "
                    b"request without an Upgrade header")
 
+#: The answer to a request body sent with a transfer coding other than chunked (gzip).
+TRANSFER_CODING_REFUSED = (b"Transfer-Encoding other than chunked is not supported: send "
+                           b"the body uncompressed")
+
 #: The reason phrase of every status an answer may have (``HTTP/1.1 415 Unsupported ...``).
 REASONS = {int(status): status.phrase.encode("ascii") for status in HTTPStatus}
 
 #: The OpenAI-style error code of each answer the server gives by itself.
 CODES = {400: b"malformed_request", 408: b"request_timeout",
-         431: b"request_header_fields_too_large"}
+         431: b"request_header_fields_too_large", 501: b"not_implemented"}
 
 
 class Request:
@@ -141,6 +145,12 @@ class Connection:
         request.expect_continue = (b"expect", b"100-continue") in request.headers
         if self._head_too_large():  # (a head that came whole in one read too)
             self._refuse_later(431, b"request headers too large")
+            return
+        if any(name == b"transfer-encoding" and value.lower().replace(b" ", b"")
+               not in (b"chunked", b"") for name, value in request.headers):
+            # httptools frames the body by its final ``chunked`` and leaves the other
+            # codings on it: the app would read compressed bytes as the body.
+            self._refuse_later(501, TRANSFER_CODING_REFUSED)
             return
         if parser.should_upgrade():
             # httptools parses no further than an upgrade's head (what follows is the new
