@@ -335,6 +335,22 @@ async def test_a_refused_client_waiting_for_100_continue_gets_its_answer_instead
         assert server.calls == 0
 
 
+async def test_a_body_declared_too_large_is_refused_before_100_continue() -> None:
+    """curl sends ``Expect: 100-continue`` with a body over 1 MiB: one declared over
+    ``max_body_bytes`` gets its 413 at once, not a ``100 Continue`` that asks the client
+    to upload what the router will throw away; the connection then closes."""
+    async with edge_server(max_body_bytes=1000) as server:
+        answer = await server.exchange(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                       b"content-type: application/json\r\n"
+                                       b"expect: 100-continue\r\n"
+                                       b"content-length: 1001\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+        assert b"100 Continue" not in answer
+        assert b"connection: close" in answer.lower()
+        assert b"request_too_large" in answer
+        assert server.calls == 0
+
+
 async def test_protect_metrics_closes_health_and_metrics_too() -> None:
     async with edge_server(api_key=KEY, protect_metrics=True) as server:
         async with server.http() as http:

@@ -413,8 +413,9 @@ async def test_B7_trtllm_valid_handoff_goes_to_the_generation_as_sent() -> None:
 
 @pytest.mark.parametrize("finish", ["stop", "timeout"])
 async def test_B7_S7_trtllm_terminal_context_is_not_a_handoff(finish: str) -> None:
-    """A terminal context with two choices and a null ctx_request_id is the answer."""
-    answer = trtllm_answer(finish, choices=2, ctx_request_id=None)
+    """A terminal context with a null ctx_request_id is the answer, not a handoff to
+    check. (Two choices would be the worker's error, as in any whole answer: B8.)"""
+    answer = trtllm_answer(finish, ctx_request_id=None)
     async with fake_client(FakeWorkers(answer)) as client:
         (item,) = await prefill_items(TrtllmEngine(PREFILL_URL, "prefill", client=client))
     terminal = classify_first_output(item)

@@ -4,6 +4,7 @@ keep-alive, pipelining, 100-continue, and the answers it gives by itself (400, 4
 from __future__ import annotations
 
 import errno
+import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -468,3 +469,48 @@ async def test_a_header_value_comes_without_its_surrounding_whitespace() -> None
     assert data.startswith(b"HTTP/1.1 204")
     headers = dict(seen[0])
     assert (headers[b"x-request-id"], headers[b"x-inner"]) == (b"abc", b"a  b")
+
+
+@pytest.mark.parametrize("head", [
+    pytest.param(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
+                 b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
+                 b"http2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n{}", id="curl-http2"),
+    pytest.param(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\n"
+                 b"upgrade: websocket\r\n\r\n", id="websocket"),
+])
+async def test_an_upgrade_is_refused_with_a_400_and_never_served_without_its_body(
+        head: bytes) -> None:
+    """An offer to switch protocols (``curl --http2`` on an ``http://`` URL offers h2c)
+    gets the documented 400. httptools stops parsing at the head of such a request (what
+    follows would be the new protocol's): served, it reached the app with its body
+    dropped, and the client got the app's answer to an empty body."""
+    with trio.fail_after(10):
+        async with serving(_never_called_app) as port, \
+                await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(head)
+            data = await read_all(s)
+    status, _, body = data.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 Bad Request\r\n"), data
+    error = orjson.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "malformed_request")
+    assert "upgrades are not supported" in error["message"]
+
+
+@pytest.mark.parametrize("codings", [b"gzip, chunked", b"deflate,chunked", b"x-custom , chunked"])
+async def test_a_transfer_coding_other_than_chunked_gets_a_501_and_is_never_served(
+        codings: bytes) -> None:
+    """httptools frames a body sent ``Transfer-Encoding: gzip, chunked`` by its chunks
+    and leaves the gzip on: served, the app read compressed bytes as the body (the router
+    answered 400 invalid_json for a body the client had sent right). RFC 9112 section
+    6.1: a transfer coding the server does not understand is a 501."""
+    payload = gzip.compress(b'{"a": 1}')
+    with trio.fail_after(10):
+        async with serving(_never_called_app) as port, \
+                await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: " + codings
+                             + b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+            data = await read_all(s)
+    status, _, body = data.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 501 Not Implemented\r\n"), data
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "not_implemented" and "Transfer-Encoding" in error["message"]

@@ -6,18 +6,23 @@ sends the bytes; the client reads what the router relays on a real port."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import orjson
 import pytest
 import trio
-from test_relay_adversary import MODEL, Worker, event, running
+from test_relay_adversary import MODEL, Worker, event, read_request, running
 from test_relay_fidelity import MESSAGES, chunk
 
-from trio_disagg import ChunkChoice
+from trio_disagg import ChunkChoice, DisaggRouter, TransferKeeper, WorkerPool
+from trio_disagg.engines import LatencyModel, VllmEngine, WorkerClient, mock_cluster
 from trio_disagg.engines._chunks import ChunkParser
 from trio_disagg.engines._reader import EVENT_BYTES_LIMIT, SseReader
+from trio_disagg.server import create_app, serve
 from trio_disagg.server._collect import ChoiceCollector
 from trio_disagg.server._openai_responses import ChunkEncoder, completion_response
 
@@ -299,3 +304,72 @@ def test_B8_an_event_that_never_ends_is_read_in_linear_time_and_bounded() -> Non
     assert output.choices is not None
     choice = output.choices[0]
     assert type(choice) is ChunkChoice and choice.fields["x_49"] == "y" * 90
+
+
+class WholeAnswer(Worker):
+    """A vLLM worker on a real socket that answers every request with one whole JSON
+    answer (:attr:`answer`), as a worker asked for no stream does, then closes."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__()
+        self.answer = answer
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            if not await read_request(stream):
+                return
+            body = orjson.dumps(self.answer)
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+
+def two_choice_answer() -> dict[str, Any]:
+    """A whole chat answer that ends the request (S7) with two choices."""
+    return {"id": "w", "object": "chat.completion", "created": 7, "model": "worker",
+            "choices": [{"index": at, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": "stop"}
+                        for at, text in enumerate(["first", "second"])],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+
+
+@asynccontextmanager
+async def prefill_worker(worker: Worker) -> AsyncIterator[str]:
+    """The router on a real port, its prefill the socket worker's (read by the vLLM
+    adapter), its decode the mock's."""
+    cluster = mock_cluster(latency=LatencyModel.zero())
+    async with trio.open_nursery() as nursery, WorkerClient() as client:
+        listeners = await nursery.start(partial(trio.serve_tcp, worker.handle, 0,
+                                                host="127.0.0.1"))
+        url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        async with TransferKeeper(drain_window=5.0) as keeper:
+            router = DisaggRouter(WorkerPool([VllmEngine(url, "prefill", client=client)]),
+                                  WorkerPool([cluster.decode[0]]), keeper)
+            async with trio.open_nursery() as inner:
+                stop = trio.Event()
+                port = await inner.start(partial(
+                    serve, create_app(router, models=[MODEL]), host="127.0.0.1", port=0,
+                    shutdown_trigger=stop.wait))
+                yield f"http://127.0.0.1:{port}"
+                stop.set()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_B8_S7_a_whole_answer_with_a_second_choice_is_the_workers_error(
+        role: str) -> None:
+    # As for a streamed chunk: a prefill that answered the request whole (S7) or a
+    # decode that answered with JSON where a stream was asked for, with two choices, is
+    # the worker's fault. The client gets the worker's error (a prefill's is a
+    # prefill_failed), never the first choice with the second dropped without a word;
+    # streamed or not.
+    worker = WholeAnswer(two_choice_answer())
+    serving = prefill_worker(worker) if role == "prefill" else running(worker)
+    code = "prefill_failed" if role == "prefill" else "worker_error"
+    async with serving as url, httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+        for stream in (False, True):
+            found = worker_error(await post_chat(http, stream=stream), stream=stream)
+            assert found is not None
+            assert (found["type"], found["code"]) == ("upstream_error", code), found
+            assert "2 choices" in found["message"] and role in found["message"]

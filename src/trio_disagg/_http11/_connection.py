@@ -36,12 +36,20 @@ LINGER_BYTES = 1024 * 1024
 #: head's: what its parsed form costs in memory (a request of 20 bytes costs as much).
 REQUEST_COST = 1024
 
+#: The answer to an offer to switch protocols (``curl --http2`` offers h2c on ``http://``).
+UPGRADE_REFUSED = (b"upgrades are not supported: this server speaks HTTP/1.1 only; send the "
+                   b"request without an Upgrade header")
+
+#: The answer to a request body sent with a transfer coding other than chunked (gzip).
+TRANSFER_CODING_REFUSED = (b"Transfer-Encoding other than chunked is not supported: send "
+                           b"the body uncompressed")
+
 #: The reason phrase of every status an answer may have (``HTTP/1.1 415 Unsupported ...``).
 REASONS = {int(status): status.phrase.encode("ascii") for status in HTTPStatus}
 
 #: The OpenAI-style error code of each answer the server gives by itself.
 CODES = {400: b"malformed_request", 408: b"request_timeout",
-         431: b"request_header_fields_too_large"}
+         431: b"request_header_fields_too_large", 501: b"not_implemented"}
 
 
 class Request:
@@ -138,6 +146,17 @@ class Connection:
         if self._head_too_large():  # (a head that came whole in one read too)
             self._refuse_later(431, b"request headers too large")
             return
+        if any(name == b"transfer-encoding" and value.lower().replace(b" ", b"")
+               not in (b"chunked", b"") for name, value in request.headers):
+            # httptools frames the body by its final ``chunked`` and leaves the other
+            # codings on it: the app would read compressed bytes as the body.
+            self._refuse_later(501, TRANSFER_CODING_REFUSED)
+            return
+        if parser.should_upgrade():
+            # httptools parses no further than an upgrade's head (what follows is the new
+            # protocol's): served, the request would reach the app without its body.
+            self._refuse_later(400, UPGRADE_REFUSED)
+            return
         # Until the app takes it, a request counts in the read-ahead as its body does: a
         # client pipelining requests with no body is stopped like one sending a body.
         request.queued = self.head_bytes + REQUEST_COST
@@ -218,7 +237,7 @@ class Connection:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse_later(400, b"upgrades are not supported")
+            self._refuse_later(400, UPGRADE_REFUSED)
         except httptools.HttpParserError:
             self._refuse_later(400, b"malformed HTTP request")
         if self._head_too_large():

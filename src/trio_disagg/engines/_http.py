@@ -25,7 +25,7 @@ from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
-from ._chunks import ChunkParser
+from ._chunks import ChunkParser, choices_beyond_one
 from ._handoffs import needs_handoff
 from ._headers import CREDENTIAL_STATUSES, credentials_refused
 from ._httpx import HttpxWorkerClient
@@ -390,22 +390,22 @@ class HttpEngine:
     ) -> None:
         """One non-streamed answer -> one output, or one error item."""
         answer, data = await self._read_answer(response)
+        item: Item
         if isinstance(answer, Annotated):
-            await send.send(answer)
-            return
-        output = self._answer_output(answer, request, body, parser)
-        if output is None:
-            await send.send(self._error(
-                f"answered without a choice or a finish_reason: {excerpt(data)}"))
-            return
-        if self.role == "prefill" and needs_handoff(output):
-            # B7: checked here, at the edge, so that nothing downstream builds a decode
-            # request from it; the answer itself is passed on as the worker sent it.
-            problem = self._handoff_problem(answer)
-            if problem is not None:
-                await send.send(self._invalid_handoff(*problem))
-                return
-        await send.send(Annotated(data=output))
+            item = answer
+        elif (output := self._answer_output(answer, request, body, parser)) is None:
+            item = self._error(f"answered without a choice or a finish_reason: {excerpt(data)}")
+        elif self.role == "prefill" and needs_handoff(output) and (
+                problem := self._handoff_problem(answer)) is not None:
+            # B7: checked at the edge, so that nothing downstream builds a decode request
+            # from it; the answer itself is passed on as the worker sent it.
+            item = self._invalid_handoff(*problem)
+        elif (beyond := choices_beyond_one(answer)) is not None:
+            # B8, as for a chunk: not its first choice with the others dropped (S7 too)
+            item = self._error(beyond)
+        else:
+            item = Annotated(data=output)
+        await send.send(item)
 
     async def _relay_any(
         self,

@@ -15,7 +15,7 @@ from .. import _asgi
 from .._asgi import BodyTooLarge, Receive, Scope, declared_length, header, wait_disconnect
 from .._http11 import ON_DISCONNECT
 from .._protocols import PreprocessedRequest, RoutingHints
-from ._edge import Edge
+from ._edge import Edge, expects_continue
 from ._openai_errors import ApiError, request_too_large
 from ._openai_requests import (
     ChatCompletionRequest,
@@ -215,14 +215,18 @@ def bad_request_id() -> ApiError:
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
     """The request body, or None if the client went away first. An oversized body is
-    drained up to ``_DRAIN_LIMIT`` bytes past ``limit`` before the 413.
+    drained up to ``_DRAIN_LIMIT`` bytes past ``limit`` before the 413; but a client that
+    waits for ``100 Continue`` (curl, for a body over 1 MiB) is not asked for a body
+    declared over ``limit``: it gets the 413 at once (RFC 9110, section 10.1.1).
 
     Raises:
         ApiError: 413 if the body is (or is declared) over ``limit`` bytes.
     """
+    declared = declared_length(scope)
+    unasked = declared is not None and declared > limit and expects_continue(scope)
     try:
         return await _asgi.read_body(
-            receive, limit, drain=_DRAIN_LIMIT, declared=declared_length(scope))
+            receive, limit, drain=0 if unasked else _DRAIN_LIMIT, declared=declared)
     except BodyTooLarge:
         raise request_too_large(limit) from None
 
