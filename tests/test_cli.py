@@ -23,6 +23,7 @@ from e2e_support import banner_port
 from trio_disagg._cli import StartupError, cancel_windows
 from trio_disagg._demo import Backend, in_process_backend, run_demo
 from trio_disagg._engine import CancelWindow, HandoffStyle
+from trio_disagg._http11 import KEEP_ALIVE_TIMEOUT
 from trio_disagg.engines import KVCounters
 
 COMMAND = [sys.executable, "-m", "trio_disagg._cli"]
@@ -334,6 +335,25 @@ async def test_serve_max_connections_is_a_flag() -> None:
                 await stream.aclose()
     assert answer.status_code == 200
     assert closed == b""  # the first idle connection made room
+
+
+async def test_serve_keep_alive_timeout_is_a_flag() -> None:
+    """An operator behind a load balancer keeps idle client connections longer than the
+    balancer does (else it may send a request on one the router is closing): the flag
+    sets how long an idle connection is kept, here shorter than the default's 5 s."""
+    with trio.fail_after(60):
+        async with serving("--keep-alive-timeout", "0.3") as port, \
+                await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            started = trio.current_time()
+            await stream.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += await stream.receive_some(65536)
+            while await stream.receive_some(65536):
+                pass  # the rest of the answer, then the server's close
+            idle = trio.current_time() - started
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert 0.3 <= idle < KEEP_ALIVE_TIMEOUT  # the flag's timeout, not the default's
 
 
 async def test_mock_style_with_a_real_backend_is_refused() -> None:

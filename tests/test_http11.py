@@ -514,3 +514,28 @@ async def test_a_transfer_coding_other_than_chunked_gets_a_501_and_is_never_serv
     assert status.startswith(b"HTTP/1.1 501 Not Implemented\r\n"), data
     error = orjson.loads(body)["error"]
     assert error["code"] == "not_implemented" and "Transfer-Encoding" in error["message"]
+
+
+@pytest.mark.parametrize("seconds", [0.2, 0.5])
+async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
+        seconds: float) -> None:
+    """``keep_alive_timeout``: an idle connection is kept that long after its last
+    response (a load balancer in front may keep its own longer: serve's
+    ``--keep-alive-timeout``), then closed; a connection in use is not."""
+    async with trio.open_nursery() as nursery:
+        port: int = await nursery.start(partial(
+            _http11.serve_http, EchoApp(), host="127.0.0.1", port=0,
+            keep_alive_timeout=seconds))
+        with trio.fail_after(10):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                sent = trio.current_time()  # (the server's idle wait starts after it)
+                await s.send_all(post(b"/a", b"one"))
+                data = b""
+                while not data.endswith(b"0\r\n\r\n"):
+                    data += await s.receive_some(65536)
+                assert data.startswith(b"HTTP/1.1 200")
+                assert await s.receive_some(65536) == b""  # closed by the server
+                assert trio.current_time() - sent >= seconds
+        nursery.cancel_scope.cancel()
+    with pytest.raises(ValueError, match="keep_alive_timeout"):
+        await _http11.serve_http(EchoApp(), host="127.0.0.1", port=0, keep_alive_timeout=0)

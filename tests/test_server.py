@@ -1034,7 +1034,9 @@ async def _health_status(port: int) -> int | None:
     ({"max_connections": 8, "config": HyperConfig()}, "max_connections needs the project's"),
     ({"reuse_port": True, "config": HyperConfig()}, "reuse_port needs the project's"),
     ({"graceful_timeout": -1.0}, "graceful_timeout must be >= 0 seconds"),
-], ids=["no connections", "max with hypercorn", "reuse_port with hypercorn", "negative"])
+    ({"keep_alive_timeout": 0.0}, "keep_alive_timeout must be > 0 seconds, got 0.0"),
+], ids=["no connections", "max with hypercorn", "reuse_port with hypercorn", "negative",
+        "no keep-alive"])
 async def test_serve_refuses_bad_arguments_before_it_listens(
     options: dict[str, Any], message: str,
 ) -> None:

@@ -161,6 +161,11 @@ def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
                         help="client connections open at once (per process with --workers); "
                              "past it the one idle the longest is closed to make room "
                              "(default: half of the file descriptors left)")
+    limits.add_argument("--keep-alive-timeout", type=positive_seconds, default=5.0,
+                        metavar="SECONDS",
+                        help="seconds an idle client connection is kept open (default 5); "
+                             "set it above the idle timeout of a load balancer in front "
+                             "(60 s for AWS ALB), or it may answer some requests 502")
     limits.add_argument("--max-keeper-tasks", type=limit, default=4096, metavar="N",
                         help="KV transfers and cleanups in flight (prefill drains, decode "
                              "legs kept for a transfer, cleanup decodes) at which new "

@@ -129,7 +129,9 @@ async def serve_router(
                             shutdown_trigger=shutdown_trigger,
                             graceful_timeout=args.drain_window, health=health,
                             reuse_port=args.supervised,
-                            max_connections=args.max_connections, task_status=task_status)
+                            max_connections=args.max_connections,
+                            keep_alive_timeout=args.keep_alive_timeout,
+                            task_status=task_status)
             finally:
                 mirror.cancel()  # the last copy of the metrics, then it ends
 

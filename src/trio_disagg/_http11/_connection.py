@@ -76,8 +76,10 @@ class Connection:
     """One client connection: its parser, the requests parsed from it, and the response
     of the one being served."""
 
-    def __init__(self, stream: trio.SocketStream, *, head_with_body: bool) -> None:
+    def __init__(self, stream: trio.SocketStream, *, head_with_body: bool,
+                 keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT) -> None:
         self.head_with_body = head_with_body  # a response's head waits for its first body
+        self.keep_alive_timeout = keep_alive_timeout  # seconds an idle connection is kept
         self.stream = stream
         self.parser = httptools.HttpRequestParser(self)
         self.requests: deque[Request] = deque()
@@ -255,9 +257,9 @@ class Connection:
 
         Requests parsed before a refusal the server owes are answered first; then the
         refusal is written and the connection closes. An idle connection waits at most
-        KEEP_ALIVE_TIMEOUT seconds for a request to start, a started head at most
+        ``keep_alive_timeout`` seconds for a request to start, a started head at most
         HEADERS_TIMEOUT seconds from its first byte (then 408)."""
-        idle_deadline = trio.current_time() + KEEP_ALIVE_TIMEOUT
+        idle_deadline = trio.current_time() + self.keep_alive_timeout
         while not self.requests:
             if self.closed:
                 return None

@@ -14,7 +14,7 @@ from urllib.parse import unquote_to_bytes
 import trio
 
 from .._listen import open_listeners
-from ._connection import Connection, Request
+from ._connection import KEEP_ALIVE_TIMEOUT, Connection, Request
 from ._exchange import Exchange, Message
 from ._watch import ReadWatch
 
@@ -64,9 +64,11 @@ def default_max_connections() -> int:
 
 class Server:
     def __init__(self, app: App, *, head_with_body: bool = True,
-                 watch: ReadWatch | None = None, max_connections: int | None = None) -> None:
+                 watch: ReadWatch | None = None, max_connections: int | None = None,
+                 keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT) -> None:
         self.app = app
         self.head_with_body = head_with_body
+        self.keep_alive_timeout = keep_alive_timeout
         #: Reads the served connections in one task (else each in a task of its own).
         self.watch = watch
         #: Connections open at once, at most (None: no limit).
@@ -80,7 +82,8 @@ class Server:
         self.room = trio.Lock()  # held by the listener waiting for room (_make_room)
 
     async def handle(self, stream: trio.SocketStream) -> None:
-        conn = Connection(stream, head_with_body=self.head_with_body)
+        conn = Connection(stream, head_with_body=self.head_with_body,
+                          keep_alive_timeout=self.keep_alive_timeout)
         self.connections.add(conn)
         self.churn.set()
         try:
@@ -248,15 +251,10 @@ def unquote(path: bytes) -> str:
 
 
 async def serve_http(
-    app: App,
-    *,
-    host: str,
-    port: int,
+    app: App, *, host: str, port: int,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
-    shutdown_timeout: float = 30.0,
-    reuse_port: bool = False,
-    head_with_body: bool = True,
-    max_connections: int | None = None,
+    shutdown_timeout: float = 30.0, reuse_port: bool = False, head_with_body: bool = True,
+    max_connections: int | None = None, keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` (ASGI 3, http scope) on ``host``:``port`` until cancelled, or until
@@ -275,17 +273,22 @@ async def serve_http(
 
     At most ``max_connections`` client connections are open at once (default: half of
     the file descriptors left, :func:`default_max_connections`): past it the one idle the
-    longest is closed to make room, or the new client waits in the listen backlog.
+    longest is closed to make room, or the new client waits in the listen backlog. An
+    idle keep-alive connection is closed after ``keep_alive_timeout`` seconds without a
+    request.
 
     Raises:
         OSError: the address could not be bound.
-        ValueError: ``max_connections`` < 1.
+        ValueError: ``max_connections`` < 1, or ``keep_alive_timeout`` not > 0.
     """
     if max_connections is not None and max_connections < 1:
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+    if not keep_alive_timeout > 0:
+        raise ValueError(f"keep_alive_timeout must be > 0 seconds, got {keep_alive_timeout}")
     server = Server(app, head_with_body=head_with_body,
                     watch=ReadWatch() if ReadWatch.available else None,
-                    max_connections=max_connections or default_max_connections())
+                    max_connections=max_connections or default_max_connections(),
+                    keep_alive_timeout=keep_alive_timeout)
     listeners = await open_listeners(host, port, reuse_port=reuse_port)
     bound = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:

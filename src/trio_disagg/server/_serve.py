@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import trio
 
 from .._health import HealthMonitor
-from .._http11 import serve_http
+from .._http11 import KEEP_ALIVE_TIMEOUT, serve_http
 from ._app import OpenAIApp
 from ._responder import ENDING_WINDOW
 
@@ -94,26 +94,25 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     graceful_timeout: float = 30.0, config: Config | None = None,
     health: HealthMonitor | None = None, reuse_port: bool = False,
-    max_connections: int | None = None,
+    max_connections: int | None = None, keep_alive_timeout: float | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP/1.1 until shut down.
 
-    The server is the project's own (``trio_disagg._http11``: trio sockets and the
-    httptools parser, built for the relay's per-token cost, docs/performance.md); with a
-    hypercorn ``config`` it is hypercorn's trio worker instead (for TLS or HTTP/2). Run it
-    inside the :class:`~trio_disagg.TransferKeeper` the app's router uses::
+    The server is the project's own (trio sockets and the httptools parser, built for the
+    relay's per-token cost, docs/performance.md); with a hypercorn ``config``, hypercorn's
+    trio worker (TLS, HTTP/2). Run it in the :class:`~trio_disagg.TransferKeeper` the
+    app's router uses::
 
         async with TransferKeeper() as keeper:
             router = DisaggRouter(prefill, decode, keeper)
             app = create_app(router, models=["my-model"])
             await serve(app, port=8000, shutdown_trigger=wait_for_sigterm)
 
-    Graceful shutdown (B3, docs/router.md): when ``shutdown_trigger`` returns, the router
+    Graceful shutdown (B3, docs/router.md): once ``shutdown_trigger`` returns, the router
     closes (new requests get 503), the server stops listening, requests in flight get
-    ``graceful_timeout`` seconds, then the app cancels what is left, each with a clean
-    ending (B4; their prefill legs run on in the keeper), and :func:`serve` returns.
-    Cancelling :func:`serve` is a hard stop.
+    ``graceful_timeout`` seconds, then the app cancels the rest, each with a clean ending
+    (B4; their prefill legs run on in the keeper). Cancelling it is a hard stop.
 
     Args:
         app: from :func:`create_app`.
@@ -121,36 +120,41 @@ async def serve(
         port: the TCP port; 0 picks a free one (see ``task_status``).
         shutdown_trigger: returns when the server should shut down; None: never.
         graceful_timeout: seconds in-flight requests get to finish on shutdown.
-        config: a hypercorn ``Config``: serve with hypercorn instead (TLS, HTTP/2), its
-            ``bind`` and ``graceful_timeout`` overwritten.
+        config: a hypercorn ``Config`` to serve with (its ``bind`` and
+            ``graceful_timeout`` overwritten).
         health: probes of the router's workers, run while the server runs; their first
             round ends before it listens (``GET /health`` is right from the start).
-        reuse_port: listen with ``SO_REUSEPORT``, sharing the port with other processes
-            that do the same (``serve --workers N``); not with a hypercorn ``config``.
+        reuse_port: share the port (``SO_REUSEPORT``: ``serve --workers N``); not with
+            ``config``.
         max_connections: client connections open at once (past it the one idle the
-            longest makes room); None: half of the file descriptors left, the rest for
-            the workers' connections. Not with a hypercorn ``config``.
+            longest makes room); None: half the file descriptors left. Not with ``config``.
+        keep_alive_timeout: seconds an idle client connection is kept; None: 5 (with
+            ``config``, its own). Above a load balancer's own idle timeout (60 s for AWS
+            ALB), or it may answer some requests 502 (docs/deploy.md).
         task_status: with ``nursery.start(serve, ...)``: the bound TCP port, once listening.
 
     Raises:
         OSError: the address could not be bound (or ``reuse_port`` without SO_REUSEPORT).
-        ValueError: a negative ``graceful_timeout``, ``max_connections`` < 1, or either
-            ``reuse_port`` or ``max_connections`` with ``config``.
+        ValueError: a negative ``graceful_timeout``, ``max_connections`` < 1, a
+            ``keep_alive_timeout`` <= 0, or ``reuse_port`` or ``max_connections`` with
+            ``config``.
     """
-    _check_arguments(graceful_timeout, reuse_port, max_connections, config)
+    own = _listening(graceful_timeout, reuse_port, max_connections, keep_alive_timeout, config)
     async with trio.open_nursery() as nursery:
         trigger = None if shutdown_trigger is None else partial(
             _shut_down, app, shutdown_trigger, graceful_timeout, nursery)
         bound = await _start_server(nursery, health, app, host, port, trigger,
                                     graceful_timeout + ENDING_WINDOW + _BACKSTOP,
-                                    reuse_port, max_connections, config)
+                                    own, config)
         task_status.started(bound)
     if shutdown_trigger is not None and app.router.in_flight:
         logger.warning("server stopped with %d request(s) in flight", app.router.in_flight)
 
 
-def _check_arguments(graceful_timeout: float, reuse_port: bool, max_connections: int | None,
-                     config: Config | None) -> None:
+def _listening(graceful_timeout: float, reuse_port: bool, max_connections: int | None,
+               keep_alive_timeout: float | None, config: Config | None) -> dict[str, Any]:
+    """The project's server's own arguments of :func:`serve`, checked (a hypercorn
+    ``config`` takes ``keep_alive_timeout``)."""
     if reuse_port and config is not None:
         raise ValueError("reuse_port needs the project's server, not a hypercorn config")
     if max_connections is not None and config is not None:
@@ -159,6 +163,12 @@ def _check_arguments(graceful_timeout: float, reuse_port: bool, max_connections:
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     if not graceful_timeout >= 0 or math.isnan(graceful_timeout):
         raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
+    if keep_alive_timeout is not None and not keep_alive_timeout > 0:
+        raise ValueError(f"keep_alive_timeout must be > 0 seconds, got {keep_alive_timeout}")
+    if keep_alive_timeout is not None and config is not None:
+        config.keep_alive_timeout = keep_alive_timeout
+    return {"reuse_port": reuse_port, "max_connections": max_connections,
+            "keep_alive_timeout": keep_alive_timeout or KEEP_ALIVE_TIMEOUT}
 
 
 async def _shut_down(app: OpenAIApp, user_trigger: Callable[[], Awaitable[object]],
@@ -180,18 +190,17 @@ async def _shut_down(app: OpenAIApp, user_trigger: Callable[[], Awaitable[object
 async def _start_server(
     nursery: trio.Nursery, health: HealthMonitor | None, app: OpenAIApp, host: str,
     port: int, trigger: Callable[[], Awaitable[None]] | None, backstop: float,
-    reuse_port: bool, max_connections: int | None, config: Config | None,
+    listening: dict[str, Any], config: Config | None,
 ) -> int:
     """Start ``health``'s probes, then the server, in ``nursery`` (the probes end with the
-    server); its port."""
+    server); its port. ``listening``: the project's server's own arguments."""
     probes = trio.CancelScope()
     if health is not None:
         await nursery.start(_run_in, probes, health.run)
     if config is None:
         bound: int = await nursery.start(_then_cancel, probes, partial(
             serve_http, app, host=host, port=port, shutdown_trigger=trigger,
-            shutdown_timeout=backstop, reuse_port=reuse_port,
-            max_connections=max_connections))
+            shutdown_timeout=backstop, **listening))
         return bound
     from hypercorn.trio import serve as hypercorn_serve
 
