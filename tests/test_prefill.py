@@ -359,6 +359,40 @@ async def test_S6_non_bootstrap_stream_drained_before_returning_with_guard_held(
 
 
 @pytest.mark.parametrize(
+    ("garbage", "what"),
+    [("a token", "a str"), (None, "a NoneType"), ({"token_ids": [1]}, "a dict"),
+     (Annotated(data={"token_ids": [1]}), "an Annotated whose data is a dict")],
+    ids=["str", "None", "dict", "Annotated of a dict"])
+async def test_S2_T4_an_output_that_is_not_an_engine_output_is_a_prefill_error(
+    autojump_clock: trio.testing.MockClock, garbage: Any, what: str
+) -> None:
+    """A prefill engine that sends something else than an ``Annotated[LLMEngineOutput]``,
+    first or later, fails the prefill with a :class:`PrefillError` that says what it sent
+    (S2, T4): not an ``AttributeError`` (read as a crash of the drain), and the tracker
+    does not record the prefill complete. Inline, and in a bootstrap drain."""
+    message = f"prefill engine sent {what}, not an Annotated"
+    tracker = RequestTracker()
+    with pytest.raises(PrefillError, match=message) as first:
+        classify_first_output(garbage, tracker)
+    assert type(first.value) is PrefillError and tracker.prefill_complete_at is None
+    with pytest.raises(PrefillError, match=message):
+        check_prefill_output(garbage)
+    with pytest.raises(PrefillError, match=message):
+        await consume_prefill_stream(stream_of(garbage))
+    with pytest.raises(PrefillError, match=message):
+        await consume_prefill_stream(stream_of(valid_prefill_output(), garbage))
+    with trio.fail_after(10):
+        async with TransferKeeper() as keeper:
+            completion = await consume_prefill_stream(
+                stream_of(out(disaggregated_params=BOOTSTRAP), garbage), keeper=keeper)
+            drain = handoff_of(completion).drain
+            assert drain is not None
+            with pytest.raises(PrefillError, match=message):
+                await drain.wait()
+            assert "crashed" not in str(drain.error)
+
+
+@pytest.mark.parametrize(
     ("later", "message"),
     [
         (error("lost worker"), "error in its output stream: lost worker"),

@@ -894,6 +894,106 @@ async def test_G4_B4_a_decode_engine_that_raises_inside_async_with_send_channel(
         assert [item.is_error for item in items] == [False, False, True]
 
 
+class GarbageSendingDecode(StandIn):
+    """Sends ``after`` tokens of the mock decode it wraps, then something that is not an
+    ``Annotated[LLMEngineOutput]`` (an engine written against the docs that gets its
+    output type wrong), then the rest."""
+
+    def __init__(self, engine: Any, after: int, garbage: object) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.garbage = garbage
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            inner_send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, inner_send)
+                task_status.started()
+                with receive:
+                    for _ in range(self.after):
+                        await send_channel.send(await receive.receive())
+                    await send_channel.send(self.garbage)  # type: ignore[arg-type]
+                    async for item in receive:  # what it would have sent after
+                        await send_channel.send(item)
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+@pytest.mark.parametrize("garbage", ["a token", {"token_ids": [1]}, None,
+                                     Annotated(data={"token_ids": [1]})],
+                         ids=["str", "dict", "None", "Annotated of a dict"])
+@pytest.mark.parametrize("after", [0, 2])
+async def test_G4_B4_a_decode_output_that_is_not_an_engine_output_is_an_error_item(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, garbage: object, after: int,
+) -> None:
+    """A decode engine that sends something else than an ``Annotated[LLMEngineOutput]``
+    ends its stream with one error item that says what it sent (G4, B4): not an
+    ``AttributeError`` out of the reader's ``async for``, nor a group out of the request's
+    nursery. Nothing is stranded, and nothing stays in flight."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([GarbageSendingDecode(h.cluster.decode[0], after,
+                                                           garbage)])
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("req-1"))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False] * after + [True]
+        assert isinstance(items[-1].exception, WorkerError)
+        message = items[-1].error_message()
+        assert message is not None and "Annotated[LLMEngineOutput]" in message
+        assert type(garbage).__name__ in message or "data" in message
+        await h.settle()
+    h.assert_clean()
+
+
+class GarbagePrefill(StandIn):
+    """A prefill engine whose first output is not an ``Annotated[LLMEngineOutput]``."""
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            task_status.started()
+            await send_channel.send({"disaggregated_params": {}})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_S2_a_prefill_output_that_is_not_an_engine_output_is_a_prefill_error(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle,
+) -> None:
+    """A prefill engine whose first output is a dict fails the request with a
+    :class:`PrefillError` that says so, whatever the handoff style: raised by
+    ``stream()``, or the stream's one error item once a bootstrap decode was dispatched
+    with it; not a "crashed: AttributeError" (S2)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.prefill = WorkerPool([GarbagePrefill(h.cluster.prefill[0])])
+        message = "the prefill engine sent a dict, not an Annotated[LLMEngineOutput]"
+        try:
+            _, items = await h.run(make_request())
+        except PrefillError as exc:
+            assert str(exc) == message
+        else:
+            assert style is BOOT and [item.is_error for item in items] == [True]
+            assert items[0].error_message() == message
+        await h.settle()
+    h.assert_clean()
+
+
 async def test_T2_a_raising_stop_callback_on_a_client_context_never_reaches_the_keeper(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -12,6 +12,7 @@ import attrs
 import trio
 
 from ._crash import crash_message
+from ._engine import not_an_engine_output
 from ._errors import NoDisaggregatedParams, PrefillError
 from ._keeper import PrefillTask, TransferKeeper, TransferLeg
 from ._protocols import (
@@ -104,7 +105,10 @@ def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
         PrefillError: on an error envelope, ``finish_reason = error`` or
             ``finish_reason = cancelled``; the message carries the worker's text. An
             error item that carries a :class:`PrefillError` of its own raises that one.
+            Also on anything that is not an ``Annotated[LLMEngineOutput]`` (the engine
+            broke its contract), saying what it was.
     """
+    _check_engine_output(item)
     if item.event == "error":
         _raise_carried(item)
         raise PrefillError(f"Prefill returned an error in its output stream: "
@@ -117,6 +121,14 @@ def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
         raise PrefillError(f"Prefill backend failed: {data.finish_reason.message}")
     if kind is FinishKind.CANCELLED:
         raise PrefillError("Prefill backend cancelled before completing the handoff")
+
+
+def _check_engine_output(item: object) -> None:
+    """Raise a :class:`PrefillError` saying what ``item`` is if it is not an engine's
+    output (S2, T4), rather than an ``AttributeError`` that reads as a crash."""
+    breach = not_an_engine_output(item)
+    if breach is not None:
+        raise PrefillError(f"the prefill engine {breach}")
 
 
 def classify_first_output(
@@ -136,12 +148,14 @@ def classify_first_output(
         usage (S4, S10), ``bootstrap`` set for the SGLang triple (S5), and no ``drain``.
 
     Raises:
-        PrefillError: the first output is an error (S2); the tracker is not touched. An
+        PrefillError: the first output is an error (S2), or not an
+            ``Annotated[LLMEngineOutput]`` at all; the tracker is not touched. An
             error item that carries a :class:`PrefillError` of its own (an adapter's
             :class:`~trio_disagg.InvalidPrefillHandoff`, B7) raises that one.
         NoDisaggregatedParams: a handoff is needed but there is nothing usable to hand
             off (S8), or a TRT-LLM context has no usable ``ctx_request_id`` (S9).
     """
+    _check_engine_output(first)
     if first.event == "error":
         _raise_carried(first)
         raise PrefillError(f"Prefill returned an error: {first.error_message()}")
