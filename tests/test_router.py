@@ -854,6 +854,77 @@ async def test_G4_B4_a_decode_engine_that_raises_after_it_started_is_an_error_it
     h.assert_clean()
 
 
+async def a_stray_cancelled() -> trio.Cancelled:
+    """A real ``trio.Cancelled``, caught from a scope that is over: an engine that raises
+    it later raises a cancellation nobody asked for (a bug, as raising any other)."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            caught = exc
+            raise
+    return caught
+
+
+class StrayCancelledDecode(StandIn):
+    """Sends ``after`` tokens of the mock decode it wraps (run to its end first), then
+    raises a ``Cancelled`` of its own, bare or in a group, outside any nursery of its
+    own (a nursery would take it for its own cancellation)."""
+
+    def __init__(self, engine: Any, after: int, grouped: bool) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.grouped = grouped
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            items = await run_to_its_end(self.engine, request, context)
+            task_status.started()
+            for item in items[:self.after]:
+                await send_channel.send(item)
+            stray = await a_stray_cancelled()
+            if self.grouped:
+                raise BaseExceptionGroup("engine tasks", [stray, ValueError("bug")])
+            raise stray
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+@pytest.mark.parametrize("grouped", [False, True], ids=["bare", "in a group"])
+@pytest.mark.parametrize("after", [0, 2])
+async def test_G4_B4_a_decode_engine_that_raises_a_stray_cancelled_is_an_error_item(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, grouped: bool, after: int,
+) -> None:
+    """A decode engine that raises ``trio.Cancelled`` after ``started()`` when nothing
+    cancelled it (it kept one from a scope of its own, and raised it later) crashed: its
+    stream ends with one error item naming the crash (G4, B4), not with an end that
+    reads as a complete answer of ``after`` tokens, and the request's nursery exits
+    cleanly."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([StrayCancelledDecode(h.cluster.decode[0], after,
+                                                           grouped)])
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                               RequestContext("req-1"))
+                with stream.outputs:
+                    items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False] * after + [True]
+        message = items[-1].error_message()
+        assert message is not None and "decode-0 crashed: " in message
+        assert ("ValueError: bug" if grouped else "Cancelled") in message
+        await h.settle()
+    h.assert_clean()
+
+
 class AsyncClosingCrashingDecode(StandIn):
     """As :class:`CrashingDecode` after two tokens, but closing its channel with ``async
     with send_channel:`` (trio's usual idiom) inside a nursery of its own: the close and

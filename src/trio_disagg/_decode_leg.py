@@ -151,7 +151,8 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
     An engine that raises after its worker accepted breaks its contract (one error item,
     never an exception): its stream ends with one error item naming the crash, as a
     decode failure (G4), not with a silent end that reads as a success (B4), nor with
-    an exception into the request's nursery."""
+    an exception into the request's nursery. A ``trio.Cancelled`` that no cancellation
+    of this leg asked for is such a crash too."""
     worker = owner.decode_worker
     status = _Accepted(owner, task_status)
     del task_status  # held by ``status`` until started() only (see _Accepted)
@@ -172,6 +173,10 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 router.decode.record_failure(worker, exc)
                 _report_crash(worker, owner, request, exc)
         except BaseException as exc:
+            if status.accepted and _stray_cancellation(exc):
+                router.decode.record_failure(worker, exc)
+                _report_crash(worker, owner, request, exc)  # G4, B4: not an end
+                return  # noqa: ASYNC104 (not a cancellation of this task: a crash)
             if not status.accepted:
                 owner.decode_not_accepted(exc)
             raise
@@ -193,6 +198,18 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 owner.outputs.leg_exited()
 
 
+def _stray_cancellation(exc: BaseException) -> bool:
+    """``exc`` is a ``trio.Cancelled`` (bare, or with crashes in a group) that no
+    cancellation of this task asked for: the engine raised one it kept from elsewhere.
+    That is a crash, as any other exception would be; a real cancellation, or a
+    ``KeyboardInterrupt`` or ``SystemExit``, goes on."""
+    if trio.current_effective_deadline() == -math.inf:
+        return False  # (this task is cancelled: the Cancelled may be ours)
+    found = leaves(exc)
+    return (any(isinstance(leaf, trio.Cancelled) for leaf in found)
+            and all(isinstance(leaf, trio.Cancelled | Exception) for leaf in found))
+
+
 def _reader_gone(exc: Exception) -> bool:
     """``exc`` says only that nobody reads the stream any more."""
     return all(isinstance(leaf, trio.BrokenResourceError) for leaf in leaves(exc))
@@ -200,7 +217,7 @@ def _reader_gone(exc: Exception) -> bool:
 
 def _report_crash(
     worker: Worker[DecodeEngine], owner: HandoffOwner, request: PreprocessedRequest,
-    exc: Exception,
+    exc: BaseException,
 ) -> None:
     """End a crashed decode leg's stream with one error item of the gatekeeper's (G4),
     logged with its traceback. (Through the gate, not the leg's channel: the engine

@@ -156,8 +156,8 @@ class DecodeEngine(Protocol):
     it). After ``started()`` never raise for a worker failure: send ONE error item,
     ``Annotated.from_exception(exc)`` (keeps the typed exception for the server) or
     ``Annotated.from_error(message)``, and end the stream. (A decode engine that raises
-    anyway gets one error item in its place from the router, never a stream that reads
-    as complete: G4, B4.)
+    anyway, a stray ``trio.Cancelled`` included, gets one error item in its place from
+    the router, never a stream that reads as complete: G4, B4.)
 
     Attributes:
         name: unique within its pool; shown in metrics and logs.
