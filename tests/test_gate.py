@@ -962,6 +962,13 @@ def test_gate_refuses_what_is_not_a_prefill() -> None:
         Gatekeeper("prefill", RequestContext("r-1"))  # type: ignore[arg-type]
 
 
+def test_gate_refuses_a_client_context_that_is_not_one() -> None:
+    """A request id given as the client context raised an AttributeError ("'str' object
+    has no attribute 'id'"); now a TypeError that names the argument."""
+    with pytest.raises(TypeError, match=r"client_context must be a trio_disagg\.RequestContext"):
+        Gatekeeper(PrefillTask("r"), "r")  # type: ignore[arg-type]
+
+
 async def dispatch_with(gate: Gatekeeper, value: str) -> Any:
     """``gate.dispatch`` of a decode leg that accepts at once with ``value``."""
 

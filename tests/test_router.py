@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -1638,6 +1639,33 @@ async def test_stream_refuses_arguments_of_the_wrong_type_before_any_work(
         await h.settle()
         assert h.cluster.counters().staged_blocks == 0  # no prefill ran
     h.assert_clean()
+
+
+def test_a_router_refuses_arguments_of_the_wrong_type_when_it_is_made() -> None:
+    """A new user's likely slip, the engine lists of ``mock_cluster`` given where
+    :class:`WorkerPool`\\ s go, was accepted and failed each request with an
+    AttributeError ("'list' object has no attribute 'select'") from inside ``stream()``;
+    so did a missing keeper, and a fractional ``channel_buffer`` failed in trio. Now a
+    TypeError naming the argument, when the router is made."""
+    cluster = mock_cluster()
+    pools: dict[str, Any] = {"prefill": WorkerPool(cluster.prefill),
+                             "decode": WorkerPool(cluster.decode),
+                             "keeper": TransferKeeper()}
+    cases: list[tuple[str, Any, str]] = [
+        ("prefill", cluster.prefill, "prefill must be a trio_disagg.WorkerPool, got list"),
+        ("decode", cluster.decode, "decode must be a trio_disagg.WorkerPool, got list"),
+        ("keeper", None, "keeper must be a trio_disagg.TransferKeeper, got NoneType"),
+        ("deadlines", {"prefill": 5}, "deadlines must be a trio_disagg.Deadlines or None"),
+        ("retry", 3, "retry must be a trio_disagg.RetryPolicy or None, got int"),
+        ("channel_buffer", 1.5, "channel_buffer must be an int or math.inf"),
+        ("channel_buffer", "4", "channel_buffer must be an int or math.inf"),
+        ("disagg_min_prompt_tokens", "5", "disagg_min_prompt_tokens must be None or an int"),
+    ]
+    for name, bad, match in cases:
+        with pytest.raises(TypeError, match=re.escape(match)):
+            DisaggRouter(**{**pools, name: bad})
+    with pytest.raises(ValueError, match="channel_buffer must be >= 0 items, got -1"):
+        DisaggRouter(**pools, channel_buffer=-1)
 
 
 @pytest.mark.parametrize("style", STYLES)

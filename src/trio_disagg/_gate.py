@@ -54,7 +54,8 @@ class Gatekeeper:
             to a decode leg that is part of a KV transfer only then (B6, G9).
 
     Raises:
-        TypeError: ``prefill`` is none of those.
+        TypeError: ``prefill`` is none of those, or ``client_context`` is not a
+            :class:`RequestContext`.
         ValueError: ``idle_timeout`` or ``terminal_hold_timeout`` is not a positive
             number of seconds (``math.inf``, the default, is no deadline).
 
@@ -76,6 +77,9 @@ class Gatekeeper:
             # A negative one failed every stream at once; a NaN one, trio's first wait.
             if not (isinstance(value, int | float) and value > 0):  # also refuses NaN
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if not isinstance(client_context, RequestContext):
+            raise TypeError(f"client_context must be a trio_disagg.RequestContext, got "
+                            f"{type(client_context).__name__}")
         #: A Terminal: there is no decode to dispatch (S7).
         self._answer_only = isinstance(prefill, Terminal)
         self.prefill: PrefillTask[Any] = _as_task(prefill, client_context.id)

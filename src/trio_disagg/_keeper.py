@@ -179,6 +179,7 @@ class TransferKeeper:
 
     Raises:
         ValueError: a negative or NaN ``drain_window``.
+        TypeError: a ``drain_window`` that is not a number.
         RuntimeError: on entering a keeper a second time.
 
     Attributes:
@@ -189,6 +190,8 @@ class TransferKeeper:
     """
 
     def __init__(self, *, drain_window: float = 30.0) -> None:
+        if not isinstance(drain_window, int | float) or isinstance(drain_window, bool):
+            raise TypeError(f"drain_window must be a number of seconds, got {drain_window!r}")
         if drain_window < 0 or math.isnan(drain_window):
             raise ValueError(f"drain_window must be >= 0 seconds, got {drain_window}")
         self.drain_window = drain_window

@@ -17,6 +17,7 @@ from typing import Any
 import trio
 from trio_util import AsyncValue
 
+from ._arguments import check_router_arguments, check_stream_arguments
 from ._context import RequestContext
 from ._copy import routed_copy
 from ._decode_leg import StreamHooks, accepted_decode
@@ -100,6 +101,9 @@ class DisaggRouter:
 
     Raises:
         ValueError: a negative ``channel_buffer`` or ``disagg_min_prompt_tokens``.
+        TypeError: an argument of another type than its own (a list of engines where a
+            :class:`WorkerPool` goes, no keeper, a ``channel_buffer`` that is neither an
+            int nor ``math.inf``...): said when the router is made, not in a request.
     """
 
     def __init__(
@@ -113,11 +117,8 @@ class DisaggRouter:
         channel_buffer: int = CHANNEL_BUFFER,
         disagg_min_prompt_tokens: int | None = None,
     ) -> None:
-        if channel_buffer < 0:
-            raise ValueError(f"channel_buffer must be >= 0 items, got {channel_buffer}")
-        if disagg_min_prompt_tokens is not None and disagg_min_prompt_tokens < 0:
-            raise ValueError(f"disagg_min_prompt_tokens must be >= 0 tokens, got "
-                             f"{disagg_min_prompt_tokens}")
+        check_router_arguments(prefill, decode, keeper, deadlines, retry, channel_buffer,
+                               disagg_min_prompt_tokens)
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.channel_buffer = channel_buffer
         self.prefill = prefill
@@ -214,7 +215,7 @@ class DisaggRouter:
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
         cancel window (B10); staged KV no decode took is consumed there (B1, G9).
         """
-        _check_arguments(nursery, request, context)
+        check_stream_arguments(nursery, request, context)
         self._admit()
         owner: HandoffOwner | None = None
         try:
@@ -452,17 +453,6 @@ async def _abandon_when_cancelled(outputs: GatedOutputs) -> None:
     except BaseException:
         outputs.abandon()
         raise
-
-
-def _check_arguments(nursery: object, request: object, context: object) -> None:
-    """A wrong type is the caller's mistake: say so before a prefill runs for nothing (a
-    missing nursery would otherwise be found only at the decode's dispatch)."""
-    for name, value, expected in (("nursery", nursery, trio.Nursery),
-                                  ("request", request, PreprocessedRequest),
-                                  ("context", context, RequestContext)):
-        if not isinstance(value, expected):
-            raise TypeError(f"{name} must be a {expected.__module__.split('.')[0]}."
-                            f"{expected.__name__}, got {type(value).__name__}")
 
 
 def _select(
