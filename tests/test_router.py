@@ -777,6 +777,39 @@ async def test_B3_B1_kv_staged_inside_the_drain_window_is_consumed(
     h.assert_clean()
 
 
+@pytest.mark.parametrize("style", [HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_B3_B4_a_kept_decode_leg_cut_by_the_keepers_shutdown_ends_with_an_error(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A decode leg that is part of the KV transfer runs in the keeper. When the keeper
+    shuts down while a reader outside it still reads that leg's stream, the drain window
+    runs out and the leg is cancelled: the reader's stream ended there, after a few
+    tokens, as if it were a complete answer. It now ends with one error item, a
+    :class:`RouterClosed` (B3, B4)."""
+    items: list[Item] = []
+    reading = trio.Event()
+
+    async def client(router: DisaggRouter) -> None:
+        async with trio.open_nursery() as nursery:
+            stream = await router.stream(nursery, make_request(max_tokens=50),
+                                         RequestContext("req-1"))
+            with stream.outputs:
+                async for item in stream.outputs:
+                    items.append(item)
+                    reading.set()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as service, TransferKeeper(drain_window=0.5) as keeper:
+            h = harness_for(keeper, style)
+            service.start_soon(client, h.router)
+            await reading.wait()
+            h.router.close()
+    assert len(items) > 1 and not any(item.is_error for item in items[:-1])
+    assert items[-1].is_error and isinstance(items[-1].exception, RouterClosed)
+    assert "transfer keeper shut down" in str(items[-1].error_message())
+    assert keeper.in_flight == 0 and h.router.in_flight == 0
+
+
 class MisbehavingDecode(StandIn):
     """A decode worker that accepts, pulls the KV and sends ``after`` tokens of the mock
     decode it wraps (None: all of them), then breaks the engine contract as

@@ -14,7 +14,7 @@ import trio
 from ._context import RequestContext
 from ._crash import crash_message, leaves, worker_refusal
 from ._engine import DecodeEngine
-from ._errors import WorkerError
+from ._errors import RouterClosed, WorkerError
 from ._gate import Gatekeeper
 from ._handoff import HandoffOwner, HandoffState
 from ._health import retry_reason
@@ -183,19 +183,27 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
         else:
             router.decode.record_success(worker)
         finally:
-            if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
-                owner.decode_cancelled()
-            if trio.current_effective_deadline() != -math.inf:  # ended on its own
-                owner.decode_leg_ended = True
-                if owner.outputs is not None:
-                    owner.outputs.decode_ended()
-            elif owner.outputs is not None and not owner.holds_transfer:
-                # The request's nursery was cancelled (the client went away): its stream
-                # ends now, whether or not its reader closes it.
-                owner.outputs.abandon()
-            owner.decode_leg_exited = True
-            if owner.outputs is not None:
-                owner.outputs.leg_exited()
+            _leg_exited(router, owner, worker, request, accepted=status.accepted)
+
+
+def _leg_exited(router: DisaggRouter, owner: HandoffOwner, worker: Worker[DecodeEngine],
+                request: PreprocessedRequest, *, accepted: bool) -> None:
+    """What the end of a decode leg's task tells its owner and its stream's reader."""
+    if accepted and owner.leg is not None and owner.leg.scope.cancel_called:
+        owner.decode_cancelled()
+    if trio.current_effective_deadline() != -math.inf:  # ended on its own
+        owner.decode_leg_ended = True
+        if owner.outputs is not None:
+            owner.outputs.decode_ended()
+    elif owner.outputs is not None and not owner.holds_transfer:
+        # The request's nursery was cancelled (the client went away): its stream
+        # ends now, whether or not its reader closes it.
+        owner.outputs.abandon()
+    elif owner.outputs is not None:  # a kept leg cancelled with its reader there
+        owner.outputs.decode_crashed(_cut_short(router, worker, request))
+    owner.decode_leg_exited = True
+    if owner.outputs is not None:
+        owner.outputs.leg_exited()
 
 
 def _stray_cancellation(exc: BaseException) -> bool:
@@ -213,6 +221,18 @@ def _stray_cancellation(exc: BaseException) -> bool:
 def _reader_gone(exc: Exception) -> bool:
     """``exc`` says only that nobody reads the stream any more."""
     return all(isinstance(leaf, trio.BrokenResourceError) for leaf in leaves(exc))
+
+
+def _cut_short(router: DisaggRouter, worker: Worker[DecodeEngine],
+               request: PreprocessedRequest) -> Exception:
+    """Why a decode leg kept in the keeper was cancelled before its stream ended, for a
+    reader still there (B4: an error, not an end that reads as complete): the keeper's
+    shutdown (B3), or another cut."""
+    if router.keeper._nursery is None:  # (closing: no new legs)
+        return RouterClosed(f"the transfer keeper shut down before the decode stream of "
+                            f"{request.request_id} on {worker.name} ended (B3)")
+    return WorkerError(f"the decode leg of {request.request_id} on {worker.name} was "
+                       f"cancelled before its stream ended", worker=worker.name)
 
 
 def _report_crash(

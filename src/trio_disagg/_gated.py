@@ -301,8 +301,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         """The decode engine raised after its worker accepted (G4): the stream ends with
         ``error`` as its last item, not with an end that reads as a success (B4). A
         reader that saw the channel's end waits for the leg's exit (:meth:`follow_leg`)
-        and gets it; one that already ended the stream does not."""
-        if self._state == _OPEN:
+        and gets it; one that already ended the stream, or was stopped, does not."""
+        if self._state == _OPEN and not self._stopped:
             self._fail(error)
 
     def _complete_if_whole(self) -> None:
