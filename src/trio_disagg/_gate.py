@@ -9,6 +9,7 @@ from typing import Any, NoReturn, TypeVar
 import trio
 
 from ._context import RequestContext
+from ._crash import worker_refusal
 from ._errors import PrefillError
 from ._gated import GatedOutputs, is_decode_failure
 from ._keeper import PrefillTask
@@ -122,17 +123,25 @@ class Gatekeeper:
                 decode leg that was already started is stopped through it when linked.
             Exception: what ``start_decode`` raised before it started (e.g. a
                 :class:`~trio_disagg.WorkerError`), bare, when the prefill did not fail.
+                A group whose one exception is a :class:`~trio_disagg.WorkerError` (an
+                engine that refused from inside a nursery of its own) raises that one.
 
         Cancellation (the client left) cancels the dispatch; the prefill is the keeper's
         and runs on (G9).
         """
         if self._answer_only:
             return None
-        if self.prefill.succeeded:
-            return await nursery.start(start_decode, *args)  # G2
         started: Any = None
-        if not self.prefill.done:
-            started = await self._start_racing_prefill(nursery, start_decode, args)
+        try:
+            if self.prefill.succeeded:
+                return await nursery.start(start_decode, *args)  # G2
+            if not self.prefill.done:
+                started = await self._start_racing_prefill(nursery, start_decode, args)
+        except Exception as exc:
+            refusal = worker_refusal(exc)  # from inside a nursery of the engine's own
+            if refusal is None or refusal is exc:
+                raise
+            raise refusal from refusal.__cause__
         if self.prefill.failed:  # looked at first, also on a tie (G1)
             self._raise_prefill_failure()
         return started
