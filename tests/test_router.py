@@ -810,6 +810,45 @@ async def test_B3_B4_a_kept_decode_leg_cut_by_the_keepers_shutdown_ends_with_an_
     assert keeper.in_flight == 0 and h.router.in_flight == 0
 
 
+class BuggyBeforeStarted:
+    """A decode engine with a bug: it raises a ValueError before ``started()``."""
+
+    name = "buggy"
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            raise ValueError("engine bug")
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST])
+async def test_B1_a_decode_engine_bug_before_it_started_is_raised_and_strands_nothing(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """``stream()`` raises what a decode engine raised before ``started()`` when it is no
+    refusal (a bug), bare and as it was raised, and the staged KV is consumed by a B1
+    cleanup decode, as for a client that left. A cleanup decode sent to that engine too
+    crashes as it did, and took no KV: it is tried on another worker, where it gave up
+    and left the KV to the worker's lease."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([BuggyBeforeStarted(), *h.cluster.decode])
+        request = attrs.evolve(make_request(), routing=RoutingHints(decode_worker="buggy"))
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ValueError, match="engine bug"):
+                await h.router.stream(nursery, request, RequestContext("req-1"))
+        await h.settle()
+        assert h.router.counters.staged_kv_cleanups == 1
+        assert h.cluster.counters().freed_blocks == h.cluster.counters().staged_blocks > 0
+    h.assert_clean()
+
+
 class MisbehavingDecode(StandIn):
     """A decode worker that accepts, pulls the KV and sends ``after`` tokens of the mock
     decode it wraps (None: all of them), then breaks the engine contract as

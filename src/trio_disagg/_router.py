@@ -188,14 +188,12 @@ class DisaggRouter:
 
         Args:
             nursery: the request's nursery; it must not outlive the keeper.
-            request: the request; it is not modified (the routing decision is in the
-                returned stream).
+            request: the request; not modified (the stream says how it was routed).
             context: the client's context; stopping it stops the decode leg (C4), never
                 the prefill (C5), and never a decode leg before it fetched its KV (G9).
 
         Returns:
-            A :class:`RequestStream` whose ``outputs`` the caller reads to the end, or
-            closes (``with stream.outputs:``).
+            A :class:`RequestStream`: read its ``outputs`` to the end, or close them.
 
         Raises:
             RouterClosed: the router is shutting down (B3).
@@ -208,8 +206,10 @@ class DisaggRouter:
             WorkerError: the decode worker refused the request.
             TypeError: an argument of another type than its own, before any work.
             RuntimeError: the keeper is not open (B3: close the router first); ``nursery``
-                is closed, or the decode engine ended without ``started()`` (trio's error;
-                staged KV is consumed as for a client that left, B1, B6).
+                is closed, or the decode engine ended without ``started()`` (trio's).
+            Exception: what a decode engine raised before ``started()`` that is no
+                :class:`WorkerError` (a bug), as raised. (After either, staged KV is
+                consumed as for a client that left, B1, B6.)
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
