@@ -17,6 +17,7 @@ from engine_support import StandIn, run_to_its_end
 
 from trio_disagg import (
     Annotated,
+    BootstrapInfo,
     CancelWindow,
     DeadlineExceeded,
     Deadlines,
@@ -27,6 +28,7 @@ from trio_disagg import (
     Phase,
     PrefillDeadlineExceeded,
     PrefillError,
+    PrefillResult,
     PreprocessedRequest,
     RequestContext,
     RequestStream,
@@ -1707,6 +1709,33 @@ async def test_stream_refuses_arguments_of_the_wrong_type_before_any_work(
                 with pytest.raises(TypeError, match=match):
                     await h.router.stream(nursery if bad_nursery == "nursery" else bad_nursery,
                                           bad_request, bad_context)
+        assert h.router.counters.requests_total == 0
+        await h.settle()
+        assert h.cluster.counters().staged_blocks == 0  # no prefill ran
+    h.assert_clean()
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_S5_S10_a_request_that_carries_a_handoff_already_is_refused(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """``prefill_result`` and ``bootstrap_info`` are the router's to fill in. A request
+    that carried a ``bootstrap_info`` already (one routed before, passed again) reached a
+    sequential decode worker with that stale room beside its real handoff: the mock
+    decode looked for the room, failed, and the KV the prefill staged was left to its
+    lease. Now a ValueError from ``stream()``, before any prefill runs."""
+    handoffs: list[dict[str, Any]] = [
+        {"bootstrap_info": BootstrapInfo(host="h", port=1, room=5)},
+        {"prefill_result": PrefillResult(disaggregated_params={"kv": 1})},
+    ]
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            for handoff in handoffs:
+                request = attrs.evolve(make_request(), **handoff)
+                name = next(iter(handoff))
+                with pytest.raises(ValueError, match=f"carries a {name} already"):
+                    await h.router.stream(nursery, request, RequestContext("req-1"))
         assert h.router.counters.requests_total == 0
         await h.settle()
         assert h.cluster.counters().staged_blocks == 0  # no prefill ran

@@ -40,9 +40,17 @@ def check_stream_arguments(nursery: object, request: object, context: object) ->
 
     Raises:
         TypeError: ``nursery``, ``request`` or ``context`` of another type.
+        ValueError: ``request`` carries a ``prefill_result`` or a ``bootstrap_info``
+            already: the router fills them in (S5, S10), and a stale one would reach the
+            decode worker as its handoff (a request routed before, passed again).
     """
     _types(nursery=(nursery, trio.Nursery), request=(request, PreprocessedRequest),
            context=(context, RequestContext))
+    assert isinstance(request, PreprocessedRequest)
+    for name in ("prefill_result", "bootstrap_info"):
+        if getattr(request, name) is not None:
+            raise ValueError(f"request {request.request_id!r} carries a {name} already: "
+                             f"the router fills it in; pass the request as received")
 
 
 def _types(**arguments: tuple[Any, ...]) -> None:

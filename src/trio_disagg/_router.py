@@ -181,10 +181,9 @@ class DisaggRouter:
     ) -> RequestStream:
         """Start ``request`` and return its output stream.
 
-        The decode leg runs in ``nursery``: the request's nursery, which the caller cancels
-        when the client goes away; the gatekeeper runs in the reader's task, as it reads
-        ``outputs``. Returns once the decode worker accepted the request (or at once for a
-        terminal prefill), so errors before the first byte are raised here.
+        The decode leg runs in ``nursery`` (the request's: the caller cancels it when the
+        client goes away); the gatekeeper, in the reader's task. Returns once the decode
+        worker accepted (at once for a terminal prefill): errors before it are raised here.
 
         Args:
             nursery: the request's nursery; it must not outlive the keeper.
@@ -205,6 +204,7 @@ class DisaggRouter:
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
             TypeError: an argument of another type than its own, before any work.
+            ValueError: ``request`` has a ``prefill_result`` or ``bootstrap_info`` (ours).
             RuntimeError: the keeper is not open (B3: close the router first); ``nursery``
                 is closed, or the decode engine ended without ``started()`` (trio's).
             Exception: what a decode engine raised before ``started()`` that is no
