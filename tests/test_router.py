@@ -1746,8 +1746,10 @@ def test_a_router_refuses_arguments_of_the_wrong_type_when_it_is_made() -> None:
     """A new user's likely slip, the engine lists of ``mock_cluster`` given where
     :class:`WorkerPool`\\ s go, was accepted and failed each request with an
     AttributeError ("'list' object has no attribute 'select'") from inside ``stream()``;
-    so did a missing keeper, and a fractional ``channel_buffer`` failed in trio. Now a
-    TypeError naming the argument, when the router is made."""
+    so did a missing keeper, and a fractional ``channel_buffer`` failed in trio. A prefill
+    engine whose ``handoff_style`` was the style's string value was served as a
+    sequential one, in silence. Now a TypeError naming the argument, when the router is
+    made."""
     cluster = mock_cluster()
     pools: dict[str, Any] = {"prefill": WorkerPool(cluster.prefill),
                              "decode": WorkerPool(cluster.decode),
@@ -1767,6 +1769,12 @@ def test_a_router_refuses_arguments_of_the_wrong_type_when_it_is_made() -> None:
             DisaggRouter(**{**pools, name: bad})
     with pytest.raises(ValueError, match="channel_buffer must be >= 0 items, got -1"):
         DisaggRouter(**pools, channel_buffer=-1)
+    misstyled = mock_cluster().prefill[0]
+    misstyled.handoff_style = "bootstrap"  # type: ignore[assignment]  # its value, a str
+    with pytest.raises(TypeError, match=re.escape(
+            "prefill engine prefill-0: handoff_style must be a trio_disagg.HandoffStyle, "
+            "got 'bootstrap'")):
+        DisaggRouter(**{**pools, "prefill": WorkerPool([misstyled])})
 
 
 @pytest.mark.parametrize("style", STYLES)

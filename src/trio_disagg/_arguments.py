@@ -10,6 +10,7 @@ from typing import Any
 import trio
 
 from ._context import RequestContext
+from ._engine import HandoffStyle
 from ._health import RetryPolicy
 from ._keeper import TransferKeeper
 from ._pool import WorkerPool
@@ -24,7 +25,8 @@ def check_router_arguments(
     """What :class:`~trio_disagg.DisaggRouter` is made with.
 
     Raises:
-        TypeError: an argument of another type than its own.
+        TypeError: an argument of another type than its own; a prefill engine whose
+            ``handoff_style`` is not a :class:`~trio_disagg.HandoffStyle`.
         ValueError: a negative ``channel_buffer`` or ``disagg_min_prompt_tokens``.
     """
     _count("channel_buffer", channel_buffer, "items", also=math.inf)
@@ -32,6 +34,12 @@ def check_router_arguments(
     _types(prefill=(prefill, WorkerPool), decode=(decode, WorkerPool),
            keeper=(keeper, TransferKeeper), deadlines=(deadlines, Deadlines, None),
            retry=(retry, RetryPolicy, None))
+    assert isinstance(prefill, WorkerPool)
+    for worker in prefill.workers:
+        style = getattr(worker.engine, "handoff_style", None)
+        if not isinstance(style, HandoffStyle):  # (a str would read as SEQUENTIAL)
+            raise TypeError(f"prefill engine {worker.name}: handoff_style must be a "
+                            f"trio_disagg.HandoffStyle, got {style!r}")
 
 
 def check_stream_arguments(nursery: object, request: object, context: object) -> None:

@@ -103,7 +103,8 @@ class DisaggRouter:
         ValueError: a negative ``channel_buffer`` or ``disagg_min_prompt_tokens``.
         TypeError: an argument of another type than its own (a list of engines where a
             :class:`WorkerPool` goes, no keeper, a ``channel_buffer`` that is neither an
-            int nor ``math.inf``...): said when the router is made, not in a request.
+            int nor ``math.inf``, a prefill engine whose ``handoff_style`` is not a
+            :class:`HandoffStyle`...): said when the router is made, not in a request.
     """
 
     def __init__(
