@@ -358,6 +358,19 @@ async def test_S6_non_bootstrap_stream_drained_before_returning_with_guard_held(
     assert trio.current_time() == 2.0
 
 
+async def test_S1_consume_prefill_stream_refuses_arguments_of_the_wrong_type() -> None:
+    """A list given for the stream, or a name given for the keeper, raised an
+    AttributeError from inside (``'list' object has no attribute 'close'``); now a
+    TypeError naming the argument, before anything is read."""
+    item = valid_prefill_output()
+    with pytest.raises(TypeError, match="outputs must be a ReceiveChannel, got list"):
+        await consume_prefill_stream([item])  # type: ignore[arg-type]
+    wrong: dict[str, Any] = {"keeper": "x", "tracker": "x", "leg": "x"}
+    for name, value in wrong.items():
+        with pytest.raises(TypeError, match=f"{name} must be a .* or None, got str"):
+            await consume_prefill_stream(stream_of(item), **{name: value})
+
+
 @pytest.mark.parametrize(
     ("garbage", "what"),
     [("a token", "a str"), (None, "a NoneType"), ({"token_ids": [1]}, "a dict"),

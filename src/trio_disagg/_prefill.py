@@ -260,38 +260,38 @@ async def consume_prefill_stream(
     The first output is classified (:func:`classify_first_output`). For a bootstrap
     handoff (S5) with a ``keeper``, the keeper drains the rest, holding ``guard`` until
     then, and this returns at once, the :class:`Handoff`'s ``drain`` observing it (a
-    :class:`~trio_disagg.Gatekeeper` takes the handoff as it is). Otherwise the stream is
-    read here to its end (S6), ``guard`` held. A later failure is raised or logged once:
-    here, or by the keeper from inside the drain (T2).
+    Gatekeeper takes it as it is). Otherwise the stream is read here to its end (S6),
+    ``guard`` held. A later failure is raised here, or logged by the keeper's drain (T2).
 
     Args:
         outputs: the prefill leg's stream; closed when fully read, and on any error.
         tracker: records prefill complete on the first valid output (S3).
         keeper: drains the rest of a bootstrap stream in the background (T1).
-        name: the drain's name in the keeper's logs and trio task names (usually the
-            request id); default: the first output's ``id``, else the bootstrap room.
+        name: the drain's name in the keeper's logs and task names (the request id);
+            default: the first output's ``id``, else the bootstrap room.
         guard: a teardown guard to hold until the stream is fully read.
         first: the first output, if the caller already read it from ``outputs`` (to
-            bound that wait by a deadline of its own, rule B2 in docs/semantics.md,
-            without closing the stream when the deadline expires).
+            bound that wait by a deadline of its own, B2, and not close the stream).
         leg: the keeper's leg running the engine (:meth:`TransferKeeper.spawn_leg`):
             the stream's end is read as the engine's end, so an engine that refused
             (S1) or raised (T3) fails the prefill, never a clean end (G5).
 
     Returns:
-        A :class:`Handoff` (with a ``drain`` in the keeper for a bootstrap handoff and a
-        ``keeper``) or a :class:`Terminal`.
+        A :class:`Handoff` (a bootstrap one given a ``keeper``: with a ``drain``) or a
+        :class:`Terminal`.
 
     Raises:
         PrefillError: no output at all (S1), an error first output (S2), a later
             failed output (S6, T4) when the stream is read here, ``leg``'s failure.
         NoDisaggregatedParams: S8, S9.
         RuntimeError: the keeper is not open.
+        TypeError: an argument of another type.
 
     On cancellation the channel is closed (a prefill engine still sending gets
     :exc:`trio.BrokenResourceError`); with a keeper, a bootstrap drain already started is
     not affected (T1).
     """
+    _check_types(outputs, keeper, tracker, leg)
     if first is None:
         first = await _receive_first(outputs, leg)
     completion = _classify_or_close(outputs, first, tracker)
@@ -304,6 +304,17 @@ async def consume_prefill_stream(
     if isinstance(completion, Handoff):
         completion = _with_usage(completion, later)
     return completion
+
+
+def _check_types(outputs: object, keeper: object, tracker: object, leg: object) -> None:
+    """A wrong type is the caller's mistake: said before anything is read."""
+    for name, value, kind in (("outputs", outputs, trio.abc.ReceiveChannel),
+                              ("keeper", keeper, TransferKeeper),
+                              ("tracker", tracker, RequestTracker), ("leg", leg, TransferLeg)):
+        if not (isinstance(value, kind) or (value is None and name != "outputs")):
+            raise TypeError(f"{name} must be a {kind.__name__}"
+                            f"{'' if name == 'outputs' else ' or None'}, "
+                            f"got {type(value).__name__}")
 
 
 async def _receive_first(
