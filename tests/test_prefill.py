@@ -776,3 +776,32 @@ async def test_T4_a_prefill_engine_leg_that_ends_well_is_a_handoff(
         assert isinstance(completion, Handoff) and completion.drain is not None
         await completion.drain.result()
         assert leg.done and leg.crash is None
+
+
+@pytest.mark.parametrize("params", [{"kv": "k1"}, BOOTSTRAP], ids=["sequential", "bootstrap"])
+async def test_T1_S6_a_prefill_engine_leg_that_forgets_to_close_its_channel_still_ends(
+    autojump_clock: trio.testing.MockClock, params: dict[str, Any]
+) -> None:
+    """An engine written against the docs but for the ``with send_channel:`` returns
+    with its channel open. Its reader, given the leg, waited for ever for the stream's
+    end (a sequential handoff never returned; a bootstrap drain held the keeper); the
+    keeper closes the channels it gave the leg once the leg is over, so the stream ends
+    with it and the prefill succeeds."""
+
+    async def forgetful(send: trio.MemorySendChannel[Item], *,
+                        task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        await trio.sleep(0.01)
+        await send.send(out(disaggregated_params=params))  # and no close
+
+    with trio.fail_after(60):
+        async with TransferKeeper() as keeper:
+            send, receive = trio.open_memory_channel[Item](8)
+            leg = keeper.spawn_leg(forgetful, send, name="r1", kind="prefill engine")
+            completion = await consume_prefill_stream(receive, keeper=keeper, name="r1",
+                                                      leg=leg)
+            assert isinstance(completion, Handoff)
+            if completion.drain is not None:
+                await completion.drain.result()
+            await keeper.wait_idle()
+            assert leg.done and leg.crash is None and keeper.failed_total == 0
