@@ -235,6 +235,19 @@ def test_C1_request_id_must_be_a_string() -> None:
         RequestContext(None)  # type: ignore[arg-type]
 
 
+def test_C4_C1_a_link_or_callback_of_the_wrong_type_is_refused_at_once() -> None:
+    """``link_child("x")`` raised an AttributeError, and ``on_stop(5)`` was accepted and
+    only logged as a raising callback at the stop, far from the mistake. Both are a
+    TypeError now, and the context is left as it was."""
+    context = RequestContext("a")
+    with pytest.raises(TypeError, match="child must be a RequestContext, got str"):
+        context.link_child("x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callback must be callable, got int"):
+        context.on_stop(5)  # type: ignore[arg-type]
+    context.kill()  # nothing registered or linked: nothing raised, nothing logged
+    assert context.is_killed
+
+
 def test_C4_a_link_that_would_make_a_cycle_is_refused() -> None:
     """A cycle of links would make the next stop recurse for ever."""
     a, b, c = RequestContext("a"), RequestContext("b"), RequestContext("c")

@@ -962,6 +962,50 @@ def test_gate_refuses_what_is_not_a_prefill() -> None:
         Gatekeeper("prefill", RequestContext("r-1"))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("prefill_done", [False, True], ids=["pending", "succeeded"])
+async def test_G1_G2_a_refusal_from_inside_the_engines_own_nursery_is_raised_bare(
+    autojump_clock: trio.testing.MockClock, prefill_done: bool
+) -> None:
+    """docs/howto-engine.md: a group whose one exception is a ``WorkerError`` is the
+    engine's refusal. ``dispatch`` of such an engine raised the whole ExceptionGroup to a
+    pipeline of one's own; it raises the ``WorkerError`` itself, bare, as the router's
+    decode leg does. A group of anything else is left as it is (a bug, not a refusal)."""
+
+    async def refuses(*, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC114
+        async with trio.open_nursery():
+            raise WorkerError("decode worker busy", status=503)
+
+    async def crashes(*, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC114
+        async with trio.open_nursery():
+            raise KeyError("bug")
+
+    async with TransferKeeper() as keeper:
+        go = trio.Event()
+        prefill = keeper.start(go.wait, name="r-1")
+        if prefill_done:
+            go.set()
+            await prefill.wait_done()
+        gate = Gatekeeper(prefill, RequestContext("r-1"))
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(WorkerError, match="decode worker busy") as refused:
+                await gate.dispatch(nursery, refuses)
+            assert refused.value.status == 503
+            crashed: list[BaseException] = []
+            try:
+                await gate.dispatch(nursery, crashes)
+            except ExceptionGroup as group:  # (the engine's own group, as it raised it)
+                crashed.extend(group.exceptions)
+            assert [type(exc) for exc in crashed] == [KeyError]
+        go.set()
+
+
+def test_gate_refuses_a_client_context_that_is_not_one() -> None:
+    """A request id given as the client context raised an AttributeError ("'str' object
+    has no attribute 'id'"); now a TypeError that names the argument."""
+    with pytest.raises(TypeError, match=r"client_context must be a trio_disagg\.RequestContext"):
+        Gatekeeper(PrefillTask("r"), "r")  # type: ignore[arg-type]
+
+
 async def dispatch_with(gate: Gatekeeper, value: str) -> Any:
     """``gate.dispatch`` of a decode leg that accepts at once with ``value``."""
 

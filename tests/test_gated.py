@@ -23,6 +23,7 @@ from trio_disagg import (
     PrefillTask,
     RequestContext,
     TransferKeeper,
+    WorkerError,
 )
 
 Item = Annotated[LLMEngineOutput]
@@ -336,3 +337,38 @@ async def test_B5_a_whole_decode_stream_ends_the_request_before_it_is_read(
         assert request.ends == 1
         assert [item.data for item in await request.rest()] == [token(1).data,
                                                                finished(2).data]
+
+
+@pytest.mark.parametrize("read", ["receive", "receive_nowait"])
+@pytest.mark.parametrize("prefill_done", [False, True], ids=["prefill pending", "passing"])
+async def test_G4_B4_an_output_that_is_not_an_engine_output_ends_the_stream_with_an_error(
+    autojump_clock: trio.testing.MockClock, read: str, prefill_done: bool,
+) -> None:
+    """A decode output that is not an ``Annotated[LLMEngineOutput]`` (a str, a ``None``,
+    an ``Annotated`` of a dict) ends the stream with one error item of the gate's, a
+    :class:`WorkerError` naming what was sent, and stops both contexts: never an
+    ``AttributeError`` in the reader's task, nor (for ``None``) an end that reads as a
+    success (G4, B4). Whether the gate still waits for the prefill or lets everything
+    pass (G7), and whichever way the reader reads."""
+    async with TransferKeeper() as keeper:
+        for garbage in ["a token", None, Annotated(data={"token_ids": [1]})]:
+            prefill = Prefill(keeper)
+            request = Request(prefill.task)
+            if prefill_done:
+                prefill.succeed()
+                await request.gate.prefill.wait_done()
+                request.decode_send.send_nowait(token(1))
+                assert (await request.outputs.receive()).data == token(1).data  # G7
+            request.decode_send.send_nowait(garbage)  # type: ignore[arg-type]
+            request.decode_send.send_nowait(finished(2))
+            if read == "receive_nowait" and prefill_done:
+                error = request.outputs.receive_nowait()
+            else:
+                error = await request.outputs.receive()
+            assert error.is_error and isinstance(error.exception, WorkerError)
+            assert "not an Annotated[LLMEngineOutput]" in str(error.error_message())
+            assert request.gate.failure is error.exception
+            assert request.client.is_stopped and request.decode_ctx.is_stopped
+            assert await request.rest() == []  # G8: nothing after it
+            assert request.ends == 1
+            prefill.succeed()

@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -519,6 +520,14 @@ async def test_B3_keeper_is_entered_once(autojump_clock: trio.testing.MockClock)
 @pytest.mark.parametrize("window", [-1.0, math.nan])
 def test_B3_drain_window_must_be_non_negative(window: float) -> None:
     with pytest.raises(ValueError, match="drain_window"):
+        TransferKeeper(drain_window=window)
+
+
+@pytest.mark.parametrize("window", ["30", None, True])
+def test_B3_drain_window_must_be_a_number(window: Any) -> None:
+    """A string raised trio's comparison TypeError ("'<' not supported"); now a TypeError
+    naming the argument. (A bool is not a number of seconds either.)"""
+    with pytest.raises(TypeError, match="drain_window must be a number of seconds"):
         TransferKeeper(drain_window=window)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import attrs
 import pytest
 import trio
@@ -48,6 +51,29 @@ def request(session: str | None = None) -> PreprocessedRequest:
 
 def pool(n: int, **kwargs: object) -> WorkerPool[NullEngine]:
     return WorkerPool([NullEngine(f"w{i}") for i in range(n)], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "match"),
+    [({"policy": "round_robin"}, TypeError, "policy must be a SelectionPolicy"),
+     ({"failure_threshold": 0}, ValueError, "failure_threshold must be >= 1"),
+     ({"failure_threshold": 2.5}, TypeError, "failure_threshold must be an int"),
+     ({"cooldown": -1}, ValueError, "cooldown must be a finite number of seconds >= 0"),
+     ({"cooldown": math.nan}, ValueError, "cooldown must be a finite number"),
+     ({"cancel_windows": {"w": "anytime"}}, TypeError,
+      r"cancel_windows\['w'\] must be a trio_disagg.CancelWindow")],
+    ids=["policy str", "threshold 0", "threshold float", "cooldown -1", "cooldown nan",
+         "window str"])
+def test_B10_S12_a_pool_refuses_settings_it_could_not_use(
+    settings: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """Each was accepted: a str policy failed every request with an AttributeError; a
+    threshold below 1 or a negative or NaN cooldown left the circuit breaker without a
+    meaning; and a cancel window given as its string value was kept as a str, which no
+    window compares equal to, so the prefill was never cancelled (B10), in silence.
+    Each is refused when the pool is made."""
+    with pytest.raises(error, match=match):
+        WorkerPool([NullEngine("w")], **settings)
 
 
 async def test_S12_round_robin_visits_each_worker_in_turn() -> None:

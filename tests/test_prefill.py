@@ -358,6 +358,53 @@ async def test_S6_non_bootstrap_stream_drained_before_returning_with_guard_held(
     assert trio.current_time() == 2.0
 
 
+async def test_S1_consume_prefill_stream_refuses_arguments_of_the_wrong_type() -> None:
+    """A list given for the stream, or a name given for the keeper, raised an
+    AttributeError from inside (``'list' object has no attribute 'close'``); now a
+    TypeError naming the argument, before anything is read."""
+    item = valid_prefill_output()
+    with pytest.raises(TypeError, match="outputs must be a ReceiveChannel, got list"):
+        await consume_prefill_stream([item])  # type: ignore[arg-type]
+    wrong: dict[str, Any] = {"keeper": "x", "tracker": "x", "leg": "x"}
+    for name, value in wrong.items():
+        with pytest.raises(TypeError, match=f"{name} must be a .* or None, got str"):
+            await consume_prefill_stream(stream_of(item), **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("garbage", "what"),
+    [("a token", "a str"), (None, "a NoneType"), ({"token_ids": [1]}, "a dict"),
+     (Annotated(data={"token_ids": [1]}), "an Annotated whose data is a dict")],
+    ids=["str", "None", "dict", "Annotated of a dict"])
+async def test_S2_T4_an_output_that_is_not_an_engine_output_is_a_prefill_error(
+    autojump_clock: trio.testing.MockClock, garbage: Any, what: str
+) -> None:
+    """A prefill engine that sends something else than an ``Annotated[LLMEngineOutput]``,
+    first or later, fails the prefill with a :class:`PrefillError` that says what it sent
+    (S2, T4): not an ``AttributeError`` (read as a crash of the drain), and the tracker
+    does not record the prefill complete. Inline, and in a bootstrap drain."""
+    message = f"prefill engine sent {what}, not an Annotated"
+    tracker = RequestTracker()
+    with pytest.raises(PrefillError, match=message) as first:
+        classify_first_output(garbage, tracker)
+    assert type(first.value) is PrefillError and tracker.prefill_complete_at is None
+    with pytest.raises(PrefillError, match=message):
+        check_prefill_output(garbage)
+    with pytest.raises(PrefillError, match=message):
+        await consume_prefill_stream(stream_of(garbage))
+    with pytest.raises(PrefillError, match=message):
+        await consume_prefill_stream(stream_of(valid_prefill_output(), garbage))
+    with trio.fail_after(10):
+        async with TransferKeeper() as keeper:
+            completion = await consume_prefill_stream(
+                stream_of(out(disaggregated_params=BOOTSTRAP), garbage), keeper=keeper)
+            drain = handoff_of(completion).drain
+            assert drain is not None
+            with pytest.raises(PrefillError, match=message):
+                await drain.wait()
+            assert "crashed" not in str(drain.error)
+
+
 @pytest.mark.parametrize(
     ("later", "message"),
     [
@@ -729,3 +776,32 @@ async def test_T4_a_prefill_engine_leg_that_ends_well_is_a_handoff(
         assert isinstance(completion, Handoff) and completion.drain is not None
         await completion.drain.result()
         assert leg.done and leg.crash is None
+
+
+@pytest.mark.parametrize("params", [{"kv": "k1"}, BOOTSTRAP], ids=["sequential", "bootstrap"])
+async def test_T1_S6_a_prefill_engine_leg_that_forgets_to_close_its_channel_still_ends(
+    autojump_clock: trio.testing.MockClock, params: dict[str, Any]
+) -> None:
+    """An engine written against the docs but for the ``with send_channel:`` returns
+    with its channel open. Its reader, given the leg, waited for ever for the stream's
+    end (a sequential handoff never returned; a bootstrap drain held the keeper); the
+    keeper closes the channels it gave the leg once the leg is over, so the stream ends
+    with it and the prefill succeeds."""
+
+    async def forgetful(send: trio.MemorySendChannel[Item], *,
+                        task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        await trio.sleep(0.01)
+        await send.send(out(disaggregated_params=params))  # and no close
+
+    with trio.fail_after(60):
+        async with TransferKeeper() as keeper:
+            send, receive = trio.open_memory_channel[Item](8)
+            leg = keeper.spawn_leg(forgetful, send, name="r1", kind="prefill engine")
+            completion = await consume_prefill_stream(receive, keeper=keeper, name="r1",
+                                                      leg=leg)
+            assert isinstance(completion, Handoff)
+            if completion.drain is not None:
+                await completion.drain.result()
+            await keeper.wait_idle()
+            assert leg.done and leg.crash is None and keeper.failed_total == 0

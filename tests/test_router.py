@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from engine_support import StandIn, run_to_its_end
 
 from trio_disagg import (
     Annotated,
+    BootstrapInfo,
     CancelWindow,
     DeadlineExceeded,
     Deadlines,
@@ -26,6 +28,7 @@ from trio_disagg import (
     Phase,
     PrefillDeadlineExceeded,
     PrefillError,
+    PrefillResult,
     PreprocessedRequest,
     RequestContext,
     RequestStream,
@@ -776,6 +779,78 @@ async def test_B3_B1_kv_staged_inside_the_drain_window_is_consumed(
     h.assert_clean()
 
 
+@pytest.mark.parametrize("style", [HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_B3_B4_a_kept_decode_leg_cut_by_the_keepers_shutdown_ends_with_an_error(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """A decode leg that is part of the KV transfer runs in the keeper. When the keeper
+    shuts down while a reader outside it still reads that leg's stream, the drain window
+    runs out and the leg is cancelled: the reader's stream ended there, after a few
+    tokens, as if it were a complete answer. It now ends with one error item, a
+    :class:`RouterClosed` (B3, B4)."""
+    items: list[Item] = []
+    reading = trio.Event()
+
+    async def client(router: DisaggRouter) -> None:
+        async with trio.open_nursery() as nursery:
+            stream = await router.stream(nursery, make_request(max_tokens=50),
+                                         RequestContext("req-1"))
+            with stream.outputs:
+                async for item in stream.outputs:
+                    items.append(item)
+                    reading.set()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as service, TransferKeeper(drain_window=0.5) as keeper:
+            h = harness_for(keeper, style)
+            service.start_soon(client, h.router)
+            await reading.wait()
+            h.router.close()
+    assert len(items) > 1 and not any(item.is_error for item in items[:-1])
+    assert items[-1].is_error and isinstance(items[-1].exception, RouterClosed)
+    assert "transfer keeper shut down" in str(items[-1].error_message())
+    assert keeper.in_flight == 0 and h.router.in_flight == 0
+
+
+class BuggyBeforeStarted:
+    """A decode engine with a bug: it raises a ValueError before ``started()``."""
+
+    name = "buggy"
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            raise ValueError("engine bug")
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST])
+async def test_B1_a_decode_engine_bug_before_it_started_is_raised_and_strands_nothing(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """``stream()`` raises what a decode engine raised before ``started()`` when it is no
+    refusal (a bug), bare and as it was raised, and the staged KV is consumed by a B1
+    cleanup decode, as for a client that left. A cleanup decode sent to that engine too
+    crashes as it did, and took no KV: it is tried on another worker, where it gave up
+    and left the KV to the worker's lease."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([BuggyBeforeStarted(), *h.cluster.decode])
+        request = attrs.evolve(make_request(), routing=RoutingHints(decode_worker="buggy"))
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ValueError, match="engine bug"):
+                await h.router.stream(nursery, request, RequestContext("req-1"))
+        await h.settle()
+        assert h.router.counters.staged_kv_cleanups == 1
+        assert h.cluster.counters().freed_blocks == h.cluster.counters().staged_blocks > 0
+    h.assert_clean()
+
+
 class MisbehavingDecode(StandIn):
     """A decode worker that accepts, pulls the KV and sends ``after`` tokens of the mock
     decode it wraps (None: all of them), then breaks the engine contract as
@@ -854,6 +929,77 @@ async def test_G4_B4_a_decode_engine_that_raises_after_it_started_is_an_error_it
     h.assert_clean()
 
 
+async def a_stray_cancelled() -> trio.Cancelled:
+    """A real ``trio.Cancelled``, caught from a scope that is over: an engine that raises
+    it later raises a cancellation nobody asked for (a bug, as raising any other)."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            caught = exc
+            raise
+    return caught
+
+
+class StrayCancelledDecode(StandIn):
+    """Sends ``after`` tokens of the mock decode it wraps (run to its end first), then
+    raises a ``Cancelled`` of its own, bare or in a group, outside any nursery of its
+    own (a nursery would take it for its own cancellation)."""
+
+    def __init__(self, engine: Any, after: int, grouped: bool) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.grouped = grouped
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            items = await run_to_its_end(self.engine, request, context)
+            task_status.started()
+            for item in items[:self.after]:
+                await send_channel.send(item)
+            stray = await a_stray_cancelled()
+            if self.grouped:
+                raise BaseExceptionGroup("engine tasks", [stray, ValueError("bug")])
+            raise stray
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+@pytest.mark.parametrize("grouped", [False, True], ids=["bare", "in a group"])
+@pytest.mark.parametrize("after", [0, 2])
+async def test_G4_B4_a_decode_engine_that_raises_a_stray_cancelled_is_an_error_item(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, grouped: bool, after: int,
+) -> None:
+    """A decode engine that raises ``trio.Cancelled`` after ``started()`` when nothing
+    cancelled it (it kept one from a scope of its own, and raised it later) crashed: its
+    stream ends with one error item naming the crash (G4, B4), not with an end that
+    reads as a complete answer of ``after`` tokens, and the request's nursery exits
+    cleanly."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([StrayCancelledDecode(h.cluster.decode[0], after,
+                                                           grouped)])
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                               RequestContext("req-1"))
+                with stream.outputs:
+                    items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False] * after + [True]
+        message = items[-1].error_message()
+        assert message is not None and "decode-0 crashed: " in message
+        assert ("ValueError: bug" if grouped else "Cancelled") in message
+        await h.settle()
+    h.assert_clean()
+
+
 class AsyncClosingCrashingDecode(StandIn):
     """As :class:`CrashingDecode` after two tokens, but closing its channel with ``async
     with send_channel:`` (trio's usual idiom) inside a nursery of its own: the close and
@@ -892,6 +1038,106 @@ async def test_G4_B4_a_decode_engine_that_raises_inside_async_with_send_channel(
             with stream.outputs:
                 items = [item async for item in stream.outputs]
         assert [item.is_error for item in items] == [False, False, True]
+
+
+class GarbageSendingDecode(StandIn):
+    """Sends ``after`` tokens of the mock decode it wraps, then something that is not an
+    ``Annotated[LLMEngineOutput]`` (an engine written against the docs that gets its
+    output type wrong), then the rest."""
+
+    def __init__(self, engine: Any, after: int, garbage: object) -> None:
+        super().__init__(engine)
+        self.after = after
+        self.garbage = garbage
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            inner_send, receive = trio.open_memory_channel[Item](math.inf)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.engine.generate, request, context, inner_send)
+                task_status.started()
+                with receive:
+                    for _ in range(self.after):
+                        await send_channel.send(await receive.receive())
+                    await send_channel.send(self.garbage)  # type: ignore[arg-type]
+                    async for item in receive:  # what it would have sent after
+                        await send_channel.send(item)
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+@pytest.mark.parametrize("garbage", ["a token", {"token_ids": [1]}, None,
+                                     Annotated(data={"token_ids": [1]})],
+                         ids=["str", "dict", "None", "Annotated of a dict"])
+@pytest.mark.parametrize("after", [0, 2])
+async def test_G4_B4_a_decode_output_that_is_not_an_engine_output_is_an_error_item(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle, garbage: object, after: int,
+) -> None:
+    """A decode engine that sends something else than an ``Annotated[LLMEngineOutput]``
+    ends its stream with one error item that says what it sent (G4, B4): not an
+    ``AttributeError`` out of the reader's ``async for``, nor a group out of the request's
+    nursery. Nothing is stranded, and nothing stays in flight."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.decode = WorkerPool([GarbageSendingDecode(h.cluster.decode[0], after,
+                                                           garbage)])
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=8),
+                                           RequestContext("req-1"))
+            with stream.outputs:
+                items = [item async for item in stream.outputs]
+        assert [item.is_error for item in items] == [False] * after + [True]
+        assert isinstance(items[-1].exception, WorkerError)
+        message = items[-1].error_message()
+        assert message is not None and "Annotated[LLMEngineOutput]" in message
+        assert type(garbage).__name__ in message or "data" in message
+        await h.settle()
+    h.assert_clean()
+
+
+class GarbagePrefill(StandIn):
+    """A prefill engine whose first output is not an ``Annotated[LLMEngineOutput]``."""
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with send_channel:
+            task_status.started()
+            await send_channel.send({"disaggregated_params": {}})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_S2_a_prefill_output_that_is_not_an_engine_output_is_a_prefill_error(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle,
+) -> None:
+    """A prefill engine whose first output is a dict fails the request with a
+    :class:`PrefillError` that says so, whatever the handoff style: raised by
+    ``stream()``, or the stream's one error item once a bootstrap decode was dispatched
+    with it; not a "crashed: AttributeError" (S2)."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        h.router.prefill = WorkerPool([GarbagePrefill(h.cluster.prefill[0])])
+        message = "the prefill engine sent a dict, not an Annotated[LLMEngineOutput]"
+        try:
+            _, items = await h.run(make_request())
+        except PrefillError as exc:
+            assert str(exc) == message
+        else:
+            assert style is BOOT and [item.is_error for item in items] == [True]
+            assert items[0].error_message() == message
+        await h.settle()
+    h.assert_clean()
 
 
 async def test_T2_a_raising_stop_callback_on_a_client_context_never_reaches_the_keeper(
@@ -1467,6 +1713,68 @@ async def test_stream_refuses_arguments_of_the_wrong_type_before_any_work(
         await h.settle()
         assert h.cluster.counters().staged_blocks == 0  # no prefill ran
     h.assert_clean()
+
+
+@pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
+async def test_S5_S10_a_request_that_carries_a_handoff_already_is_refused(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle
+) -> None:
+    """``prefill_result`` and ``bootstrap_info`` are the router's to fill in. A request
+    that carried a ``bootstrap_info`` already (one routed before, passed again) reached a
+    sequential decode worker with that stale room beside its real handoff: the mock
+    decode looked for the room, failed, and the KV the prefill staged was left to its
+    lease. Now a ValueError from ``stream()``, before any prefill runs."""
+    handoffs: list[dict[str, Any]] = [
+        {"bootstrap_info": BootstrapInfo(host="h", port=1, room=5)},
+        {"prefill_result": PrefillResult(disaggregated_params={"kv": 1})},
+    ]
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style)
+        async with trio.open_nursery() as nursery:
+            for handoff in handoffs:
+                request = attrs.evolve(make_request(), **handoff)
+                name = next(iter(handoff))
+                with pytest.raises(ValueError, match=f"carries a {name} already"):
+                    await h.router.stream(nursery, request, RequestContext("req-1"))
+        assert h.router.counters.requests_total == 0
+        await h.settle()
+        assert h.cluster.counters().staged_blocks == 0  # no prefill ran
+    h.assert_clean()
+
+
+def test_a_router_refuses_arguments_of_the_wrong_type_when_it_is_made() -> None:
+    """A new user's likely slip, the engine lists of ``mock_cluster`` given where
+    :class:`WorkerPool`\\ s go, was accepted and failed each request with an
+    AttributeError ("'list' object has no attribute 'select'") from inside ``stream()``;
+    so did a missing keeper, and a fractional ``channel_buffer`` failed in trio. A prefill
+    engine whose ``handoff_style`` was the style's string value was served as a
+    sequential one, in silence. Now a TypeError naming the argument, when the router is
+    made."""
+    cluster = mock_cluster()
+    pools: dict[str, Any] = {"prefill": WorkerPool(cluster.prefill),
+                             "decode": WorkerPool(cluster.decode),
+                             "keeper": TransferKeeper()}
+    cases: list[tuple[str, Any, str]] = [
+        ("prefill", cluster.prefill, "prefill must be a trio_disagg.WorkerPool, got list"),
+        ("decode", cluster.decode, "decode must be a trio_disagg.WorkerPool, got list"),
+        ("keeper", None, "keeper must be a trio_disagg.TransferKeeper, got NoneType"),
+        ("deadlines", {"prefill": 5}, "deadlines must be a trio_disagg.Deadlines or None"),
+        ("retry", 3, "retry must be a trio_disagg.RetryPolicy or None, got int"),
+        ("channel_buffer", 1.5, "channel_buffer must be an int or math.inf"),
+        ("channel_buffer", "4", "channel_buffer must be an int or math.inf"),
+        ("disagg_min_prompt_tokens", "5", "disagg_min_prompt_tokens must be None or an int"),
+    ]
+    for name, bad, match in cases:
+        with pytest.raises(TypeError, match=re.escape(match)):
+            DisaggRouter(**{**pools, name: bad})
+    with pytest.raises(ValueError, match="channel_buffer must be >= 0 items, got -1"):
+        DisaggRouter(**pools, channel_buffer=-1)
+    misstyled = mock_cluster().prefill[0]
+    misstyled.handoff_style = "bootstrap"  # type: ignore[assignment]  # its value, a str
+    with pytest.raises(TypeError, match=re.escape(
+            "prefill engine prefill-0: handoff_style must be a trio_disagg.HandoffStyle, "
+            "got 'bootstrap'")):
+        DisaggRouter(**{**pools, "prefill": WorkerPool([misstyled])})
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from ._context import RequestContext
-from ._crash import worker_refusal
+from ._crash import crash_message, worker_refusal
 from ._engine import DecodeEngine
 from ._errors import NoWorkerAvailable, WorkerError
 from ._health import retry_reason
@@ -55,7 +55,9 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
     B9's kind) is replaced by another healthy one at once; with none left, the same
     workers are tried again after ``router.retry``'s backoff, until the deadline: a decode
     worker that comes back while the KV is staged still consumes it. A 4xx, a refusal that
-    reports the KV lost, or a failure after the worker accepted ends the cleanup.
+    reports the KV lost, or a failure after the worker accepted ends the cleanup. (An
+    engine that crashed before it accepted took no KV: it counts as a worker that could
+    not be reached.)
     """
     router.counters.staged_kv_cleanups += 1
     # An id of its own: the aborted decode leg may still run the request's id at the
@@ -115,7 +117,8 @@ async def _cleanup_decode(
     accepted (returned, not raised: a retry may follow), else None.
 
     Raises:
-        Exception: what the decode raised after it accepted (the KV may be gone: no retry).
+        Exception: what the decode raised after it accepted (the KV may be gone: no retry;
+            a crash before it accepted is returned as a refusal).
         WorkerError: the decode accepted, then ended its stream with an error (the worker
             says the KV was not taken: a failed cleanup, logged and counted as one).
     """
@@ -128,9 +131,9 @@ async def _cleanup_decode(
                 await nursery.start(worker.engine.generate, minimal,
                                     RequestContext(minimal.request_id), send)
             except Exception as exc:  # kept out of the nursery: a bare exception
-                refusal = worker_refusal(exc)  # also from inside the engine's own nursery
-                if refusal is None:
-                    raise
+                # A refusal (also from inside the engine's own nursery), or a crash before
+                # it accepted, which took no KV either: another worker may take it (B9).
+                refusal = worker_refusal(exc) or _crashed_before(worker, exc)
                 receive.close()
             else:
                 with receive:
@@ -142,6 +145,15 @@ async def _cleanup_decode(
         raise WorkerError(f"decode worker {worker.name} failed the cleanup decode: {failed}",
                           worker=worker.name)
     return refusal
+
+
+def _crashed_before(worker: Worker[DecodeEngine], exc: Exception) -> WorkerError:
+    """A decode engine's crash before it accepted, as the refusal of a worker that
+    never answered (B9: tried again on another worker)."""
+    error = WorkerError(f"decode worker {worker.name} crashed before it accepted the "
+                        f"cleanup decode: {crash_message(exc)}", worker=worker.name)
+    error.__cause__ = exc
+    return error
 
 
 def _failure_of(item: Annotated[LLMEngineOutput]) -> str | None:

@@ -147,7 +147,10 @@ class RequestContext:
         Raises:
             ValueError: ``child`` is this context or one it is linked from: the link
                 would make a cycle, which a stop would walk for ever.
+            TypeError: ``child`` is not a :class:`RequestContext`.
         """
+        if not isinstance(child, RequestContext):
+            raise TypeError(f"child must be a RequestContext, got {type(child).__name__}")
         if child is self or child._reaches(self):
             raise ValueError(f"linking {child!r} under {self!r} would make a cycle")
         if self._children is None:
@@ -180,7 +183,13 @@ class RequestContext:
 
         Args:
             callback: called with ``killed``.
+
+        Raises:
+            TypeError: ``callback`` is not callable (said now: at the stop it would only
+                be logged).
         """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         if self._callbacks is None:
             self._callbacks = []
         self._callbacks.append(callback)

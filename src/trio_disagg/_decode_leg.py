@@ -14,7 +14,7 @@ import trio
 from ._context import RequestContext
 from ._crash import crash_message, leaves, worker_refusal
 from ._engine import DecodeEngine
-from ._errors import WorkerError
+from ._errors import RouterClosed, WorkerError
 from ._gate import Gatekeeper
 from ._handoff import HandoffOwner, HandoffState
 from ._health import retry_reason
@@ -151,7 +151,8 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
     An engine that raises after its worker accepted breaks its contract (one error item,
     never an exception): its stream ends with one error item naming the crash, as a
     decode failure (G4), not with a silent end that reads as a success (B4), nor with
-    an exception into the request's nursery."""
+    an exception into the request's nursery. A ``trio.Cancelled`` that no cancellation
+    of this leg asked for is such a crash too."""
     worker = owner.decode_worker
     status = _Accepted(owner, task_status)
     del task_status  # held by ``status`` until started() only (see _Accepted)
@@ -172,25 +173,49 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
                 router.decode.record_failure(worker, exc)
                 _report_crash(worker, owner, request, exc)
         except BaseException as exc:
+            if status.accepted and _stray_cancellation(exc):
+                router.decode.record_failure(worker, exc)
+                _report_crash(worker, owner, request, exc)  # G4, B4: not an end
+                return  # noqa: ASYNC104 (not a cancellation of this task: a crash)
             if not status.accepted:
                 owner.decode_not_accepted(exc)
             raise
         else:
             router.decode.record_success(worker)
         finally:
-            if status.accepted and owner.leg is not None and owner.leg.scope.cancel_called:
-                owner.decode_cancelled()
-            if trio.current_effective_deadline() != -math.inf:  # ended on its own
-                owner.decode_leg_ended = True
-                if owner.outputs is not None:
-                    owner.outputs.decode_ended()
-            elif owner.outputs is not None and not owner.holds_transfer:
-                # The request's nursery was cancelled (the client went away): its stream
-                # ends now, whether or not its reader closes it.
-                owner.outputs.abandon()
-            owner.decode_leg_exited = True
-            if owner.outputs is not None:
-                owner.outputs.leg_exited()
+            _leg_exited(router, owner, worker, request, accepted=status.accepted)
+
+
+def _leg_exited(router: DisaggRouter, owner: HandoffOwner, worker: Worker[DecodeEngine],
+                request: PreprocessedRequest, *, accepted: bool) -> None:
+    """What the end of a decode leg's task tells its owner and its stream's reader."""
+    if accepted and owner.leg is not None and owner.leg.scope.cancel_called:
+        owner.decode_cancelled()
+    if trio.current_effective_deadline() != -math.inf:  # ended on its own
+        owner.decode_leg_ended = True
+        if owner.outputs is not None:
+            owner.outputs.decode_ended()
+    elif owner.outputs is not None and not owner.holds_transfer:
+        # The request's nursery was cancelled (the client went away): its stream
+        # ends now, whether or not its reader closes it.
+        owner.outputs.abandon()
+    elif owner.outputs is not None:  # a kept leg cancelled with its reader there
+        owner.outputs.decode_crashed(_cut_short(router, worker, request))
+    owner.decode_leg_exited = True
+    if owner.outputs is not None:
+        owner.outputs.leg_exited()
+
+
+def _stray_cancellation(exc: BaseException) -> bool:
+    """``exc`` is a ``trio.Cancelled`` (bare, or with crashes in a group) that no
+    cancellation of this task asked for: the engine raised one it kept from elsewhere.
+    That is a crash, as any other exception would be; a real cancellation, or a
+    ``KeyboardInterrupt`` or ``SystemExit``, goes on."""
+    if trio.current_effective_deadline() == -math.inf:
+        return False  # (this task is cancelled: the Cancelled may be ours)
+    found = leaves(exc)
+    return (any(isinstance(leaf, trio.Cancelled) for leaf in found)
+            and all(isinstance(leaf, trio.Cancelled | Exception) for leaf in found))
 
 
 def _reader_gone(exc: Exception) -> bool:
@@ -198,9 +223,21 @@ def _reader_gone(exc: Exception) -> bool:
     return all(isinstance(leaf, trio.BrokenResourceError) for leaf in leaves(exc))
 
 
+def _cut_short(router: DisaggRouter, worker: Worker[DecodeEngine],
+               request: PreprocessedRequest) -> Exception:
+    """Why a decode leg kept in the keeper was cancelled before its stream ended, for a
+    reader still there (B4: an error, not an end that reads as complete): the keeper's
+    shutdown (B3), or another cut."""
+    if router.keeper._nursery is None:  # (closing: no new legs)
+        return RouterClosed(f"the transfer keeper shut down before the decode stream of "
+                            f"{request.request_id} on {worker.name} ended (B3)")
+    return WorkerError(f"the decode leg of {request.request_id} on {worker.name} was "
+                       f"cancelled before its stream ended", worker=worker.name)
+
+
 def _report_crash(
     worker: Worker[DecodeEngine], owner: HandoffOwner, request: PreprocessedRequest,
-    exc: Exception,
+    exc: BaseException,
 ) -> None:
     """End a crashed decode leg's stream with one error item of the gatekeeper's (G4),
     logged with its traceback. (Through the gate, not the leg's channel: the engine

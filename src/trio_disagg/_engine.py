@@ -61,6 +61,22 @@ def cancel_window_of(engine: object) -> CancelWindow:
     return window if isinstance(window, CancelWindow) else CancelWindow.NEVER
 
 
+def not_an_engine_output(item: object) -> str | None:
+    """What is wrong with ``item`` as an engine's output, or None if it is one: an
+    ``Annotated`` whose ``data`` is None or an :class:`LLMEngineOutput`. The reader of
+    an engine's stream fails the stream with this text rather than crash on the item."""
+    if isinstance(item, Annotated):
+        if item.data is None or isinstance(item.data, LLMEngineOutput):
+            return None
+        return (f"sent an Annotated whose data is {_a(type(item.data).__name__)}, not an "
+                f"Annotated[LLMEngineOutput]")
+    return f"sent {_a(type(item).__name__)}, not an Annotated[LLMEngineOutput]"
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
 @runtime_checkable
 class DecodeEngine(Protocol):
     """A worker as the router drives it: the whole contract, and all a decode worker needs.
@@ -140,8 +156,8 @@ class DecodeEngine(Protocol):
     it). After ``started()`` never raise for a worker failure: send ONE error item,
     ``Annotated.from_exception(exc)`` (keeps the typed exception for the server) or
     ``Annotated.from_error(message)``, and end the stream. (A decode engine that raises
-    anyway gets one error item in its place from the router, never a stream that reads
-    as complete: G4, B4.)
+    anyway, a stray ``trio.Cancelled`` included, gets one error item in its place from
+    the router, never a stream that reads as complete: G4, B4.)
 
     Attributes:
         name: unique within its pool; shown in metrics and logs.

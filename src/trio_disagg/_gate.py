@@ -9,6 +9,7 @@ from typing import Any, NoReturn, TypeVar
 import trio
 
 from ._context import RequestContext
+from ._crash import worker_refusal
 from ._errors import PrefillError
 from ._gated import GatedOutputs, is_decode_failure
 from ._keeper import PrefillTask
@@ -54,7 +55,8 @@ class Gatekeeper:
             to a decode leg that is part of a KV transfer only then (B6, G9).
 
     Raises:
-        TypeError: ``prefill`` is none of those.
+        TypeError: ``prefill`` is none of those, or ``client_context`` is not a
+            :class:`RequestContext`.
         ValueError: ``idle_timeout`` or ``terminal_hold_timeout`` is not a positive
             number of seconds (``math.inf``, the default, is no deadline).
 
@@ -76,6 +78,9 @@ class Gatekeeper:
             # A negative one failed every stream at once; a NaN one, trio's first wait.
             if not (isinstance(value, int | float) and value > 0):  # also refuses NaN
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if not isinstance(client_context, RequestContext):
+            raise TypeError(f"client_context must be a trio_disagg.RequestContext, got "
+                            f"{type(client_context).__name__}")
         #: A Terminal: there is no decode to dispatch (S7).
         self._answer_only = isinstance(prefill, Terminal)
         self.prefill: PrefillTask[Any] = _as_task(prefill, client_context.id)
@@ -118,17 +123,25 @@ class Gatekeeper:
                 decode leg that was already started is stopped through it when linked.
             Exception: what ``start_decode`` raised before it started (e.g. a
                 :class:`~trio_disagg.WorkerError`), bare, when the prefill did not fail.
+                A group whose one exception is a :class:`~trio_disagg.WorkerError` (an
+                engine that refused from inside a nursery of its own) raises that one.
 
         Cancellation (the client left) cancels the dispatch; the prefill is the keeper's
         and runs on (G9).
         """
         if self._answer_only:
             return None
-        if self.prefill.succeeded:
-            return await nursery.start(start_decode, *args)  # G2
         started: Any = None
-        if not self.prefill.done:
-            started = await self._start_racing_prefill(nursery, start_decode, args)
+        try:
+            if self.prefill.succeeded:
+                return await nursery.start(start_decode, *args)  # G2
+            if not self.prefill.done:
+                started = await self._start_racing_prefill(nursery, start_decode, args)
+        except Exception as exc:
+            refusal = worker_refusal(exc)  # from inside a nursery of the engine's own
+            if refusal is None or refusal is exc:
+                raise
+            raise refusal from refusal.__cause__
         if self.prefill.failed:  # looked at first, also on a tie (G1)
             self._raise_prefill_failure()
         return started

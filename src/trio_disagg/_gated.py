@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Final
 import trio
 
 from ._context import RequestContext
-from ._errors import DeadlineExceeded
+from ._engine import not_an_engine_output
+from ._errors import DeadlineExceeded, WorkerError
 from ._protocols import Annotated, FinishKind, LLMEngineOutput
 
 if TYPE_CHECKING:
@@ -27,6 +28,19 @@ _CLOSED: Final = 2
 _AGAIN: Final = Annotated[LLMEngineOutput](comment=["the prefill ended"])
 #: A held end of the decode stream (no terminal item), as :attr:`GatedOutputs._held`.
 _END: Final = Annotated[LLMEngineOutput](comment=["the decode stream ended"])
+
+
+def _engine_output(item: object) -> Item:
+    """``item``, if it is what a decode engine sends (G4, B4).
+
+    Raises:
+        WorkerError: it is not: the stream ends with this error, not with an
+            ``AttributeError`` in the reader's task.
+    """
+    breach = not_an_engine_output(item)
+    if breach is not None:
+        raise WorkerError(f"the decode engine {breach}")
+    return item  # type: ignore[return-value]
 
 
 def is_decode_failure(item: Item) -> bool:
@@ -147,7 +161,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                 item = await (self._pass() if self._passing else self._gated())
                 if item is None and self._leg_running and not self._stopped:
                     await self._wait_leg_exit()  # (its crash may come first: B4)
-            except DeadlineExceeded as exc:
+            except (DeadlineExceeded, WorkerError) as exc:  # (B2; a garbage output, G4)
                 item = self._fail(exc)
             except trio.ClosedResourceError:
                 if self._abandoned():  # while this read waited
@@ -181,11 +195,15 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         if not self._passing:
             raise trio.WouldBlock
         try:
-            item = self._decode.receive_nowait()
+            item = _engine_output(self._decode.receive_nowait())
         except trio.EndOfChannel:
             if self._leg_running:
                 raise trio.WouldBlock from None  # receive() waits for the leg's exit
             item = None
+        except WorkerError as exc:  # G4: not an engine output
+            item = self._fail(exc)
+            self._state = _ENDED
+            self._end()
         return self._deliver(item)
 
     def _deliver(self, item: Item | None) -> Item:
@@ -283,8 +301,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         """The decode engine raised after its worker accepted (G4): the stream ends with
         ``error`` as its last item, not with an end that reads as a success (B4). A
         reader that saw the channel's end waits for the leg's exit (:meth:`follow_leg`)
-        and gets it; one that already ended the stream does not."""
-        if self._state == _OPEN:
+        and gets it; one that already ended the stream, or was stopped, does not."""
+        if self._state == _OPEN and not self._stopped:
             self._fail(error)
 
     def _complete_if_whole(self) -> None:
@@ -332,7 +350,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     async def _pass(self) -> Item | None:
         """G7, the hot path: the next decode output; None at the stream's end."""
         try:
-            item = self._decode.receive_nowait()
+            item = _engine_output(self._decode.receive_nowait())
         except trio.WouldBlock:
             item = _AGAIN  # awaited outside the clause: a parked wait keeps no exception
         except trio.EndOfChannel:
@@ -349,7 +367,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         if timeout == math.inf and (self._passing or self._raced):
             # Nothing of ours interrupts it (or a forwarder's one race does): no scope.
             try:
-                return await self._decode.receive()
+                return _engine_output(await self._decode.receive())
             except trio.EndOfChannel:
                 return None
         # The deadline is absolute and outlives a wait the reader's own timeout cut: the
@@ -359,7 +377,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         with trio.CancelScope(deadline=self._idle_at) as wait:
             self._waiting = wait
             try:
-                item: Item | None = await self._decode.receive()
+                item: Item | None = _engine_output(await self._decode.receive())
             except trio.EndOfChannel:
                 item = None
             finally:
@@ -387,7 +405,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                     self._passing = True
                     return await self._pass()
             try:
-                item: Item | None = self._decode.receive_nowait()
+                item: Item | None = _engine_output(self._decode.receive_nowait())
             except trio.WouldBlock:
                 item = _AGAIN
             except trio.EndOfChannel:

@@ -179,6 +179,7 @@ class TransferKeeper:
 
     Raises:
         ValueError: a negative or NaN ``drain_window``.
+        TypeError: a ``drain_window`` that is not a number.
         RuntimeError: on entering a keeper a second time.
 
     Attributes:
@@ -189,6 +190,8 @@ class TransferKeeper:
     """
 
     def __init__(self, *, drain_window: float = 30.0) -> None:
+        if not isinstance(drain_window, int | float) or isinstance(drain_window, bool):
+            raise TypeError(f"drain_window must be a number of seconds, got {drain_window!r}")
         if drain_window < 0 or math.isnan(drain_window):
             raise ValueError(f"drain_window must be >= 0 seconds, got {drain_window}")
         self.drain_window = drain_window
@@ -390,7 +393,9 @@ class TransferKeeper:
         have joined its bootstrap room or not, and nobody could tell (G9, B1). The caller
         awaits :meth:`TransferLeg.wait_started` instead, which it may abandon. An exception
         the leg raises after it started is logged, never raised into the keeper's nursery.
-        It counts as in flight until it ends.
+        It counts as in flight until it ends. When it ends, the memory send channels among
+        ``args`` are closed (its stream ends with it, even if the engine forgot to close
+        its channel: its reader would wait for ever).
 
         Args:
             async_fn: the leg (an engine's ``generate``, or a wrapper): it must call
@@ -435,6 +440,9 @@ class TransferKeeper:
             logger.warning("transfer leg %s failed", leg.name, exc_info=errors)
             leg.crash = errors
         finally:
+            for arg in args:  # its stream ends with it, closed or not by the engine
+                if isinstance(arg, trio.MemorySendChannel):
+                    arg.close()
             if not leg.settled.is_set():  # cancelled before it started
                 leg._settle(RuntimeError(f"transfer leg {leg.name} was cancelled"))
             leg._end()

@@ -11,6 +11,7 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
+from ._checks import check_pool_arguments
 from ._engine import CancelWindow, DecodeEngine, cancel_window_of
 from ._errors import NoWorkerAvailable
 from ._health import HealthProbe, HealthState, WorkerHealth, worker_fault
@@ -300,8 +301,11 @@ class WorkerPool(Generic[E]):
             (B10); for the prefill pool.
 
     Raises:
-        ValueError: on duplicate worker names, or a cancel window for no such worker.
-        TypeError: an engine without a ``str`` ``name`` or a ``generate`` method.
+        ValueError: on duplicate worker names, a cancel window for no such worker, a
+            ``failure_threshold`` < 1, or a negative or infinite ``cooldown``.
+        TypeError: an engine without a ``str`` ``name`` or a ``generate`` method; a
+            ``policy`` without ``choose``, a cancel window that is no
+            :class:`~trio_disagg.CancelWindow`.
     """
 
     def __init__(
@@ -319,6 +323,7 @@ class WorkerPool(Generic[E]):
                 raise TypeError(f"a worker's engine needs a str name and a generate method "
                                 f"(the PrefillEngine / DecodeEngine protocol), got {engine!r}")
         windows = dict(cancel_windows or {})
+        check_pool_arguments(policy, failure_threshold, cooldown, windows)
         self.workers = [Worker(engine, windows.pop(engine.name, None)) for engine in engines]
         names = [worker.name for worker in self.workers]
         if len(set(names)) != len(names):

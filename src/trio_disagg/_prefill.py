@@ -12,6 +12,7 @@ import attrs
 import trio
 
 from ._crash import crash_message
+from ._engine import not_an_engine_output
 from ._errors import NoDisaggregatedParams, PrefillError
 from ._keeper import PrefillTask, TransferKeeper, TransferLeg
 from ._protocols import (
@@ -104,7 +105,10 @@ def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
         PrefillError: on an error envelope, ``finish_reason = error`` or
             ``finish_reason = cancelled``; the message carries the worker's text. An
             error item that carries a :class:`PrefillError` of its own raises that one.
+            Also on anything that is not an ``Annotated[LLMEngineOutput]`` (the engine
+            broke its contract), saying what it was.
     """
+    _check_engine_output(item)
     if item.event == "error":
         _raise_carried(item)
         raise PrefillError(f"Prefill returned an error in its output stream: "
@@ -117,6 +121,14 @@ def check_prefill_output(item: Annotated[LLMEngineOutput]) -> None:
         raise PrefillError(f"Prefill backend failed: {data.finish_reason.message}")
     if kind is FinishKind.CANCELLED:
         raise PrefillError("Prefill backend cancelled before completing the handoff")
+
+
+def _check_engine_output(item: object) -> None:
+    """Raise a :class:`PrefillError` saying what ``item`` is if it is not an engine's
+    output (S2, T4), rather than an ``AttributeError`` that reads as a crash."""
+    breach = not_an_engine_output(item)
+    if breach is not None:
+        raise PrefillError(f"the prefill engine {breach}")
 
 
 def classify_first_output(
@@ -136,12 +148,14 @@ def classify_first_output(
         usage (S4, S10), ``bootstrap`` set for the SGLang triple (S5), and no ``drain``.
 
     Raises:
-        PrefillError: the first output is an error (S2); the tracker is not touched. An
+        PrefillError: the first output is an error (S2), or not an
+            ``Annotated[LLMEngineOutput]`` at all; the tracker is not touched. An
             error item that carries a :class:`PrefillError` of its own (an adapter's
             :class:`~trio_disagg.InvalidPrefillHandoff`, B7) raises that one.
         NoDisaggregatedParams: a handoff is needed but there is nothing usable to hand
             off (S8), or a TRT-LLM context has no usable ``ctx_request_id`` (S9).
     """
+    _check_engine_output(first)
     if first.event == "error":
         _raise_carried(first)
         raise PrefillError(f"Prefill returned an error: {first.error_message()}")
@@ -246,38 +260,38 @@ async def consume_prefill_stream(
     The first output is classified (:func:`classify_first_output`). For a bootstrap
     handoff (S5) with a ``keeper``, the keeper drains the rest, holding ``guard`` until
     then, and this returns at once, the :class:`Handoff`'s ``drain`` observing it (a
-    :class:`~trio_disagg.Gatekeeper` takes the handoff as it is). Otherwise the stream is
-    read here to its end (S6), ``guard`` held. A later failure is raised or logged once:
-    here, or by the keeper from inside the drain (T2).
+    Gatekeeper takes it as it is). Otherwise the stream is read here to its end (S6),
+    ``guard`` held. A later failure is raised here, or logged by the keeper's drain (T2).
 
     Args:
         outputs: the prefill leg's stream; closed when fully read, and on any error.
         tracker: records prefill complete on the first valid output (S3).
         keeper: drains the rest of a bootstrap stream in the background (T1).
-        name: the drain's name in the keeper's logs and trio task names (usually the
-            request id); default: the first output's ``id``, else the bootstrap room.
+        name: the drain's name in the keeper's logs and task names (the request id);
+            default: the first output's ``id``, else the bootstrap room.
         guard: a teardown guard to hold until the stream is fully read.
         first: the first output, if the caller already read it from ``outputs`` (to
-            bound that wait by a deadline of its own, rule B2 in docs/semantics.md,
-            without closing the stream when the deadline expires).
+            bound that wait by a deadline of its own, B2, and not close the stream).
         leg: the keeper's leg running the engine (:meth:`TransferKeeper.spawn_leg`):
             the stream's end is read as the engine's end, so an engine that refused
             (S1) or raised (T3) fails the prefill, never a clean end (G5).
 
     Returns:
-        A :class:`Handoff` (with a ``drain`` in the keeper for a bootstrap handoff and a
-        ``keeper``) or a :class:`Terminal`.
+        A :class:`Handoff` (a bootstrap one given a ``keeper``: with a ``drain``) or a
+        :class:`Terminal`.
 
     Raises:
         PrefillError: no output at all (S1), an error first output (S2), a later
             failed output (S6, T4) when the stream is read here, ``leg``'s failure.
         NoDisaggregatedParams: S8, S9.
         RuntimeError: the keeper is not open.
+        TypeError: an argument of another type.
 
     On cancellation the channel is closed (a prefill engine still sending gets
     :exc:`trio.BrokenResourceError`); with a keeper, a bootstrap drain already started is
     not affected (T1).
     """
+    _check_types(outputs, keeper, tracker, leg)
     if first is None:
         first = await _receive_first(outputs, leg)
     completion = _classify_or_close(outputs, first, tracker)
@@ -290,6 +304,17 @@ async def consume_prefill_stream(
     if isinstance(completion, Handoff):
         completion = _with_usage(completion, later)
     return completion
+
+
+def _check_types(outputs: object, keeper: object, tracker: object, leg: object) -> None:
+    """A wrong type is the caller's mistake: said before anything is read."""
+    for name, value, kind in (("outputs", outputs, trio.abc.ReceiveChannel),
+                              ("keeper", keeper, TransferKeeper),
+                              ("tracker", tracker, RequestTracker), ("leg", leg, TransferLeg)):
+        if not (isinstance(value, kind) or (value is None and name != "outputs")):
+            raise TypeError(f"{name} must be a {kind.__name__}"
+                            f"{'' if name == 'outputs' else ' or None'}, "
+                            f"got {type(value).__name__}")
 
 
 async def _receive_first(

@@ -24,7 +24,7 @@ from ._prefill import (
     consume_prefill_stream,
     is_bootstrap_params,
 )
-from ._protocols import PreprocessedRequest
+from ._protocols import LLMEngineOutput, PreprocessedRequest
 from ._router_types import Item
 
 if TYPE_CHECKING:
@@ -350,7 +350,9 @@ class _Retryable(Exception):
 
 
 def _is_bootstrap(item: Item) -> bool:
-    return item.data is not None and is_bootstrap_params(item.data.disaggregated_params)
+    data = getattr(item, "data", None)  # (not an engine output: classified as such)
+    return (isinstance(data, LLMEngineOutput)
+            and is_bootstrap_params(data.disaggregated_params))
 
 
 def _cancelled(owner: HandoffOwner) -> PrefillCancelled:

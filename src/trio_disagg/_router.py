@@ -17,6 +17,7 @@ from typing import Any
 import trio
 from trio_util import AsyncValue
 
+from ._arguments import check_router_arguments, check_stream_arguments
 from ._context import RequestContext
 from ._copy import routed_copy
 from ._decode_leg import StreamHooks, accepted_decode
@@ -100,6 +101,10 @@ class DisaggRouter:
 
     Raises:
         ValueError: a negative ``channel_buffer`` or ``disagg_min_prompt_tokens``.
+        TypeError: an argument of another type than its own (a list of engines where a
+            :class:`WorkerPool` goes, no keeper, a ``channel_buffer`` that is neither an
+            int nor ``math.inf``, a prefill engine whose ``handoff_style`` is not a
+            :class:`HandoffStyle`...): said when the router is made, not in a request.
     """
 
     def __init__(
@@ -113,11 +118,8 @@ class DisaggRouter:
         channel_buffer: int = CHANNEL_BUFFER,
         disagg_min_prompt_tokens: int | None = None,
     ) -> None:
-        if channel_buffer < 0:
-            raise ValueError(f"channel_buffer must be >= 0 items, got {channel_buffer}")
-        if disagg_min_prompt_tokens is not None and disagg_min_prompt_tokens < 0:
-            raise ValueError(f"disagg_min_prompt_tokens must be >= 0 tokens, got "
-                             f"{disagg_min_prompt_tokens}")
+        check_router_arguments(prefill, decode, keeper, deadlines, retry, channel_buffer,
+                               disagg_min_prompt_tokens)
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.channel_buffer = channel_buffer
         self.prefill = prefill
@@ -180,21 +182,18 @@ class DisaggRouter:
     ) -> RequestStream:
         """Start ``request`` and return its output stream.
 
-        The decode leg runs in ``nursery``: the request's nursery, which the caller cancels
-        when the client goes away; the gatekeeper runs in the reader's task, as it reads
-        ``outputs``. Returns once the decode worker accepted the request (or at once for a
-        terminal prefill), so errors before the first byte are raised here.
+        The decode leg runs in ``nursery`` (the request's: the caller cancels it when the
+        client goes away); the gatekeeper, in the reader's task. Returns once the decode
+        worker accepted (at once for a terminal prefill): errors before it are raised here.
 
         Args:
             nursery: the request's nursery; it must not outlive the keeper.
-            request: the request; it is not modified (the routing decision is in the
-                returned stream).
+            request: the request; not modified (the stream says how it was routed).
             context: the client's context; stopping it stops the decode leg (C4), never
                 the prefill (C5), and never a decode leg before it fetched its KV (G9).
 
         Returns:
-            A :class:`RequestStream` whose ``outputs`` the caller reads to the end, or
-            closes (``with stream.outputs:``).
+            A :class:`RequestStream`: read its ``outputs`` to the end, or close them.
 
         Raises:
             RouterClosed: the router is shutting down (B3).
@@ -206,15 +205,18 @@ class DisaggRouter:
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
             WorkerError: the decode worker refused the request.
             TypeError: an argument of another type than its own, before any work.
+            ValueError: ``request`` has a ``prefill_result`` or ``bootstrap_info`` (ours).
             RuntimeError: the keeper is not open (B3: close the router first); ``nursery``
-                is closed, or the decode engine ended without ``started()`` (trio's error;
-                staged KV is consumed as for a client that left, B1, B6).
+                is closed, or the decode engine ended without ``started()`` (trio's).
+            Exception: what a decode engine raised before ``started()`` that is no
+                :class:`WorkerError` (a bug), as raised. (After either, staged KV is
+                consumed as for a client that left, B1, B6.)
 
         Each is raised bare, never inside an exception group. On cancellation (the client
         went away) the prefill runs on in the keeper, or is cancelled inside its engine's
         cancel window (B10); staged KV no decode took is consumed there (B1, G9).
         """
-        _check_arguments(nursery, request, context)
+        check_stream_arguments(nursery, request, context)
         self._admit()
         owner: HandoffOwner | None = None
         try:
@@ -452,17 +454,6 @@ async def _abandon_when_cancelled(outputs: GatedOutputs) -> None:
     except BaseException:
         outputs.abandon()
         raise
-
-
-def _check_arguments(nursery: object, request: object, context: object) -> None:
-    """A wrong type is the caller's mistake: say so before a prefill runs for nothing (a
-    missing nursery would otherwise be found only at the decode's dispatch)."""
-    for name, value, expected in (("nursery", nursery, trio.Nursery),
-                                  ("request", request, PreprocessedRequest),
-                                  ("context", context, RequestContext)):
-        if not isinstance(value, expected):
-            raise TypeError(f"{name} must be a {expected.__module__.split('.')[0]}."
-                            f"{expected.__name__}, got {type(value).__name__}")
 
 
 def _select(
