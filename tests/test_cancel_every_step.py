@@ -158,7 +158,8 @@ class Outcome:
     items: list[Item]
     raised: BaseException | None
     cancelled: bool  # the client was cancelled while its request ran
-    stopped: bool = False  # the client's context was stopped
+    stopped: bool = False  # the client's context was stopped (or killed)
+    killed: bool = False  # ... killed
 
     def describe(self) -> str:
         parts = [_describe(item) for item in self.items]
@@ -208,7 +209,10 @@ def check_outcome(outcome: Outcome, fault: str | None) -> str | None:
     tokens = sum(len(item.data.token_ids) for item in items if item.data is not None)
     if outcome.stopped:
         # C3: the producers were asked to stop; whatever they sent stays valid, and a
-        # stream cut short by the stop ends with a cancelled finish or nothing more.
+        # stream cut short by the stop ends with a terminal (a cancelled finish), one cut
+        # short by a kill with a terminal or nothing more.
+        if not outcome.killed and not terminals and outcome.raised is None:
+            return f"a stopped stream ended with no terminal (C3): {outcome.describe()}"
         if success and fault is not None and fault.startswith("prefill"):
             return f"a success although the {fault} fault failed the request: " \
                    f"{outcome.describe()}"
@@ -264,7 +268,8 @@ async def client(router: DisaggRouter, request: PreprocessedRequest, steps: Step
     except* Exception as group:  # judged by check_outcome
         raised = _leaf(group)
         cancelled = steps.fired and steps.how == "disconnect"
-    return Outcome(items, raised, cancelled, stopped=steps.fired and steps.how != "disconnect")
+    return Outcome(items, raised, cancelled, stopped=steps.fired and steps.how != "disconnect",
+                   killed=steps.fired and steps.how == "kill")
 
 
 @attrs.define

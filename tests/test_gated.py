@@ -244,16 +244,24 @@ async def test_G9_abandon_ends_a_stream_its_reader_never_closes(
             await request.outputs.receive()
 
 
-async def test_G9_stop_ends_the_stream_of_a_kept_leg_at_once(
-    autojump_clock: trio.testing.MockClock,
+@pytest.mark.parametrize("killed", [False, True], ids=["stopped", "killed"])
+async def test_C3_G9_stop_ends_the_stream_of_a_kept_leg_at_once(
+    autojump_clock: trio.testing.MockClock, killed: bool,
 ) -> None:
     """What the router does for a client that stops its context before a kept leg's first
-    output: the waiting reader's stream ends with no item, and no context is stopped."""
+    output: the waiting reader's stream ends at once, as a request stopped before its
+    decode was handed it (C3): with one ``cancelled`` finish for a stop, with nothing for
+    a kill. No context is stopped: the leg goes on to fetch its KV (G9)."""
     async with TransferKeeper() as keeper:
         prefill = Prefill(keeper)
         prefill.succeed()
         request = Request(prefill.task, on_first_output=True)
-        assert await request.rest_in_another_task(request.outputs.stop) == []
+        got = await request.rest_in_another_task(lambda: request.outputs.stop(killed))
+        if killed:
+            assert got == []
+        else:
+            (item,) = got
+            assert item.data is not None and item.data.finish_reason == FinishReason.CANCELLED
         assert request.ends == 1 and request.first_outputs == 0
         assert not request.decode_ctx.is_stopped
 

@@ -52,6 +52,10 @@ def check_stream_arguments(nursery: object, request: object, context: object) ->
             already: the router fills them in (S5, S10), and a stale one would reach the
             decode worker as its handoff (a request routed before, passed again).
     """
+    if (type(request) is PreprocessedRequest and type(nursery) is trio.Nursery
+            and type(context) is RequestContext and request.prefill_result is None
+            and request.bootstrap_info is None):
+        return  # the usual call, checked at the cost of five lookups (once a request)
     _types(nursery=(nursery, trio.Nursery), request=(request, PreprocessedRequest),
            context=(context, RequestContext))
     assert isinstance(request, PreprocessedRequest)

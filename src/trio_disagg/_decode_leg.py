@@ -228,7 +228,7 @@ def _cut_short(router: DisaggRouter, worker: Worker[DecodeEngine],
     """Why a decode leg kept in the keeper was cancelled before its stream ended, for a
     reader still there (B4: an error, not an end that reads as complete): the keeper's
     shutdown (B3), or another cut."""
-    if router.keeper._nursery is None:  # (closing: no new legs)
+    if router.keeper.closing:
         return RouterClosed(f"the transfer keeper shut down before the decode stream of "
                             f"{request.request_id} on {worker.name} ended (B3)")
     return WorkerError(f"the decode leg of {request.request_id} on {worker.name} was "

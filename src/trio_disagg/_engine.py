@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import trio
 
 from ._context import RequestContext
+from ._errors import WorkerError
 from ._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 
 
@@ -71,6 +72,21 @@ def not_an_engine_output(item: object) -> str | None:
         return (f"sent an Annotated whose data is {_a(type(item.data).__name__)}, not an "
                 f"Annotated[LLMEngineOutput]")
     return f"sent {_a(type(item).__name__)}, not an Annotated[LLMEngineOutput]"
+
+
+def decode_output(item: object) -> Annotated[LLMEngineOutput]:
+    """``item``, if it is what a decode engine sends (G4, B4).
+
+    Raises:
+        WorkerError: it is not: the stream ends with this error, not with an
+            ``AttributeError`` in the reader's task.
+    """
+    if type(item) is Annotated and type(item.data) is LLMEngineOutput:
+        return item  # the usual output, checked inline (once per output)
+    breach = not_an_engine_output(item)
+    if breach is not None:
+        raise WorkerError(f"the decode engine {breach}")
+    return item  # type: ignore[return-value]
 
 
 def _a(noun: str) -> str:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, Final
 import trio
 
 from ._context import RequestContext
-from ._engine import not_an_engine_output
+from ._engine import decode_output as _engine_output
 from ._errors import DeadlineExceeded, WorkerError
-from ._protocols import Annotated, FinishKind, LLMEngineOutput
+from ._protocols import Annotated, FinishKind, FinishReason, LLMEngineOutput
 
 if TYPE_CHECKING:
     from ._gate import Gatekeeper
@@ -28,19 +28,6 @@ _CLOSED: Final = 2
 _AGAIN: Final = Annotated[LLMEngineOutput](comment=["the prefill ended"])
 #: A held end of the decode stream (no terminal item), as :attr:`GatedOutputs._held`.
 _END: Final = Annotated[LLMEngineOutput](comment=["the decode stream ended"])
-
-
-def _engine_output(item: object) -> Item:
-    """``item``, if it is what a decode engine sends (G4, B4).
-
-    Raises:
-        WorkerError: it is not: the stream ends with this error, not with an
-            ``AttributeError`` in the reader's task.
-    """
-    breach = not_an_engine_output(item)
-    if breach is not None:
-        raise WorkerError(f"the decode engine {breach}")
-    return item  # type: ignore[return-value]
 
 
 def is_decode_failure(item: Item) -> bool:
@@ -102,7 +89,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     __slots__ = ("_decode", "_decode_context", "_decode_ended", "_ended", "_final",
                  "_finished", "_gate", "_held", "_hold_at", "_idle_at", "_leg_exit",
                  "_leg_running", "_on_end", "_passing", "_prefill", "_raced", "_reading",
-                 "_state", "_stopped", "_waiting", "_watcher")
+                 "_state", "_stop_finish", "_stopped", "_waiting", "_watcher")
 
     def __init__(
         self,
@@ -121,6 +108,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._held: Item | None = None  # a terminal (or _END) held for the prefill (G5)
         self._waiting: trio.CancelScope | None = None  # a receive's wait, interruptible
         self._stopped = False
+        #: The one ``cancelled`` finish a stopped (not killed) stream ends with (C3).
+        self._stop_finish: Item | None = None
         #: When the decode-idle wait (B2) and the terminal hold (G5) end, once begun.
         self._idle_at: float | None = None
         self._hold_at: float | None = None
@@ -331,19 +320,29 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._ended = trio.Event()
         await self._ended.wait()
 
-    def stop(self) -> None:
-        """End the stream at once, with no item of the gate's own: its next (or pending)
-        receive ends the channel. The router calls it for a client that stopped its
-        context while its decode leg, part of the KV transfer, may not hear of it yet
-        (G9). A leg whose first output already waits in the channel has fetched its KV:
-        then the first-output hook is called instead (the router links the leg's context
-        to the client's, C4, and the stop reaches the leg), and the stream goes on."""
+    def stop(self, killed: bool = False) -> None:
+        """End the stream at once: its next (or pending) receive gets one ``cancelled``
+        finish, then the channel's end; ``killed``: the end only (C3, as a request
+        stopped before its decode was handed it). The router calls it for a client that
+        stopped or killed its context while its decode leg, part of the KV transfer, may
+        not hear of it yet (G9). A leg whose first output already waits in the channel
+        has fetched its KV: then the first-output hook is called instead (the router
+        links the leg's context to the client's, C4, and the stop reaches the leg), and
+        the stream goes on."""
         if self._state == _OPEN and self._final is None:
             if self._note_output_waiting():
                 return
             self._stopped = True
+            if not killed:
+                self._stop_finish = Annotated(data=LLMEngineOutput(
+                    finish_reason=FinishReason.CANCELLED))
             if self._waiting is not None:
                 self._waiting.cancel()
+
+    def _stopped_end(self) -> Item | None:
+        """A stopped stream's last item: its ``cancelled`` finish once, then the end."""
+        item, self._stop_finish = self._stop_finish, None
+        return item
 
     # --- the gate ---------------------------------------------------------------------
 
@@ -385,7 +384,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._idle_at = None
             return item
         if self._stopped:
-            return None if self._passing else _AGAIN  # (the gate's loop looks again)
+            return self._stopped_end() if self._passing else _AGAIN  # (the loop looks again)
         if self._final is not None:  # the prefill's watcher ended the stream
             return _AGAIN
         raise DeadlineExceeded("decode idle", timeout)
@@ -395,7 +394,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         prefill = self._prefill
         while True:
             if self._stopped:
-                return None
+                return self._stopped_end()
             if self._held is not None:
                 return await self._hold(None if self._held is _END else self._held)
             if prefill.done:

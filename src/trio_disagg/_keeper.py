@@ -213,6 +213,12 @@ class TransferKeeper:
         """Drains and legs started and not yet ended (rule B5 in docs/semantics.md)."""
         return len(self._in_flight)
 
+    @property
+    def closing(self) -> bool:
+        """The keeper is shutting down (or was never entered): it starts no new drains,
+        only the follow-ups of those in flight (B3)."""
+        return self._nursery is None
+
     def in_flight_by_kind(self) -> Counter[str]:
         """What is in flight, by kind: prefill drains, decode legs kept for a transfer,
         B1 cleanups."""

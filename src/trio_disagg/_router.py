@@ -398,10 +398,11 @@ class DisaggRouter:
         if owner.decode_leg_ended:  # a short stream, whole in the channel already
             outputs.decode_ended()
         if owner.holds_transfer:
-            # The client's stop or kill ends its stream at once; the kept leg goes on to
-            # fetch its KV (G9). (Not when the gatekeeper itself stopped the client.)
+            # The client's stop or kill ends its stream at once (a stop with a cancelled
+            # finish, C3); the kept leg goes on to fetch its KV (G9). (Not when the
+            # gatekeeper itself stopped the client.)
             owner.context.on_stop(lambda killed: None if owner.first_output_seen
-                                  or gate.failure is not None else outputs.stop())
+                                  or gate.failure is not None else outputs.stop(killed))
             # The leg lives in the keeper: this task is the request nursery's hand on it.
             # (A leg in the nursery abandons the stream itself when cancelled.)
             nursery.start_soon(_abandon_when_cancelled, outputs)
