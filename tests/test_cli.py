@@ -201,6 +201,7 @@ async def test_one_sigint_is_a_graceful_shutdown_and_exit_0() -> None:
     ["serve", "--decode-idle-deadline", "nan"],
     ["serve", "--prefill-deadline", "0"],
     ["serve", "--max-connections", "0"],
+    ["serve", "--workers", "100000"],  # once: processes started until memory ran out
     ["mock-worker", "--role", "prefill", "--port", "-1"],
     ["mock-worker", "--role", "decode", "--itl", "-0.5"],
     ["mock-worker", "--role", "prefill", "--kv-ttl", "nan"],

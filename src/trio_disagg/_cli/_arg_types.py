@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def port_number(text: str) -> int:
@@ -52,6 +53,23 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+#: ``serve --workers`` at most this many processes per core: one process uses one core.
+PROCESSES_PER_CORE = 4
+
+
+def process_count(text: str) -> int:
+    """A number of router processes: 1 to :data:`PROCESSES_PER_CORE` per core of this
+    host (a typo such as 1000 would start processes until memory runs out)."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    most = PROCESSES_PER_CORE * cores
+    if value > most:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {most} ({PROCESSES_PER_CORE} per core; this host has "
+            f"{cores}: one process uses one core), got {value}")
     return value
 
 

@@ -16,6 +16,7 @@ from ._arg_types import (
     port_number,
     positive_int,
     positive_seconds,
+    process_count,
     seconds,
 )
 from ._serve_options import (
@@ -105,10 +106,10 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
 
 def _add_serve_process_options(serve_cmd: argparse.ArgumentParser) -> None:
     """How many router processes, and how long their shutdown drains."""
-    serve_cmd.add_argument("--workers", type=positive_int, default=1, metavar="N",
+    serve_cmd.add_argument("--workers", type=process_count, default=1, metavar="N",
                            help="router processes sharing the port (SO_REUSEPORT; Linux "
-                                "spreads connections over them); /metrics shows all of them "
-                                "(docs/deploy.md)")
+                                "spreads connections over them); /metrics shows all of them; "
+                                "at most 4 per core (docs/deploy.md)")
     serve_cmd.add_argument(SUPERVISED_FLAG, action="store_true", help=argparse.SUPPRESS)
     serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
                            help="seconds in-flight streams and transfers get on shutdown")
