@@ -56,6 +56,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def model_name(text: str) -> str:
+    """A model name: not empty, not blank (a client could never name it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"a model name must not be {'empty' if not text else 'blank'}, got {text!r}")
+    return text
+
+
 #: ``serve --workers`` at most this many processes per core: one process uses one core.
 PROCESSES_PER_CORE = 4
 

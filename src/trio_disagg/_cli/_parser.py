@@ -13,6 +13,7 @@ from ..mock import PROTOCOLS
 from ._arg_types import (
     DefaultsFormatter,
     limit,
+    model_name,
     port_number,
     positive_int,
     positive_seconds,
@@ -82,7 +83,7 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
                                 "workers were started with (vLLM, SGLang --api-key) "
                                 f"(default: ${WORKER_API_KEY_ENV} if set, else none; prefer "
                                 "the variable: it stays out of process listings)")
-    serve_cmd.add_argument("--model", action="append", metavar="MODEL",
+    serve_cmd.add_argument("--model", action="append", type=model_name, metavar="MODEL",
                            help="a model name clients may ask for (repeat for several: every "
                                 "name the workers serve, such as vLLM's --served-model-name "
                                 f"aliases; others get 404) (default: {DEFAULT_MODEL})")
@@ -189,7 +190,8 @@ def add_mock_worker_command(commands: Commands) -> None:
     worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
     worker_cmd.add_argument("--host", default="127.0.0.1")
     worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
-    worker_cmd.add_argument("--model", help="the only model accepted (default: any)")
+    worker_cmd.add_argument("--model", type=model_name,
+                            help="the only model accepted (default: any)")
     worker_cmd.add_argument("--seed", type=int, default=0)
     worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
                             help="seconds of prefill compute per prompt token")
@@ -202,9 +204,9 @@ def add_mock_worker_command(commands: Commands) -> None:
     worker_cmd.add_argument("--bootstrap-port", type=port_number,
                             help="sglang prefill only: the bootstrap port (default 8998; "
                                  "0 picks a free one)")
-    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, default=300.0,
+    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds,
                             help="sglang only: seconds either side of a bootstrap room "
-                                 "waits for the other")
+                                 "waits for the other (default 300)")
     worker_cmd.add_argument("--fault-injection", action="store_true",
                             help="honour a request body's \"fault\" field (a test tool; "
                                  "default: the field is ignored)")
