@@ -10,8 +10,7 @@ from functools import partial
 import trio
 
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
-from ..mock import LatencyModel, create_mock_worker, serve_worker
-from ..mock._kv import DEFAULT_BOOTSTRAP_TIMEOUT
+from ..mock import DEFAULT_BOOTSTRAP_TIMEOUT, LatencyModel, create_mock_worker, serve_worker
 from ._signals import run_until_signalled
 from ._startup import StartupError, display_address, first_os_error
 
