@@ -400,3 +400,21 @@ async def test_mock_worker_bootstrap_timeout_is_refused_but_for_sglang(protocol:
                                       protocol, "--bootstrap-timeout", "5"])
     with pytest.raises(StartupError, match="--bootstrap-timeout is for --protocol sglang"):
         await mock_worker_command(args)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["mock-worker", "--role", "decode"]])
+def test_host_takes_an_ipv6_address_in_brackets_and_refuses_a_url_or_nothing(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once: '[::1]' (as in a URL) and '' or 'http://0.0.0.0' were looked up as names:
+    'cannot listen on [[::1]]:8000: Name or service not known', naming no flag."""
+    from trio_disagg._cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*command, "--host", "[::1]"]).host == "::1"
+    assert parser.parse_args([*command, "--host", "::"]).host == "::"
+    for host in ["", "http://0.0.0.0", "[]"]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--host", host])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"trio-disagg {command[0]}: error: argument --host: "), line

@@ -56,6 +56,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def listen_host(text: str) -> str:
+    """An address to listen on: a name or an IP address; an IPv6 address may be written
+    in brackets, as in a URL (``[::1]``)."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host.strip():
+        raise argparse.ArgumentTypeError(f"an address to listen on is needed, got {text!r}")
+    if "/" in host or "[" in host or "]" in host:
+        raise argparse.ArgumentTypeError(
+            f"an address such as 127.0.0.1, 0.0.0.0, :: or [::1], not a URL: got {text!r}")
+    return host
+
+
 def model_name(text: str) -> str:
     """A model name: not empty, not blank (a client could never name it)."""
     if not text.strip():

@@ -13,6 +13,7 @@ from ..mock import PROTOCOLS
 from ._arg_types import (
     DefaultsFormatter,
     limit,
+    listen_host,
     model_name,
     port_number,
     positive_int,
@@ -65,7 +66,8 @@ def add_serve_command(commands: Commands) -> None:
 
 def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
     """Where the router listens, the workers it routes to and how it picks them."""
-    serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve_cmd.add_argument("--host", type=listen_host, default="127.0.0.1",
+                           help="the address to listen on (an IPv6 one as :: or [::1])")
     serve_cmd.add_argument("--port", type=port_number, default=8000,
                            help="the TCP port; 0 picks a free one")
     serve_cmd.add_argument("--backend", default="mock",
@@ -188,7 +190,7 @@ def add_mock_worker_command(commands: Commands) -> None:
                     "\"fault\" field (with --fault-injection), and GET /metrics.")
     worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
-    worker_cmd.add_argument("--host", default="127.0.0.1")
+    worker_cmd.add_argument("--host", type=listen_host, default="127.0.0.1")
     worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
     worker_cmd.add_argument("--model", type=model_name,
                             help="the only model accepted (default: any)")
