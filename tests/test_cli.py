@@ -201,6 +201,7 @@ async def test_one_sigint_is_a_graceful_shutdown_and_exit_0() -> None:
     ["serve", "--decode-idle-deadline", "nan"],
     ["serve", "--prefill-deadline", "0"],
     ["serve", "--max-connections", "0"],
+    ["serve", "--workers", "100000"],  # once: processes started until memory ran out
     ["mock-worker", "--role", "prefill", "--port", "-1"],
     ["mock-worker", "--role", "decode", "--itl", "-0.5"],
     ["mock-worker", "--role", "prefill", "--kv-ttl", "nan"],
@@ -367,3 +368,53 @@ async def test_mock_style_with_a_real_backend_is_refused() -> None:
     (line,) = text.strip().splitlines()
     assert line.startswith("trio-disagg serve: error: --mock-style"), line
     assert "--backend mock" in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--model", ""],
+    ["serve", "--model", "m", "--model", "  "],
+    ["mock-worker", "--role", "decode", "--model", ""],
+], ids=["serve-empty", "serve-blank", "mock-worker-empty"])
+def test_an_empty_model_name_is_refused_naming_the_flag(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once: the mock worker served a model named '' (every real name was a 404), and
+    serve's error named no flag."""
+    from trio_disagg._cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"trio-disagg {argv[0]}: error: argument --model: "), line
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "trtllm"])
+async def test_mock_worker_bootstrap_timeout_is_refused_but_for_sglang(protocol: str) -> None:
+    """Once: accepted and ignored (it is SGLang's room timeout), while --bootstrap-port
+    was refused."""
+    from trio_disagg._cli import build_parser
+    from trio_disagg._cli._mock_worker import mock_worker_command
+
+    args = build_parser().parse_args(["mock-worker", "--role", "decode", "--protocol",
+                                      protocol, "--bootstrap-timeout", "5"])
+    with pytest.raises(StartupError, match="--bootstrap-timeout is for --protocol sglang"):
+        await mock_worker_command(args)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["mock-worker", "--role", "decode"]])
+def test_host_takes_an_ipv6_address_in_brackets_and_refuses_a_url_or_nothing(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once: '[::1]' (as in a URL) and '' or 'http://0.0.0.0' were looked up as names:
+    'cannot listen on [[::1]]:8000: Name or service not known', naming no flag."""
+    from trio_disagg._cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([*command, "--host", "[::1]"]).host == "::1"
+    assert parser.parse_args([*command, "--host", "::"]).host == "::"
+    for host in ["", "http://0.0.0.0", "[]"]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--host", host])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"trio-disagg {command[0]}: error: argument --host: "), line

@@ -71,3 +71,36 @@ async def test_a_port_in_use_is_one_line_and_exit_2() -> None:
     lines = result.stderr.decode().strip().splitlines()
     assert lines == [f"trio-disagg serve: error: cannot listen on 127.0.0.1:{port}: "
                      "Address already in use"], lines
+
+
+@pytest.mark.skipif(not REUSE_PORT_SUPPORTED, reason="--workers needs SO_REUSEPORT")
+async def test_a_process_that_cannot_be_started_is_a_startup_error_naming_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second process cannot be started (out of processes, memory or descriptors):
+    a startup error naming --workers, not 'cannot listen on' the address, which was
+    fine; and the first process is stopped, not left running."""
+    import argparse
+    import errno
+
+    from trio_disagg._cli import StartupError
+    from trio_disagg._cli._serve import supervised_serve
+
+    started: list[trio.Process] = []
+    real_open_process = trio.lowlevel.open_process
+
+    async def open_process(command: list[str], **options: object) -> trio.Process:
+        if started:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        started.append(await real_open_process(
+            [sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE))
+        return started[0]
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+    args = argparse.Namespace(argv=["serve"], workers=3, host="127.0.0.1", port=0)
+    with trio.fail_after(10), pytest.raises(StartupError) as raised:
+        await supervised_serve(args)
+    message = str(raised.value)
+    assert message.startswith("--workers 3: could not start process 2 of 3:"), message
+    assert "Resource temporarily unavailable" in message
+    assert started[0].returncode is not None

@@ -43,7 +43,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class SupervisorError(Exception):
-    """The processes could not be started (the address could not be reserved)."""
+    """A process could not be started (out of processes, memory or descriptors)."""
 
 
 async def reserve_port(host: str, port: int) -> tuple[trio.socket.SocketType, int]:
@@ -92,6 +92,7 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
 
     Raises:
         OSError: the address could not be reserved.
+        SupervisorError: a process could not be started (the ones started are killed).
     """
     sock, port = await reserve_port(host, port)
     metrics_dir = tempfile.mkdtemp(prefix="trio-disagg-metrics-")
@@ -102,9 +103,15 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
     try:
         with sock, trio.open_signal_receiver(*SIGNALS) as signals:
             try:
-                for _ in range(workers):
-                    processes.append(await trio.lowlevel.open_process(
-                        command, stdout=subprocess.PIPE, env=env, start_new_session=True))
+                for index in range(workers):
+                    try:
+                        processes.append(await trio.lowlevel.open_process(
+                            command, stdout=subprocess.PIPE, env=env,
+                            start_new_session=True))
+                    except OSError as exc:  # out of processes, memory or descriptors
+                        raise SupervisorError(
+                            f"--workers {workers}: could not start process {index + 1} of "
+                            f"{workers}: {exc.strerror or exc}") from exc
             except BaseException:
                 for process in processes:
                     process.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def port_number(text: str) -> int:
@@ -52,6 +53,43 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def listen_host(text: str) -> str:
+    """An address to listen on: a name or an IP address; an IPv6 address may be written
+    in brackets, as in a URL (``[::1]``)."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host.strip():
+        raise argparse.ArgumentTypeError(f"an address to listen on is needed, got {text!r}")
+    if "/" in host or "[" in host or "]" in host:
+        raise argparse.ArgumentTypeError(
+            f"an address such as 127.0.0.1, 0.0.0.0, :: or [::1], not a URL: got {text!r}")
+    return host
+
+
+def model_name(text: str) -> str:
+    """A model name: not empty, not blank (a client could never name it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"a model name must not be {'empty' if not text else 'blank'}, got {text!r}")
+    return text
+
+
+#: ``serve --workers`` at most this many processes per core: one process uses one core.
+PROCESSES_PER_CORE = 4
+
+
+def process_count(text: str) -> int:
+    """A number of router processes: 1 to :data:`PROCESSES_PER_CORE` per core of this
+    host (a typo such as 1000 would start processes until memory runs out)."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    most = PROCESSES_PER_CORE * cores
+    if value > most:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {most} ({PROCESSES_PER_CORE} per core; this host has "
+            f"{cores}: one process uses one core), got {value}")
     return value
 
 

@@ -10,7 +10,7 @@ from functools import partial
 import trio
 
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
-from ..mock import LatencyModel, create_mock_worker, serve_worker
+from ..mock import DEFAULT_BOOTSTRAP_TIMEOUT, LatencyModel, create_mock_worker, serve_worker
 from ._signals import run_until_signalled
 from ._startup import StartupError, display_address, first_os_error
 
@@ -47,6 +47,11 @@ async def mock_worker_command(args: argparse.Namespace) -> int:
     sglang_prefill = (args.protocol, args.role) == ("sglang", "prefill")
     if args.bootstrap_port is not None and not sglang_prefill:
         raise StartupError("--bootstrap-port is for --protocol sglang --role prefill only")
+    if args.bootstrap_timeout is not None and args.protocol != "sglang":
+        raise StartupError("--bootstrap-timeout is for --protocol sglang only (its "
+                           "bootstrap rooms' timeout)")
+    if args.bootstrap_timeout is None:
+        args.bootstrap_timeout = DEFAULT_BOOTSTRAP_TIMEOUT  # SGLang's default
     if sglang_prefill and args.bootstrap_port is None:
         args.bootstrap_port = DEFAULT_BOOTSTRAP_PORT  # SGLang's default
     try:

@@ -13,9 +13,12 @@ from ..mock import PROTOCOLS
 from ._arg_types import (
     DefaultsFormatter,
     limit,
+    listen_host,
+    model_name,
     port_number,
     positive_int,
     positive_seconds,
+    process_count,
     seconds,
 )
 from ._serve_options import (
@@ -63,7 +66,8 @@ def add_serve_command(commands: Commands) -> None:
 
 def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
     """Where the router listens, the workers it routes to and how it picks them."""
-    serve_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve_cmd.add_argument("--host", type=listen_host, default="127.0.0.1",
+                           help="the address to listen on (an IPv6 one as :: or [::1])")
     serve_cmd.add_argument("--port", type=port_number, default=8000,
                            help="the TCP port; 0 picks a free one")
     serve_cmd.add_argument("--backend", default="mock",
@@ -81,7 +85,7 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
                                 "workers were started with (vLLM, SGLang --api-key) "
                                 f"(default: ${WORKER_API_KEY_ENV} if set, else none; prefer "
                                 "the variable: it stays out of process listings)")
-    serve_cmd.add_argument("--model", action="append", metavar="MODEL",
+    serve_cmd.add_argument("--model", action="append", type=model_name, metavar="MODEL",
                            help="a model name clients may ask for (repeat for several: every "
                                 "name the workers serve, such as vLLM's --served-model-name "
                                 f"aliases; others get 404) (default: {DEFAULT_MODEL})")
@@ -105,10 +109,10 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
 
 def _add_serve_process_options(serve_cmd: argparse.ArgumentParser) -> None:
     """How many router processes, and how long their shutdown drains."""
-    serve_cmd.add_argument("--workers", type=positive_int, default=1, metavar="N",
+    serve_cmd.add_argument("--workers", type=process_count, default=1, metavar="N",
                            help="router processes sharing the port (SO_REUSEPORT; Linux "
-                                "spreads connections over them); /metrics shows all of them "
-                                "(docs/deploy.md)")
+                                "spreads connections over them); /metrics shows all of them; "
+                                "at most 4 per core (docs/deploy.md)")
     serve_cmd.add_argument(SUPERVISED_FLAG, action="store_true", help=argparse.SUPPRESS)
     serve_cmd.add_argument("--drain-window", type=seconds, default=30.0, metavar="SECONDS",
                            help="seconds in-flight streams and transfers get on shutdown")
@@ -186,9 +190,10 @@ def add_mock_worker_command(commands: Commands) -> None:
                     "\"fault\" field (with --fault-injection), and GET /metrics.")
     worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
-    worker_cmd.add_argument("--host", default="127.0.0.1")
+    worker_cmd.add_argument("--host", type=listen_host, default="127.0.0.1")
     worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
-    worker_cmd.add_argument("--model", help="the only model accepted (default: any)")
+    worker_cmd.add_argument("--model", type=model_name,
+                            help="the only model accepted (default: any)")
     worker_cmd.add_argument("--seed", type=int, default=0)
     worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
                             help="seconds of prefill compute per prompt token")
@@ -201,9 +206,9 @@ def add_mock_worker_command(commands: Commands) -> None:
     worker_cmd.add_argument("--bootstrap-port", type=port_number,
                             help="sglang prefill only: the bootstrap port (default 8998; "
                                  "0 picks a free one)")
-    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, default=300.0,
+    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds,
                             help="sglang only: seconds either side of a bootstrap room "
-                                 "waits for the other")
+                                 "waits for the other (default 300)")
     worker_cmd.add_argument("--fault-injection", action="store_true",
                             help="honour a request body's \"fault\" field (a test tool; "
                                  "default: the field is ignored)")

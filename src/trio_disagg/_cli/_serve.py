@@ -14,7 +14,7 @@ from .._http11 import descriptors_left
 from .._keeper import TransferKeeper
 from .._pool import WorkerPool
 from .._router import DisaggRouter
-from .._supervisor import MULTIPROC_DIR_ENV, supervise
+from .._supervisor import MULTIPROC_DIR_ENV, SupervisorError, supervise
 from ..engines import bearer, vllm_client
 from ..mock import KVCollector, MockCluster
 from ..server import REUSE_PORT_SUPPORTED, OpenAIApp, create_app, serve
@@ -183,7 +183,8 @@ async def supervised_serve(args: argparse.Namespace) -> int:
     (:mod:`trio_disagg._supervisor`). Returns the exit code.
 
     Raises:
-        StartupError: no ``SO_REUSEPORT`` here, or the address could not be reserved.
+        StartupError: no ``SO_REUSEPORT`` here, the address could not be reserved, or a
+            process could not be started.
     """
     if not REUSE_PORT_SUPPORTED:
         raise StartupError("--workers needs SO_REUSEPORT, which this platform lacks")
@@ -191,6 +192,8 @@ async def supervised_serve(args: argparse.Namespace) -> int:
         with ignoring_signals(SHUTDOWN_SIGNALS):
             return await supervise(args.argv, workers=args.workers, host=args.host,
                                    port=args.port)
+    except SupervisorError as exc:
+        raise StartupError(str(exc)) from None
     except OSError as exc:
         raise StartupError(f"cannot listen on {display_address(args.host, args.port)}: "
                            f"{exc.strerror or exc}") from None
