@@ -324,15 +324,22 @@ async def test_a_refused_client_waiting_for_100_continue_gets_its_answer_instead
     """A client that sent ``Expect: 100-continue`` is not asked for a body the router
     will not read: its 401 comes first, and the connection closes."""
     async with edge_server(api_key=KEY) as server:
-        answer = await server.exchange(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                                       b"content-type: application/json\r\n"
-                                       b"expect: " + expect + b"\r\n"
-                                       b"content-length: 100\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
-        assert b"100 Continue" not in answer
-        assert b"connection: close" in answer.lower()
-        assert b"invalid_api_key" in answer
-        assert server.calls == 0
+        await refused_before_100_continue(server, expect, 100, b"401", b"invalid_api_key")
+
+
+async def refused_before_100_continue(server: Any, expect: bytes, length: int,
+                                      status: bytes, code: bytes) -> None:
+    """A POST with ``Expect`` and ``length`` bytes declared (none sent) gets ``status``
+    with ``code`` at once, no ``100 Continue``, and its connection closes."""
+    answer = await server.exchange(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                   b"content-type: application/json\r\n"
+                                   b"expect: " + expect + b"\r\n"
+                                   b"content-length: %d\r\n\r\n" % length)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:100]
+    assert b"100 Continue" not in answer
+    assert b"connection: close" in answer.lower()
+    assert code in answer
+    assert server.calls == 0
 
 
 async def test_a_body_declared_too_large_is_refused_before_100_continue() -> None:
@@ -340,15 +347,8 @@ async def test_a_body_declared_too_large_is_refused_before_100_continue() -> Non
     ``max_body_bytes`` gets its 413 at once, not a ``100 Continue`` that asks the client
     to upload what the router will throw away; the connection then closes."""
     async with edge_server(max_body_bytes=1000) as server:
-        answer = await server.exchange(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                                       b"content-type: application/json\r\n"
-                                       b"expect: 100-continue\r\n"
-                                       b"content-length: 1001\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
-        assert b"100 Continue" not in answer
-        assert b"connection: close" in answer.lower()
-        assert b"request_too_large" in answer
-        assert server.calls == 0
+        await refused_before_100_continue(server, b"100-continue", 1001, b"413",
+                                          b"request_too_large")
 
 
 async def test_protect_metrics_closes_health_and_metrics_too() -> None:

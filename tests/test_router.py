@@ -860,7 +860,10 @@ class MisbehavingDecode(StandIn):
         super().__init__(engine)
         self.after = after
 
-    async def misbehave(self) -> None:
+    async def misbehave(self, send_channel: trio.MemorySendChannel[Item],
+                        receive: trio.MemoryReceiveChannel[Item]) -> None:
+        """After its tokens: ``send_channel`` is the router's, ``receive`` the rest of
+        the wrapped mock decode's outputs."""
         raise NotImplementedError
 
     async def generate(
@@ -882,7 +885,7 @@ class MisbehavingDecode(StandIn):
                             await send_channel.send(item)
                     for _ in range(self.after or 0):
                         await send_channel.send(await receive.receive())
-                    await self.misbehave()
+                    await self.misbehave(send_channel, receive)
 
 
 class CrashingDecode(MisbehavingDecode):
@@ -893,7 +896,8 @@ class CrashingDecode(MisbehavingDecode):
         super().__init__(engine, after)
         self.crash = crash
 
-    async def misbehave(self) -> None:
+    async def misbehave(self, send_channel: trio.MemorySendChannel[Item],
+                        receive: trio.MemoryReceiveChannel[Item]) -> None:
         raise self.crash()
 
 
@@ -1040,35 +1044,20 @@ async def test_G4_B4_a_decode_engine_that_raises_inside_async_with_send_channel(
         assert [item.is_error for item in items] == [False, False, True]
 
 
-class GarbageSendingDecode(StandIn):
+class GarbageSendingDecode(MisbehavingDecode):
     """Sends ``after`` tokens of the mock decode it wraps, then something that is not an
     ``Annotated[LLMEngineOutput]`` (an engine written against the docs that gets its
     output type wrong), then the rest."""
 
     def __init__(self, engine: Any, after: int, garbage: object) -> None:
-        super().__init__(engine)
-        self.after = after
+        super().__init__(engine, after)
         self.garbage = garbage
 
-    async def generate(
-        self,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        send_channel: trio.MemorySendChannel[Item],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        with send_channel:
-            inner_send, receive = trio.open_memory_channel[Item](math.inf)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.engine.generate, request, context, inner_send)
-                task_status.started()
-                with receive:
-                    for _ in range(self.after):
-                        await send_channel.send(await receive.receive())
-                    await send_channel.send(self.garbage)  # type: ignore[arg-type]
-                    async for item in receive:  # what it would have sent after
-                        await send_channel.send(item)
+    async def misbehave(self, send_channel: trio.MemorySendChannel[Item],
+                        receive: trio.MemoryReceiveChannel[Item]) -> None:
+        await send_channel.send(self.garbage)  # type: ignore[arg-type]
+        async for item in receive:  # what it would have sent after
+            await send_channel.send(item)
 
 
 @pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
@@ -1402,7 +1391,8 @@ class Forwarding(MisbehavingDecode):
     def __init__(self, engine: Any) -> None:
         super().__init__(engine, None)
 
-    async def misbehave(self) -> None:
+    async def misbehave(self, send_channel: trio.MemorySendChannel[Item],
+                        receive: trio.MemoryReceiveChannel[Item]) -> None:
         pass
 
 
@@ -1434,7 +1424,8 @@ class DeafDecode(MisbehavingDecode):
         super().__init__(engine, after)
         self.cancelled = False
 
-    async def misbehave(self) -> None:
+    async def misbehave(self, send_channel: trio.MemorySendChannel[Item],
+                        receive: trio.MemoryReceiveChannel[Item]) -> None:
         try:
             await trio.sleep_forever()
         except trio.Cancelled:
