@@ -149,13 +149,15 @@ class SseReader:
         """Whether ``part`` may end the pending event: a blank line in it, or one its
         first line end makes with the line end the bytes before it ended with (LF, CR or
         CRLF, split between two reads)."""
-        joined = window = (self._last if self._held else self._pending)[-3:] + part
-        if b"\r" in window:
-            window = window.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if b"\n\n" in window:
-            return True
-        self._last = joined[-3:]
-        return False
+        before = (self._last if self._held else self._pending)[-3:]
+        if b"\r" in part or b"\r" in before:  # (rare: CR line ends, normalised first)
+            window = (before + part).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            ends = b"\n\n" in window
+        else:  # no copy of the read: one search, and the two bytes around the seam
+            ends = b"\n\n" in part or (before[-1:] == b"\n" and part[:1] == b"\n")
+        if not ends:
+            self._last = part[-3:] if len(part) >= 3 else (before + part)[-3:]
+        return ends
 
     def _runs_of(self, runs: RunReader, chunks: list[bytes], begin: int, end: int,
                  found: list[Run]) -> tuple[str | None, int]:
