@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -104,3 +105,32 @@ async def test_a_process_that_cannot_be_started_is_a_startup_error_naming_worker
     assert message.startswith("--workers 3: could not start process 2 of 3:"), message
     assert "Resource temporarily unavailable" in message
     assert started[0].returncode is not None
+
+
+async def test_a_supervisor_killed_at_once_leaves_no_process_behind() -> None:
+    """SIGKILL (an operator's, or the out-of-memory killer's) gives the supervisor no
+    chance to stop its processes: the kernel tells each of them (Linux), and each shuts
+    down as on a SIGTERM, rather than serving on as an orphan nobody watches."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the kernel's parent-death signal is Linux's")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "serve", "--workers", "2", "--port", "0"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False,
+            ))
+            port = await banner_port(process)
+            async with httpx.AsyncClient() as http:
+                metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            pids = {int(pid) for pid in re.findall(
+                r'trio_disagg_router_closing\{pid="(\d+)"\}', metrics)}
+            assert len(pids) == 2, metrics
+            handles = [os.pidfd_open(pid) for pid in pids]
+            process.kill()
+            await process.wait()
+            try:
+                for handle in handles:  # readable once that process has exited
+                    await trio.lowlevel.wait_readable(handle)
+            finally:
+                for handle in handles:
+                    os.close(handle)

@@ -17,6 +17,7 @@ code.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -36,6 +37,9 @@ logger = logging.getLogger("trio_disagg")
 SUPERVISED_FLAG = "--supervised"
 #: The environment variable naming prometheus-client's multiprocess directory.
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: The supervisor's pid, in each process's environment (:func:`end_with_supervisor`).
+SUPERVISOR_PID_ENV = "TRIO_DISAGG_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: How a process of ``serve`` announces that it listens: the parent prints one such line,
 #: with every pid, once all did.
 READY_PREFIX = b"trio-disagg: serving "
@@ -96,7 +100,7 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
     """
     sock, port = await reserve_port(host, port)
     metrics_dir = tempfile.mkdtemp(prefix="trio-disagg-metrics-")
-    env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir}
+    env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir, SUPERVISOR_PID_ENV: str(os.getpid())}
     command = [sys.executable, "-m", "trio_disagg", *argv,
                "--port", str(port), "--workers", "1", SUPERVISED_FLAG]
     processes: list[trio.Process] = []
@@ -122,6 +126,25 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
             return await _watch(processes, signals, metrics_dir)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def end_with_supervisor() -> None:
+    """In one of ``serve --workers N``'s processes: have the kernel send it SIGTERM when
+    its supervisor dies (Linux's ``PR_SET_PDEATHSIG``), so that a supervisor killed with
+    SIGKILL (by an operator, or by the out-of-memory killer) leaves no router processes
+    behind: each shuts down gracefully, as on a SIGTERM the supervisor forwards (B3). A
+    supervisor already gone is noticed at once. Elsewhere than Linux: nothing."""
+    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
+    if supervisor is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # (no libc to load, or no prctl in it)
+        return
+    if os.getppid() != int(supervisor):  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _watch(processes: list[trio.Process], signals: AsyncIterator[int],

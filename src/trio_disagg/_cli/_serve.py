@@ -14,7 +14,7 @@ from .._http11 import descriptors_left
 from .._keeper import TransferKeeper
 from .._pool import WorkerPool
 from .._router import DisaggRouter
-from .._supervisor import MULTIPROC_DIR_ENV, SupervisorError, supervise
+from .._supervisor import MULTIPROC_DIR_ENV, SupervisorError, end_with_supervisor, supervise
 from ..engines import bearer, vllm_client
 from ..mock import KVCollector, MockCluster
 from ..server import REUSE_PORT_SUPPORTED, OpenAIApp, create_app, serve
@@ -69,6 +69,8 @@ async def serve_command(args: argparse.Namespace) -> int:
         await client.aclose()  # each process makes its own
         return await supervised_serve(args)
     metrics_dir = os.environ.get(MULTIPROC_DIR_ENV) if args.supervised else None
+    if args.supervised:
+        end_with_supervisor()  # no process left behind by a supervisor killed at once
 
     async def body(shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
         async with client, TransferKeeper(drain_window=args.drain_window) as keeper:
