@@ -52,3 +52,18 @@ def test_every_rule_is_named_by_a_test_and_a_docs_page() -> None:
     undocumented = [rule for rule in rules if not names(rule, docs)]
     assert untested == sorted(NOT_YET_IMPLEMENTED), untested
     assert set(undocumented) <= set(NOT_YET_IMPLEMENTED), undocumented
+
+
+def test_every_rule_opens_with_its_incident_or_says_there_is_none() -> None:
+    """docs/semantics.md opens each rule with the public incident behind it, or says, in
+    the rule's own section or its group's introduction, that none stands behind it."""
+    text = (ROOT / "docs" / "semantics.md").read_text()
+    silent = []
+    for group in re.split(r"^## ", text, flags=re.MULTILINE)[1:]:
+        intro, *sections = re.split(r"^### ", group, flags=re.MULTILINE)
+        for section in sections:
+            says_none = "no public incident" in section or "no single public incident" in intro
+            if "**Incident.**" not in section and not says_none:
+                silent.append(section.splitlines()[0])
+    assert not silent, silent
+
