@@ -88,5 +88,16 @@ def _data_docstring(app: object, what: str, name: str, obj: object, options: obj
             lines[:] = comment
 
 
+def _attribute_as_written(self: Any) -> list[str]:
+    """An attribute's comment as written. Napoleon would read the words before the first
+    colon of its first line as the attribute's type ("KV is staged (sequential styles:
+    the prefill answered)"); the annotations in the code give the types."""
+    lines = type(self)(self._dedent(self._consume_to_end()), self._config).lines()
+    return list(self._format_field("", "", lines))
+
+
 def setup(app: Any) -> None:
+    from sphinx.ext.napoleon.docstring import GoogleDocstring
+
+    GoogleDocstring._parse_attribute_docstring = _attribute_as_written  # type: ignore[method-assign]
     app.connect("autodoc-process-docstring", _data_docstring)

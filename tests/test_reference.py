@@ -94,3 +94,28 @@ def test_every_exported_constant_and_alias_is_in_the_api_reference() -> None:
             if f".. autodata:: {package}.{name}\n" not in reference:
                 missing.append(f"{package}.{name}")
     assert not missing, missing
+
+
+def test_an_attributes_comment_is_rendered_as_written() -> None:
+    """Once: napoleon read the words before the first colon of an attribute's ``#:``
+    comment as its type, so the reference showed ``HandoffState.STAGED`` as "the prefill
+    answered), and no decode took it yet. Type: KV is staged (sequential styles", and
+    did the same to some 40 other public attributes and enum members."""
+    import importlib.util
+
+    from sphinx.ext.napoleon.docstring import GoogleDocstring
+
+    spec = importlib.util.spec_from_file_location("docs_conf", ROOT / "docs" / "conf.py")
+    assert spec is not None and spec.loader is not None
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+
+    class App:
+        def connect(self, event: str, handler: object) -> None:
+            pass
+
+    conf.setup(App())
+    comment = ["KV is staged (sequential styles: the prefill answered), and no decode",
+               "took it yet."]
+    lines = GoogleDocstring(comment, what="attribute", name="STAGED").lines()
+    assert [line for line in lines if line] == comment
