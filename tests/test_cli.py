@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import signal
@@ -418,3 +419,26 @@ def test_host_takes_an_ipv6_address_in_brackets_and_refuses_a_url_or_nothing(
             parser.parse_args([*command, "--host", host])
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith(f"trio-disagg {command[0]}: error: argument --host: "), line
+
+
+@pytest.mark.parametrize("command", ["serve", "mock-worker", "demo"])
+def test_help_gives_the_default_of_every_option(command: str) -> None:
+    """Once: ``mock-worker --help`` and ``demo --help`` gave no default at all (not even
+    that ``--protocol`` is vllm, or that the demo sends 200 requests), while the docs
+    send the reader to ``--help`` for them."""
+    from trio_disagg._cli import build_parser
+
+    (commands,) = (action for action in build_parser()._actions
+                   if isinstance(action, argparse._SubParsersAction))
+    parser = commands.choices[command]
+    help_text = parser.format_help()
+    silent = []
+    for action in parser._actions:
+        if not action.option_strings or action.required or action.help == argparse.SUPPRESS:
+            continue
+        if action.default is argparse.SUPPRESS:
+            continue
+        text = parser.formatter_class(prog=command)._get_help_string(action) or ""
+        if not action.help or "default" not in text:  # argparse shows no help for None
+            silent.append(action.option_strings[0])
+    assert not silent, (silent, help_text)

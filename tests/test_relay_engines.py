@@ -239,8 +239,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @asynccontextmanager
 async def worker(protocol: str, role: Role = "decode") -> AsyncIterator[str]:
-    """A mock ``protocol`` worker served on a free port, no latency; its URL."""
-    app = create_mock_worker(role, protocol, fault_injection=True, latency=LatencyModel.zero())
+    """A mock ``protocol`` worker served on a free port (an SGLang prefill's bootstrap
+    port too, not SGLang's 8998, which another process may hold), no latency; its URL."""
+    app = create_mock_worker(role, protocol, fault_injection=True, latency=LatencyModel.zero(),
+                             bootstrap_port=0 if (protocol, role) == ("sglang", "prefill")
+                             else None)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(partial(serve_worker, app))
         yield f"http://127.0.0.1:{port}"

@@ -343,6 +343,9 @@ async def test_sse_framing_is_exact() -> None:
             "model": MODEL, "prompt": "one two three", "max_tokens": 5, "stream": True})
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream"
+        # docs/protocols.md section 1: no proxy in front buffers the stream
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
         data = events(response.content)
         assert data[-1] == b"[DONE]"
         assert data.count(b"[DONE]") == 1

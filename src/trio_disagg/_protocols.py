@@ -434,7 +434,9 @@ def _make_converter() -> cattrs.Converter:
     return conv
 
 
-#: The cattrs converter for the wire form of every type in this module.
+#: The cattrs converter between the protocol types (:class:`LLMEngineOutput`,
+#: :class:`Annotated`, ...) and their wire form; :func:`to_wire` and :func:`from_wire`
+#: use it.
 converter = _make_converter()
 
 

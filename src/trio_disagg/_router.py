@@ -99,6 +99,15 @@ class DisaggRouter:
             request is disaggregated; shorter ones go to a decode worker alone. None (the
             default): every request is disaggregated.
 
+    Attributes:
+        prefill: the prefill pool; its ``workers`` carry each worker's load and health.
+        decode: the decode pool.
+        keeper: the keeper the prefill legs, kept decode legs and cleanups run in.
+        deadlines: as given, or the defaults; read when a request uses them.
+        retry: as given, or the default.
+        counters: what became of the requests, their prefills and KV (B5, B9):
+            :class:`RouterCounters`, for ``/metrics`` and tests.
+
     Raises:
         ValueError: a negative ``channel_buffer`` or ``disagg_min_prompt_tokens``.
         TypeError: an argument of another type than its own (a list of engines where a

@@ -105,10 +105,12 @@ def limit(text: str) -> int | None:
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already says it."""
+    """Every option's help ends with its default, unless the help already says it (or the
+    option is required)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "(default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if ("(default" in text or action.default is argparse.SUPPRESS
+                or not action.option_strings or action.required):
             return text
         return f"{text} (default: %(default)s)".lstrip()

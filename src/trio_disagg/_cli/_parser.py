@@ -184,17 +184,22 @@ def add_mock_worker_command(commands: Commands) -> None:
     """``mock-worker``: one mock worker's role, protocol, address and latency model."""
     worker_cmd = commands.add_parser(
         "mock-worker", help="run one mock prefill or decode worker over HTTP",
+        formatter_class=DefaultsFormatter,
         description="A mock worker speaking a real worker's wire protocol (docs/protocols.md "
                     "section 5): KV block accounting with a lease, a real KV pull over "
                     "loopback, abort on connection close, faults from the request body's "
                     "\"fault\" field (with --fault-injection), and GET /metrics.")
-    worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
-    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
-    worker_cmd.add_argument("--host", type=listen_host, default="127.0.0.1")
+    worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"],
+                            help="serve prefill requests or decode requests")
+    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS),
+                            help="the worker whose wire protocol it speaks")
+    worker_cmd.add_argument("--host", type=listen_host, default="127.0.0.1",
+                            help="the address to listen on")
     worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
     worker_cmd.add_argument("--model", type=model_name,
                             help="the only model accepted (default: any)")
-    worker_cmd.add_argument("--seed", type=int, default=0)
+    worker_cmd.add_argument("--seed", type=int, default=0,
+                            help="seeds the made-up text the worker generates")
     worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
                             help="seconds of prefill compute per prompt token")
     worker_cmd.add_argument("--itl", type=seconds, default=0.02,
@@ -211,7 +216,7 @@ def add_mock_worker_command(commands: Commands) -> None:
                                  "waits for the other (default 300)")
     worker_cmd.add_argument("--fault-injection", action="store_true",
                             help="honour a request body's \"fault\" field (a test tool; "
-                                 "default: the field is ignored)")
+                                 "without it the field is ignored)")
     worker_cmd.add_argument("--api-key", metavar="KEY",
                             help="vllm and sglang only: requests must send 'Authorization: "
                                  "Bearer KEY' as to the real worker, else 401 (vllm: /v1/*; "
@@ -223,6 +228,7 @@ def add_demo_command(commands: Commands) -> None:
     """``demo``: the size, concurrency, seed and backends of the demo's workload."""
     demo_cmd = commands.add_parser(
         "demo", help="run the whole router on mock workers with a mixed workload",
+        formatter_class=DefaultsFormatter,
         description="Start the router on mock workers, drive real OpenAI requests through "
                     "it (client disconnects and injected faults included), print a table "
                     "per scenario, and exit non-zero if an invariant was broken.")
@@ -230,6 +236,8 @@ def add_demo_command(commands: Commands) -> None:
                           help="requests per backend (at least one per scenario)")
     demo_cmd.add_argument("--concurrency", type=positive_int, default=32,
                           help="clients sending at once")
-    demo_cmd.add_argument("--seed", type=int, default=0)
+    demo_cmd.add_argument("--seed", type=int, default=0,
+                          help="seeds the workload and the mock workers' text")
     demo_cmd.add_argument("--backend", default="all",
-                          choices=["all", *DEMO_BACKENDS])
+                          choices=["all", *DEMO_BACKENDS],
+                          help="the backend to run; all: each in turn")

@@ -1,6 +1,6 @@
 """The reads of every connection whose request is being served, in one task of the
 server's: a request's body as it arrives, then whatever comes (a pipelined request, or
-the end of the connection: a disconnect, C3).
+the end of the connection: a disconnect, which cancels the request's nursery, G9).
 
 Watching a served connection is what lets the router hear a client that went away
 during the prefill, when nothing is written to it. One task per request doing that costs

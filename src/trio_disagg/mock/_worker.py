@@ -41,7 +41,7 @@ from ._wire_faults import MockFault, MockFaultKind, split_mock_faults
 
 logger = logging.getLogger("trio_disagg.workers")
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode"]  #: A mock worker's role: what requests it serves.
 Work = Callable[[], Awaitable[None]]
 
 #: The OpenAI generation endpoints every mock worker serves.

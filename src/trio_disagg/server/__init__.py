@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server of trio-disagg.
 
-A plain ASGI 3 application (:func:`create_app`) served by hypercorn's trio worker
-(:func:`serve`). All HTTP lives here; the router and the core know nothing of it.
+A plain ASGI 3 application (:func:`create_app`) served by the project's own HTTP/1.1
+server on trio, or by hypercorn's trio worker given a hypercorn config (:func:`serve`).
+All HTTP lives here; the router and the core know nothing of it.
 """
 
 # ruff: noqa: E402 (the extra is checked before its packages are imported)

@@ -107,7 +107,7 @@ async def serve(
         async with TransferKeeper() as keeper:
             router = DisaggRouter(prefill, decode, keeper)
             app = create_app(router, models=["my-model"])
-            await serve(app, port=8000, shutdown_trigger=wait_for_sigterm)
+            await serve(app, shutdown_trigger=partial(wait_for_signals, signal.SIGTERM))
 
     Graceful shutdown (B3, docs/router.md): once ``shutdown_trigger`` returns, the router
     closes (new requests get 503), the server stops listening, requests in flight get
