@@ -636,8 +636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--streams", type=int, default=64, help="P4a concurrent streams")
     parser.add_argument("--tokens", type=int, default=256, help="P4a tokens per stream")
-    parser.add_argument("--repeat", type=int, default=5, help="P4a runs per target (P4b: half as many, plus one: "
-                        "an odd count, whose median is one run's)")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="P4a runs per target (P4b: half as many, plus one: an odd "
+                        "count, whose median is one run's)")
     parser.add_argument("--samples", type=int, default=100,
                         help="P4c requests per target, one at a time")
     parser.add_argument("--itl", type=float, default=0.02,
