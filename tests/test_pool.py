@@ -11,6 +11,7 @@ import trio
 
 from trio_disagg import (
     Annotated,
+    CancelWindow,
     LeastOutstanding,
     LLMEngineOutput,
     NoWorkerAvailable,
@@ -22,6 +23,7 @@ from trio_disagg import (
     SessionAffinity,
     WorkerError,
     WorkerPool,
+    cancel_window_of,
 )
 
 
@@ -74,6 +76,23 @@ def test_B10_S12_a_pool_refuses_settings_it_could_not_use(
     Each is refused when the pool is made."""
     with pytest.raises(error, match=match):
         WorkerPool([NullEngine("w")], **settings)
+
+
+@attrs.define
+class WindowedEngine(NullEngine):
+    """An engine that declares its own cancel window (B10), as a string by mistake."""
+
+    cancel_window: object = "before_handoff"
+
+
+def test_B10_an_engine_whose_cancel_window_is_not_one_is_refused() -> None:
+    """It was read as ``never`` in silence: the prefill the engine said may be cancelled
+    before the handoff was drained instead. Refused when the pool is made, naming it."""
+    with pytest.raises(TypeError, match=r"engine 'p'.*cancel_window.*'before_handoff'"):
+        WorkerPool([WindowedEngine("p")])
+    assert cancel_window_of(NullEngine("q")) is CancelWindow.NEVER  # none declared
+    engine = WindowedEngine("r", CancelWindow.ANYTIME)
+    assert WorkerPool([engine]).workers[0].cancel_window is CancelWindow.ANYTIME
 
 
 async def test_S12_round_robin_visits_each_worker_in_turn() -> None:

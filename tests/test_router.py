@@ -1535,6 +1535,13 @@ def test_B2_deadlines_must_be_positive_seconds(bad: float) -> None:
         Deadlines(prefill=bad)
 
 
+@pytest.mark.parametrize("bad", [True, "30", None])
+def test_B2_a_deadline_that_is_not_a_number_of_seconds_is_a_type_error(bad: object) -> None:
+    """``True`` is an int to Python, but not a deadline (it read as 1 s)."""
+    with pytest.raises(TypeError, match="prefill deadline must be a number of seconds"):
+        Deadlines(prefill=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("words", "cleanups"), [(205, 1), (300, 0)])
 async def test_B1_B2_an_answer_on_its_way_at_the_prefill_deadline_is_consumed(
     autojump_clock: trio.abc.Clock, words: int, cleanups: int

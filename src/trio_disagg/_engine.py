@@ -55,11 +55,17 @@ def cancel_window_of(engine: object) -> CancelWindow:
         engine: any engine; ``cancel_window`` is optional on a :class:`PrefillEngine`.
 
     Returns:
-        Its ``cancel_window`` attribute, or :attr:`CancelWindow.NEVER` if it has none or
-        that is not a :class:`CancelWindow`.
+        Its ``cancel_window`` attribute, or :attr:`CancelWindow.NEVER` if it has none.
+
+    Raises:
+        TypeError: it declares one that is not a :class:`CancelWindow` (its string value,
+            say): read as ``never``, it would turn B10 off in silence.
     """
     window = getattr(engine, "cancel_window", CancelWindow.NEVER)
-    return window if isinstance(window, CancelWindow) else CancelWindow.NEVER
+    if not isinstance(window, CancelWindow):
+        raise TypeError(f"engine {getattr(engine, 'name', engine)!r} declares a "
+                        f"cancel_window that is not a trio_disagg.CancelWindow: {window!r}")
+    return window
 
 
 def not_an_engine_output(item: object) -> str | None:

@@ -26,7 +26,10 @@ DECODE_ONLY = "decode_only"
 
 
 def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (isinstance(value, int | float) and value > 0):  # also refuses NaN
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"the {attribute.name} deadline must be a number of seconds, got "
+                        f"{value!r}")
+    if not value > 0:  # also refuses NaN
         raise ValueError(f"the {attribute.name} deadline must be > 0 seconds, got {value!r}")
 
 
@@ -50,6 +53,7 @@ class Deadlines:
             B1 cleanup decode is bounded by ``handoff`` + ``decode_idle``.)
 
     Raises:
+        TypeError: a deadline that is not a number (``True`` neither).
         ValueError: a deadline that is not a positive number of seconds (``inf`` is
             allowed: no deadline).
     """
