@@ -227,7 +227,30 @@ VLLM_CASES = [
     pytest.param({"do_remote_prefill": False, "do_remote_decode": True},
                  "kv_transfer_params.do_remote_prefill", "got bool False",
                  id="direction-reversed"),
+    # one list per KV cache group (vLLM's hybrid KV cache manager): each group's ids as
+    # checked as the flat list's, and one block at least in all of them
+    pytest.param({"remote_block_ids": [[4, 5], [-1]]},
+                 "kv_transfer_params.remote_block_ids[1][0]",
+                 "must be a non-negative integer, got int -1", id="groups-negative"),
+    pytest.param({"remote_block_ids": [[4], ["5"]]},
+                 "kv_transfer_params.remote_block_ids[1][0]", "'5'", id="groups-str"),
+    pytest.param({"remote_block_ids": [[], []]}, "kv_transfer_params.remote_block_ids",
+                 "must be a list with a block, got list [[], []]", id="groups-all-empty"),
+    pytest.param({"remote_block_ids": [[4], 5]}, "kv_transfer_params.remote_block_ids[0]",
+                 "must be an integer, got list [4]", id="groups-mixed"),
 ]
+
+#: A prefill answer's ``kv_transfer_params`` from vLLM's NixlConnector with the hybrid KV
+#: cache manager (vllm-project/vllm, vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+#: pull_scheduler.py, ``request_finished``): ``remote_block_ids`` one list per KV cache
+#: group (its ``BlockIds``, a tuple of lists), and the fields it added.
+HMA_PARAMS: dict[str, Any] = {
+    "do_remote_prefill": True, "do_remote_decode": False,
+    "remote_block_ids": [[4, 5, 6], [2]], "remote_engine_id": "c0a8e3f1-engine",
+    "remote_request_id": "cmpl-r-0-a1b2c3d4", "remote_host": "10.0.0.5",
+    "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+    "remote_num_tokens": 45, "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+}
 
 
 @pytest.mark.parametrize(("kv", "field", "bad"), VLLM_CASES)
@@ -295,6 +318,27 @@ async def test_B7_vllm_valid_handoff_goes_to_the_decode_as_sent() -> None:
                 with stream.outputs:
                     items = [item async for item in stream.outputs]
     assert not any(item.is_error for item in items)
+    (decode,) = workers.seen["decode"]
+    assert decode["kv_transfer_params"] == answer["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("block_ids", [[[4, 5, 6], [2]], [[0]], [[], [7]]],
+                         ids=["two-groups", "one-group", "an-empty-group"])
+async def test_B7_vllm_block_ids_per_kv_cache_group_go_to_the_decode_as_sent(
+        block_ids: list[list[int]]) -> None:
+    """vLLM's NixlConnector with the hybrid KV cache manager sends ``remote_block_ids`` as
+    one list per KV cache group: a handoff like any other, not an invalid one."""
+    answer = {**vllm_answer(), "kv_transfer_params": {**HMA_PARAMS,
+                                                       "remote_block_ids": block_ids}}
+    workers = FakeWorkers(answer)
+    async with fake_router(vllm_pair, workers) as router:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                stream = await router.stream(nursery, completion("hma"), RequestContext("hma"))
+                with stream.outputs:
+                    items = [item async for item in stream.outputs]
+    assert not any(item.is_error for item in items)
+    assert "".join(item.data.text or "" for item in items if item.data) == " y"
     (decode,) = workers.seen["decode"]
     assert decode["kv_transfer_params"] == answer["kv_transfer_params"]
 

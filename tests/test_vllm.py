@@ -92,9 +92,10 @@ async def vllm_cluster(
     prefill_url: str | None = None,
     wrap_decode: Callable[[VllmEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
+    block_id_groups: bool = False,
 ) -> AsyncIterator[Cluster[MockVllmWorker]]:
-    prefill = create_mock_worker("prefill", fault_injection=True,
-                                 latency=latency, kv_ttl=KV_TTL, model=prefill_model)
+    prefill = MockVllmWorker("prefill", fault_injection=True, latency=latency, kv_ttl=KV_TTL,
+                             model=prefill_model, block_id_groups=block_id_groups)
     decode = create_mock_worker("decode", fault_injection=True, latency=latency)
 
     def engines(prefill_url: str, decode_url: str, client: Client
@@ -202,6 +203,24 @@ async def test_sequential_handoff_with_cached_tokens_from_the_prefill() -> None:
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_kv_served_requests_total"] == 1
         assert samples["trio_disagg_mock_requests_aborted_total"] == 0
+
+
+async def test_handoff_with_block_ids_per_kv_cache_group() -> None:
+    """A prefill that gives its ``remote_block_ids`` per KV cache group, as vLLM's
+    NixlConnector with the hybrid KV cache manager does (``[[0, 1, 2]]``), hands off as
+    one with a flat list: the decode gets them as sent, pulls the KV, and answers."""
+    async with vllm_cluster(block_id_groups=True) as cluster:
+        request = completion("req-groups", max_tokens=4)
+        stream, items = await run(cluster, request)
+        assert stream.style == "sequential"
+        assert all(not item.is_error for item in items)
+        assert len(tokens(items)) == 4 and all(tokens(items))
+        (seen_decode,) = cluster.decode.seen
+        assert seen_decode.body["kv_transfer_params"]["remote_block_ids"] == [[0, 1, 2]]
+        await cluster.settled()
+        counters = cluster.prefill.kv.counters()
+        assert (counters.staged_blocks, counters.freed_blocks, counters.served) == (3, 3, 1)
+        assert cluster.decode.stats.kv_pulls == 1
 
 
 async def test_chat_handoff() -> None:

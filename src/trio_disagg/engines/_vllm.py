@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, NewType
 
 import attrs
 
@@ -30,6 +30,7 @@ from ._handoffs import (
     Must,
     NonNegativeInt,
     choices_problem,
+    handoff_converter,
     handoff_problem,
 )
 from ._http import (
@@ -62,6 +63,30 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
 }
 
 
+#: A prefill's ``remote_block_ids``: the block ids to pull, as one list (vLLM's
+#: NixlConnector before the hybrid KV cache manager) or as one list per KV cache group
+#: (``[[4, 5], [9]]``: the connector's ``BlockIds``, a tuple of lists, on later builds).
+BlockIds = NewType("BlockIds", list)  # type: ignore[type-arg]
+
+_FLAT_BLOCK_IDS = Annotated[list[NonNegativeInt], NON_EMPTY]
+_GROUPED_BLOCK_IDS = Annotated[list[list[NonNegativeInt]],
+                               Must(lambda groups: any(groups), "a list with a block")]
+
+
+def _structure_block_ids(value: Any, _: Any) -> list[Any]:
+    """``value`` as :data:`BlockIds`: a list of lists is a list per KV cache group (each a
+    list of non-negative integers, one group at least with a block), anything else one
+    non-empty list of non-negative integers."""
+    if type(value) is list and value and all(type(group) is list for group in value):
+        grouped: list[Any] = handoff_converter.structure(value, _GROUPED_BLOCK_IDS)
+        return grouped
+    flat: list[Any] = handoff_converter.structure(value, _FLAT_BLOCK_IDS)
+    return flat
+
+
+handoff_converter.register_structure_hook(BlockIds, _structure_block_ids)
+
+
 @attrs.frozen(kw_only=True)
 class KvTransferParams:
     """The fields of a prefill's ``kv_transfer_params`` a decode worker needs to pull the
@@ -72,12 +97,14 @@ class KvTransferParams:
     The direction must be the prefill's answer's: ``do_remote_prefill`` true (the decode
     pulls the KV) and ``do_remote_decode``, if present, false (``true`` would make the
     decode worker act as a prefill and strand the KV staged here); ``remote_block_ids``
-    must be a non-empty list of non-negative integers (the blocks to pull)."""
+    (the blocks to pull) must be a non-empty list of non-negative integers, or a list of
+    such lists, one per KV cache group, with a block in one of them at least
+    (:data:`BlockIds`)."""
 
     do_remote_prefill: Annotated[bool, Must(lambda value: value is True, "true")]
     do_remote_decode: Annotated[bool, Must(lambda value: value is False, "false")] = False
     remote_engine_id: str
-    remote_block_ids: Annotated[list[NonNegativeInt], NON_EMPTY]
+    remote_block_ids: BlockIds
     remote_host: str
     remote_port: int
     remote_request_id: str = ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import attrs
 import orjson
@@ -24,10 +24,11 @@ from ._core import TERMINAL_FINISH, Prefill
 from ._faults import Fault, FaultKind
 from ._kv import StagedKV
 from ._kvwire import RemoteKV
+from ._options import WorkerOptions
 from ._sinks import PrefillAnswers
 from ._text import WORDS, prompt_token_ids
 from ._wire_faults import REMOVED, MockFault, MockFaultKind
-from ._worker import MockWorker, Work
+from ._worker import MockWorker, Role, Work
 
 __all__ = ["MockVllmWorker", "parse_remote_kv"]
 
@@ -38,6 +39,11 @@ def parse_remote_kv(params: Mapping[str, Any]) -> RemoteKV | str:
     host, port = params.get("remote_host"), params.get("remote_port")
     key, engine = params.get("remote_request_id"), params.get("remote_engine_id")
     blocks = params.get("remote_block_ids")
+    if (isinstance(blocks, list) and blocks
+            and all(isinstance(group, list) for group in blocks)):
+        # One list per KV cache group (vLLM's hybrid KV cache manager): the mock stages
+        # one group, its blocks the flat list's.
+        blocks = [block for group in blocks for block in group]
     if not isinstance(host, str) or not host or type(port) is not int:
         return f"kv_transfer_params need remote_host and remote_port, got {host!r}:{port!r}"
     if not isinstance(key, str) or not isinstance(engine, str):
@@ -67,17 +73,20 @@ class MockVllmWorker(MockWorker):
       with ``prompt_tokens_details.cached_tokens`` (its prefix-cache hit), and
       ``kv_transfer_params: {"do_remote_prefill": true, "do_remote_decode": false,
       "remote_block_ids", "remote_engine_id": name, "remote_request_id",
-      "remote_host", "remote_port", "tp_size": 1}``. The blocks are held until a decode
+      "remote_host", "remote_port", "tp_size": 1}`` (``remote_block_ids`` a list of ids,
+      or with ``block_id_groups`` a list of one list per KV cache group: one group, as
+      vLLM's NixlConnector with the hybrid KV cache manager sends it for a model with
+      full attention only). The blocks are held until a decode
       pulls them, a decode releases them, or their lease of ``kv_ttl`` seconds expires
       (then they count as stranded). A chat prefill with ``tool_choice: "required"``
       fails as vLLM's does (its one token is no JSON list of calls): 400, its KV staged
       and left to its lease.
     - ``do_remote_prefill: true`` (a decode request): pull the KV from
       ``remote_host:remote_port`` over HTTP (``GET /kv/{remote_request_id}``, checking
-      every byte), then generate. A failed pull is a decode error: an error event and
-      ``[DONE]`` in a stream (whose headers went out when the request was accepted), a
-      500 answer otherwise. ``cached_tokens`` is then the whole prompt, as a real decode
-      worker reports it.
+      every byte; ``remote_block_ids`` in either form), then generate. A failed pull
+      is a decode error: an error event and ``[DONE]`` in a stream (whose headers went
+      out when the request was accepted), a 500 answer otherwise. ``cached_tokens`` is
+      then the whole prompt, as a real decode worker reports it.
     - neither: compute the prefill locally, then generate.
 
     Generation: ``max_tokens`` (or ``max_completion_tokens``, else
@@ -133,6 +142,9 @@ class MockVllmWorker(MockWorker):
 
     Args:
         role: ``"prefill"`` or ``"decode"``: which faults it acts on, and its name.
+        block_id_groups: a prefill's handoffs give ``remote_block_ids`` per KV cache
+            group (``[[0, 1, 2]]``), as vLLM's NixlConnector does on builds with the
+            hybrid KV cache manager; default one flat list (``[0, 1, 2]``), as earlier.
         name: the ``remote_engine_id`` of its handoffs; default ``"{role}@host:port"``
             once served.
         model: the only model name accepted (others get 404 as from vLLM); None accepts
@@ -168,6 +180,11 @@ class MockVllmWorker(MockWorker):
     owned_by: ClassVar[str] = "vllm"
     whole_message: ClassVar[Mapping[str, Any]] = MappingProxyType({"tool_calls": []})
 
+    def __init__(self, role: Role, *, block_id_groups: bool = False,
+                 **options: Unpack[WorkerOptions]) -> None:
+        super().__init__(role, **options)
+        self.block_id_groups = block_id_groups
+
     def _work(self, exchange: Exchange, body: dict[str, Any], path: str,
               fault: Fault | None, mock: MockFault | None = None) -> Work:
         params = body.get("kv_transfer_params")
@@ -200,10 +217,11 @@ class MockVllmWorker(MockWorker):
 
     def _handoff(self, fmt: OpenAIFormat, run: Prefill, entry: StagedKV) -> bytes:
         """The prefill's answer: one token and ``kv_transfer_params`` naming ``entry``."""
+        blocks = list(entry.block_ids)
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(entry.block_ids),
+            "remote_block_ids": [blocks] if self.block_id_groups else blocks,
             "remote_engine_id": self.name,
             "remote_request_id": entry.key,
             "remote_host": self.host,
