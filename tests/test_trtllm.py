@@ -14,6 +14,7 @@ adapter alone, over an httpx mock transport); every wait is bounded.
 
 from __future__ import annotations
 
+import secrets
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -142,6 +143,35 @@ def test_context_and_generation_bodies_follow_protocols_section_4() -> None:
         trtllm_engines(["http://c:1", "http://c:1/"], [], client=httpx.AsyncClient())
 
 
+@pytest.mark.parametrize("draw", ["lowest", "highest"])
+async def test_disagg_request_id_is_never_a_local_request_id(
+        draw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorRT-LLM keeps [MIN_GLOBAL_ID, 2^63) for the disaggregated service's
+    ``disagg_request_id`` and numbers a worker's own requests below it
+    (NVIDIA/TensorRT-LLM, tensorrt_llm/llmapi/disagg_utils.py: 2^40; 2^41 when global ids
+    came in): however the random draw falls, the context request's id is in both
+    versions' global range, never one of a worker's local ids."""
+    lowest = draw == "lowest"
+    monkeypatch.setattr(secrets, "randbits", lambda bits: 0 if lowest else (1 << bits) - 1)
+    monkeypatch.setattr(secrets, "randbelow", lambda below: 0 if lowest else below - 1)
+    sent: list[dict[str, Any]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await trio.lowlevel.checkpoint()
+        sent.append(orjson.loads(request.content))
+        return httpx.Response(400, json={"object": "error", "message": "enough",
+                                         "type": "BadRequestError", "code": 400})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        engine = TrtllmEngine("http://context:8000", "prefill", client=client)
+        send, _ = trio.open_memory_channel[Item](4)
+        with trio.fail_after(5), pytest.raises(WorkerError, match="enough"):
+            await engine.generate(completion("id"), RequestContext("id"), send)
+    (body,) = sent
+    disagg_id = body["disaggregated_params"]["disagg_request_id"]
+    assert type(disagg_id) is int and 1 << 41 <= disagg_id < 1 << 63
+
+
 def test_B10_a_context_may_be_cancelled_before_its_handoff_only() -> None:
     """A context aborted before it answered stages nothing; after, its KV is committed."""
     client = httpx.AsyncClient()
@@ -183,7 +213,7 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         (seen_generation,) = cluster.decode.seen
         assert seen_context.request_id == "req-ctx" == seen_generation.request_id
         disagg_id = seen_context.body["disaggregated_params"]["disagg_request_id"]
-        assert type(disagg_id) is int and 0 <= disagg_id < 1 << 63
+        assert type(disagg_id) is int and 1 << 41 <= disagg_id < 1 << 63
         assert seen_context.body == context_body(request.body, disagg_id)
         params = seen_generation.body["disaggregated_params"]
         assert params["request_type"] == "generation_only"

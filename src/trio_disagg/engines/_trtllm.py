@@ -56,8 +56,9 @@ from ._requests import (
 )
 
 __all__ = [
-    "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TRTLLM_WITHHELD", "ContextParams",
-    "TrtllmEngine", "context_body", "context_problem", "generation_body", "trtllm_engines",
+    "DISAGG_REQUEST_ID_MIN", "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TRTLLM_WITHHELD",
+    "ContextParams", "TrtllmEngine", "context_body", "context_problem", "generation_body",
+    "new_disagg_request_id", "trtllm_engines",
 ]
 
 #: The key under which the handoff payload (the context's ``disaggregated_params``)
@@ -70,6 +71,21 @@ PROMPT_TOKEN_IDS_KEY = "prompt_token_ids"
 #: ``prompt_token_ids_b64``) are the prompt's tokens for the generation server, sent
 #: whether the client asked for them or not.
 TRTLLM_WITHHELD = PLUMBING | {"prompt_token_ids", "prompt_token_ids_b64"}
+
+#: The lowest ``disagg_request_id`` the adapter draws. TensorRT-LLM keeps
+#: [``MIN_GLOBAL_ID``, 2^63) for the disaggregated service's ids and numbers a worker's own
+#: requests below it (``tensorrt_llm/llmapi/disagg_utils.py``: 2^40, and 2^41 in the
+#: release that brought global ids in): an id drawn from [2^41, 2^63) is never one of a
+#: worker's local request ids, whichever release serves it.
+DISAGG_REQUEST_ID_MIN = 1 << 41
+
+
+def new_disagg_request_id() -> int:
+    """A random ``disagg_request_id`` for a context request: uniform in
+    [:data:`DISAGG_REQUEST_ID_MIN`, 2^63), a positive int64 outside TensorRT-LLM's local
+    request ids."""
+    return DISAGG_REQUEST_ID_MIN + secrets.randbelow((1 << 63) - DISAGG_REQUEST_ID_MIN)
+
 
 #: TensorRT-LLM's finish reasons: ``not_finished`` means a handoff is needed, like
 #: ``length``; ``timeout`` is a failure.
@@ -193,10 +209,11 @@ class TrtllmEngine(HttpEngine):
     not free it.
 
     **Context** (``role="prefill"``): ``POST`` :func:`context_body` with a fresh random
-    63-bit ``disagg_request_id``, not streamed, to ``/v1/chat/completions`` if the body
-    has ``messages``, else ``/v1/completions``. The answer becomes ONE output: the
-    token's text, its finish reason (``not_finished`` -> ``LENGTH``), the usage (its
-    ``cached_tokens`` is the one the router reports, S4/S10), and
+    ``disagg_request_id`` (:func:`new_disagg_request_id`), not streamed, to
+    ``/v1/chat/completions`` if the body has ``messages``, else ``/v1/completions``. The
+    answer becomes ONE output: the token's text, its finish reason (``not_finished`` ->
+    ``LENGTH``), the usage (its ``cached_tokens`` is the one the router reports, S4/S10),
+    and
     ``disaggregated_params`` = ``choices[0].disaggregated_params`` as the server sent it,
     with ``request_type: "context_only"`` if it had none and the ``disagg_request_id``
     sent if it had none, plus the answer's ``prompt_token_ids`` under
@@ -243,7 +260,7 @@ class TrtllmEngine(HttpEngine):
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         if self.role == "prefill":
-            body = context_body(request.body, secrets.randbits(63))
+            body = context_body(request.body, new_disagg_request_id())
         else:
             body = generation_body(request)
         return endpoint_for(body), body
