@@ -90,11 +90,13 @@ async def trtllm_cluster(
     prefill_url: str | None = None,
     wrap_decode: Callable[[TrtllmEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
+    disagg_request_ids: bool = True,
 ) -> AsyncIterator[Cluster[MockTrtllmWorker]]:
-    prefill = create_mock_worker("prefill", "trtllm", fault_injection=True,
-                                 latency=latency, kv_ttl=KV_TTL,
-                                 model=prefill_model)
-    decode = create_mock_worker("decode", "trtllm", fault_injection=True, latency=latency)
+    prefill = MockTrtllmWorker("prefill", fault_injection=True, latency=latency,
+                               kv_ttl=KV_TTL, model=prefill_model,
+                               disagg_request_ids=disagg_request_ids)
+    decode = MockTrtllmWorker("decode", fault_injection=True, latency=latency,
+                              disagg_request_ids=disagg_request_ids)
 
     def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
@@ -234,6 +236,90 @@ async def test_context_first_handoff_with_cached_tokens_from_the_context() -> No
         samples = metric_samples(response.text)
         assert samples["trio_disagg_mock_kv_held_blocks"] == 0
         assert samples["trio_disagg_mock_kv_served_requests_total"] == 1
+
+
+async def test_servers_from_before_disagg_request_id_are_served_without_it() -> None:
+    """``trtllm-serve`` releases whose ``DisaggregatedParams`` has no ``disagg_request_id``
+    forbid unknown fields (``OpenAIBaseModel``: ``extra="forbid"``) and refuse a context
+    request that carries one (400, pydantic's ``extra_forbidden``). The engine sends that
+    request again without it, and every later one: the client never sees the refusal,
+    and the generation request carries no field its server does not know."""
+    async with trtllm_cluster(disagg_request_ids=False) as cluster:
+        for rid in ("old-1", "old-2"):
+            stream, items = await run(cluster, completion(rid, max_tokens=3))
+            assert stream.style == "context_first"
+            assert all(not item.is_error for item in items)
+            assert len(tokens(items)) == 3
+        refused, *sent = cluster.prefill.seen
+        assert refused.body["disaggregated_params"]["disagg_request_id"] >= 1 << 41
+        assert [seen.body["disaggregated_params"] for seen in sent] == [
+            {"request_type": "context_only"}] * 2  # learned once, for the engine
+        for seen in cluster.decode.seen:
+            params = seen.body["disaggregated_params"]
+            assert "disagg_request_id" not in params
+            assert params["request_type"] == "generation_only"
+        await cluster.settled()
+        assert cluster.prefill.kv.counters().served == 2
+
+
+@pytest.mark.parametrize("refusal_body", [
+    pytest.param({"error": "[{'type': 'extra_forbidden', 'loc': ('body', "
+                           "'disaggregated_params', 'disagg_request_id'), 'msg': 'Extra "
+                           "inputs are not permitted', 'input': 4398046511104}]"},
+                 id="trtllm-serve-400"),
+    pytest.param({"detail": [{"type": "extra_forbidden",
+                              "loc": ["body", "disaggregated_params", "disagg_request_id"],
+                              "msg": "Extra inputs are not permitted", "input": 1}]},
+                 id="fastapi-422"),
+])
+async def test_a_refusal_of_disagg_request_id_is_learned_once(
+        refusal_body: dict[str, Any]) -> None:
+    """Over an httpx mock transport, as such a server answers: 400 ``{"error": str(exc)}``
+    from ``trtllm-serve``'s validation handler, or FastAPI's own 422 ``{"detail":
+    [...]}``. Any other 4xx is the client's, as before."""
+    status = 400 if "error" in refusal_body else 422
+    sent: list[dict[str, Any]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await trio.lowlevel.checkpoint()
+        body = orjson.loads(request.content)
+        sent.append(body)
+        if "disagg_request_id" in body["disaggregated_params"]:
+            return httpx.Response(status, json=refusal_body)
+        if body["prompt"] == "bad":
+            return httpx.Response(400, json={"error": "prompt is bad"})
+        return httpx.Response(200, json={
+            "id": "cmpl-c", "object": "text_completion", "model": MODEL,
+            "choices": [{"index": 0, "text": " x", "finish_reason": "length",
+                         "disaggregated_params": {
+                             "request_type": "context_only", "first_gen_tokens": [7],
+                             "ctx_request_id": 3, "encoded_opaque_state": "c3RhdGU=",
+                             "draft_tokens": None}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            "prompt_token_ids": [1, 2, 3]})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        engine = TrtllmEngine("http://context:8000", "prefill", client=client)
+        for rid in ("a", "b"):
+            send, receive = trio.open_memory_channel[Item](4)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(engine.generate, completion(rid),
+                                        RequestContext(rid), send)
+                    with receive:
+                        (item,) = [item async for item in receive]
+            assert item.data is not None
+            params = item.data.disaggregated_params
+            assert isinstance(params, dict) and params["ctx_request_id"] == 3
+            assert "disagg_request_id" not in params  # none sent, none to invent
+        send, _ = trio.open_memory_channel[Item](4)
+        bad = completion("c")
+        bad = attrs.evolve(bad, body={**bad.body, "prompt": "bad"})
+        with trio.fail_after(5), pytest.raises(WorkerError, match="prompt is bad") as error:
+            await engine.generate(bad, RequestContext("c"), send)
+        assert error.value.status == 400
+    assert ["disagg_request_id" in body["disaggregated_params"] for body in sent] == [
+        True, False, False, False]
 
 
 async def test_chat_handoff_sends_the_prompt_token_ids() -> None:

@@ -20,13 +20,16 @@ shared by every HTTP adapter (:class:`~trio_disagg.engines._http.HttpEngine`).
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar
 
 import attrs
+import trio
 
+from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import ChunkChoice, FinishReason, LLMEngineOutput, PreprocessedRequest, TraceLink
@@ -54,11 +57,14 @@ from ._requests import (
     streaming_body,
     worker_client,
 )
+from ._stopper import SendChannel
+
+logger = logging.getLogger("trio_disagg.engines")
 
 __all__ = [
     "DISAGG_REQUEST_ID_MIN", "PROMPT_TOKEN_IDS_KEY", "TRTLLM_FINISH", "TRTLLM_WITHHELD",
     "ContextParams", "TrtllmEngine", "context_body", "context_problem", "generation_body",
-    "new_disagg_request_id", "trtllm_engines",
+    "new_disagg_request_id", "refuses_disagg_request_id", "trtllm_engines",
 ]
 
 #: The key under which the handoff payload (the context's ``disaggregated_params``)
@@ -142,22 +148,37 @@ def context_problem(answer: Mapping[str, Any]) -> tuple[str, str] | None:
     return problem
 
 
-def context_body(body: Mapping[str, Any], disagg_request_id: int) -> dict[str, Any]:
+def context_body(body: Mapping[str, Any], disagg_request_id: int | None) -> dict[str, Any]:
     """The context request for a client's body (docs/protocols.md section 4).
 
     The client's body with ``stream: false``, ``stream_options: null`` and
     ``disaggregated_params: {"request_type": "context_only", "disagg_request_id":
-    disagg_request_id}``. Its budget and ``min_tokens`` go as the client sent them (a
-    context server computes one token whatever the budget, so the client's
-    ``min_tokens``, which fits the client's budget, is valid there, and keeps that token
-    from ending the request on EOS).
+    disagg_request_id}`` (without ``disagg_request_id`` if it is None: for the releases
+    that do not know the field, :func:`refuses_disagg_request_id`). Its budget and
+    ``min_tokens`` go as the client sent them (a context server computes one token
+    whatever the budget, so the client's ``min_tokens``, which fits the client's budget,
+    is valid there, and keeps that token from ending the request on EOS).
     """
     wire = dict(body)
     wire["stream"] = False
     wire["stream_options"] = None
-    wire["disaggregated_params"] = {"request_type": "context_only",
-                                    "disagg_request_id": disagg_request_id}
+    params: dict[str, Any] = {"request_type": "context_only"}
+    if disagg_request_id is not None:
+        params["disagg_request_id"] = disagg_request_id
+    wire["disaggregated_params"] = params
     return wire
+
+
+def refuses_disagg_request_id(error: WorkerError) -> bool:
+    """Whether a context server's refusal says it does not know
+    ``disaggregated_params.disagg_request_id``: the ``trtllm-serve`` releases from before
+    the field forbid unknown fields (``extra="forbid"``), and their request validation
+    answers 400 ``{"error": "[{'type': 'extra_forbidden', 'loc': ('body',
+    'disaggregated_params', 'disagg_request_id'), ...}]"}`` (FastAPI's own handler: 422
+    ``{"detail": [...]}``)."""
+    message = str(error)
+    return (error.worker_status in (400, 422) and "disagg_request_id" in message
+            and ("extra_forbidden" in message or "Extra inputs are not permitted" in message))
 
 
 def generation_body(request: PreprocessedRequest) -> dict[str, Any]:
@@ -216,7 +237,7 @@ class TrtllmEngine(HttpEngine):
     and
     ``disaggregated_params`` = ``choices[0].disaggregated_params`` as the server sent it,
     with ``request_type: "context_only"`` if it had none and the ``disagg_request_id``
-    sent if it had none, plus the answer's ``prompt_token_ids`` under
+    sent (if one was) if it had none, plus the answer's ``prompt_token_ids`` under
     :data:`PROMPT_TOKEN_IDS_KEY`; the choice kept for the relay (B8) goes without its
     ``disaggregated_params``, which are for the generation server, not the client. A
     terminal context (finish not ``length`` / ``not_finished``) is the final answer with
@@ -230,7 +251,10 @@ class TrtllmEngine(HttpEngine):
     ``"choices"``); the router's classification raises it, and no generation request is
     built. Once the context server started answering, a stop no longer closes
     the connection (only a kill does): aborting a context after its KV is committed
-    would not free the KV, so the answer is always read to its end.
+    would not free the KV, so the answer is always read to its end. A server of the
+    releases from before ``disagg_request_id`` refuses the field (their models forbid
+    unknown ones): the engine then sends that request again without it, and every later
+    one (:attr:`disagg_request_ids`), and the generation request carries none either.
 
     **Generation** (``role="decode"``): ``POST`` :func:`generation_body` (streamed) and
     relay the events as :class:`~trio_disagg.engines.VllmEngine` does.
@@ -256,11 +280,49 @@ class TrtllmEngine(HttpEngine):
         {"reasoning_content": None, "tool_calls": []})
     default_cancel_window: ClassVar[CancelWindow] = CancelWindow.BEFORE_HANDOFF
     prefill_handoff_style: ClassVar[HandoffStyle] = HandoffStyle.CONTEXT_FIRST
+    #: Whether context requests carry a ``disagg_request_id``: until the server refused
+    #: the field (:func:`refuses_disagg_request_id`), then never again for this engine.
+    disagg_request_ids: bool = True
 
+    async def generate(  # noqa: ASYNC114 (started by the router)
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: SendChannel,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve one leg of ``request`` on the server, as :class:`HttpEngine`'s; a context
+        request the server refused for its ``disagg_request_id`` (a release from before
+        the field, :func:`refuses_disagg_request_id`) is sent again at once without it,
+        as is every later one of this engine.
+
+        Raises:
+            WorkerError: before ``started()`` only, as :class:`HttpEngine`'s.
+        """
+        if self.role != "prefill" or not self.disagg_request_ids:
+            await super().generate(request, context, send_channel, task_status=task_status)
+            return
+        with send_channel:
+            try:
+                await super().generate(request, context, send_channel.clone(),
+                                       task_status=task_status)
+                return
+            except WorkerError as error:
+                if not refuses_disagg_request_id(error):
+                    raise
+            if self.disagg_request_ids:
+                self.disagg_request_ids = False
+                logger.warning("context server %s does not take disagg_request_id (a "
+                               "TensorRT-LLM release from before it): sent without it from "
+                               "now on", self.url)
+            await super().generate(request, context, send_channel.clone(),
+                                   task_status=task_status)
 
     def _prepare(self, request: PreprocessedRequest) -> tuple[str, dict[str, Any]]:
         if self.role == "prefill":
-            body = context_body(request.body, new_disagg_request_id())
+            body = context_body(request.body, new_disagg_request_id()
+                                if self.disagg_request_ids else None)
         else:
             body = generation_body(request)
         return endpoint_for(body), body
@@ -292,8 +354,9 @@ class TrtllmEngine(HttpEngine):
         if isinstance(params, Mapping):
             handoff = dict(params)
             handoff.setdefault("request_type", "context_only")
-            if handoff.get("disagg_request_id") is None:
-                handoff["disagg_request_id"] = body["disaggregated_params"]["disagg_request_id"]
+            sent_id = body["disaggregated_params"].get("disagg_request_id")
+            if handoff.get("disagg_request_id") is None and sent_id is not None:
+                handoff["disagg_request_id"] = sent_id
             ids = answer.get("prompt_token_ids")
             if isinstance(ids, list):
                 handoff[PROMPT_TOKEN_IDS_KEY] = ids

@@ -17,7 +17,7 @@ import binascii
 from collections.abc import Mapping
 from functools import partial
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import attrs
 import orjson
@@ -28,18 +28,24 @@ from ._core import Prefill
 from ._faults import Fault, FaultKind
 from ._kv import StagedKV
 from ._kvwire import RemoteKV
+from ._options import WorkerOptions
 from ._sinks import PrefillAnswers
 from ._text import WORDS, prompt_token_ids
 from ._wire_faults import REMOVED, MockFault, MockFaultKind
-from ._worker import MockWorker, Refusal, Work
+from ._worker import MockWorker, Refusal, Role, Work
 
-__all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
+__all__ = ["CTX_REQUEST_ID_HOOK", "EARLY_PARAMS", "MockTrtllmWorker", "decode_opaque_state",
            "encode_opaque_state"]
 
 #: A body field of this mock only (a test hook, like ``"fault"``): ``"null"`` makes a
 #: context answer ``ctx_request_id: null``, ``"missing"`` leaves it out, both without
 #: staging any KV (the refusals of rule S9 in docs/semantics.md).
 CTX_REQUEST_ID_HOOK = "mock_ctx_request_id"
+
+#: The fields of ``disaggregated_params`` in ``trtllm-serve`` releases from before
+#: ``disagg_request_id``, whose models forbid any other (``extra="forbid"``).
+EARLY_PARAMS = frozenset({"request_type", "first_gen_tokens", "ctx_request_id",
+                          "encoded_opaque_state", "draft_tokens"})
 
 _TERMINAL_FINISH = {
     FaultKind.EOS_FIRST_TOKEN: "stop",
@@ -126,7 +132,12 @@ class MockTrtllmWorker(MockWorker):
 
     Args: as :class:`~trio_disagg.workers.MockWorker`; ``kv_ttl`` is the context
     server's ``kv_transfer_timeout``; no ``api_key`` (``trtllm-serve`` has no
-    ``--api-key``: a ValueError).
+    ``--api-key``: a ValueError). ``disagg_request_ids=False`` makes a server of the
+    releases from before ``disagg_request_id``: ``disaggregated_params`` with any field
+    but :data:`EARLY_PARAMS` is refused as their request validation refuses it (400
+    ``{"error": "[{'type': 'extra_forbidden', 'loc': ('body', 'disaggregated_params',
+    'disagg_request_id'), ...}]"}``), and a context's answer has no
+    ``disagg_request_id``.
     """
 
     protocol: ClassVar[str] = "trtllm"
@@ -139,6 +150,11 @@ class MockTrtllmWorker(MockWorker):
 
     _last_ctx_id = 0
 
+    def __init__(self, role: Role, *, disagg_request_ids: bool = True,
+                 **options: Unpack[WorkerOptions]) -> None:
+        super().__init__(role, **options)
+        self.disagg_request_ids = disagg_request_ids
+
     def _next_ctx_id(self) -> int:
         """A fresh ``ctx_request_id`` (1, 2, ... per worker)."""
         self._last_ctx_id += 1
@@ -150,6 +166,10 @@ class MockTrtllmWorker(MockWorker):
         if params is not None and not isinstance(params, Mapping):
             raise Refusal(400, f"disaggregated_params must be an object, got {params!r:.60}")
         request_type = params.get("request_type") if params is not None else None
+        if params is not None and not self.disagg_request_ids:
+            for key, value in params.items():
+                if key not in EARLY_PARAMS:
+                    return partial(_extra_forbidden, exchange, key, value)
         options = body.get("stream_options")
         include_usage = body.get("stream") is True and isinstance(options, Mapping) and (
             options.get("include_usage") is True)
@@ -188,6 +208,15 @@ class MockTrtllmWorker(MockWorker):
         await self._run_prefill(self.prefill_run(exchange, body, fault), sink)
 
 
+async def _extra_forbidden(exchange: Exchange, field: str, value: Any) -> None:
+    """A request refused as ``trtllm-serve``'s validation handler answers a field its
+    ``disaggregated_params`` does not know: 400 with pydantic's error as a string."""
+    exchange.failed = True
+    error = [{"type": "extra_forbidden", "loc": ("body", "disaggregated_params", field),
+              "msg": "Extra inputs are not permitted", "input": value}]
+    await exchange.respond(400, orjson.dumps({"error": str(error)}))
+
+
 @attrs.define
 class _ContextSink(PrefillAnswers):
     """A context server's answers (the core's :class:`~._core.PrefillSink`): each commits
@@ -203,9 +232,12 @@ class _ContextSink(PrefillAnswers):
     ctx_id: int = 0  # the context's ctx_request_id, once staged
 
     def _params(self, run: Prefill) -> dict[str, Any]:
-        return {"request_type": "context_only", "first_gen_tokens": [run.token],
-                "ctx_request_id": None, "encoded_opaque_state": None, "draft_tokens": None,
-                "disagg_request_id": self.disagg_id}
+        params = {"request_type": "context_only", "first_gen_tokens": [run.token],
+                  "ctx_request_id": None, "encoded_opaque_state": None,
+                  "draft_tokens": None, "disagg_request_id": self.disagg_id}
+        if not self.worker.disagg_request_ids:
+            del params["disagg_request_id"]
+        return params
 
     def _answer(self, run: Prefill, params: dict[str, Any], *, finish: str = "length",
                 eos: bool = True) -> bytes:
