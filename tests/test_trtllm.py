@@ -129,7 +129,10 @@ def test_context_and_generation_bodies_follow_protocols_section_4() -> None:
         "request_type": "generation_only", "ctx_request_id": 5, "first_gen_tokens": [7],
         "encoded_opaque_state": "xyz", "disagg_request_id": 42}
     assert wire["prompt"] == [1, 2, 3]  # the context's prompt_token_ids
-    assert wire["stream"] is True and wire["stream_options"] == {"include_usage": True}
+    # the usage once, at the end: trtllm-serve releases whose StreamOptions default
+    # continuous_usage_stats to true would put it in every chunk (off the fast path)
+    assert wire["stream"] is True and wire["stream_options"] == {
+        "include_usage": True, "continuous_usage_stats": False}
     chat = attrs.evolve(request, body={"model": MODEL, "messages": [{"role": "user",
                                                                      "content": "a b c"}]})
     chat_wire = generation_body(chat)

@@ -191,12 +191,16 @@ def generation_body(request: PreprocessedRequest) -> dict[str, Any]:
     set to ``"generation_only"``, and the prompt replaced by the context's
     ``prompt_token_ids`` (``prompt`` for a completion, ``prompt_token_ids`` beside the
     messages for a chat, as ``trtllm-serve``'s disaggregated server does). Without a
-    prefill result: the client's body without ``disaggregated_params``.
+    prefill result: the client's body without ``disaggregated_params``. Either way its
+    ``stream_options`` say ``continuous_usage_stats: false``: the ``trtllm-serve``
+    releases whose ``StreamOptions`` default it to true would send the usage in every
+    chunk, which the router neither relays nor needs (it answers that option itself).
 
     Raises:
         WorkerError: status 502: the handoff is not an object.
     """
     wire = streaming_body(request)
+    wire["stream_options"]["continuous_usage_stats"] = False
     result = request.prefill_result
     if result is None:
         wire.pop("disaggregated_params", None)
