@@ -122,11 +122,13 @@ async def sglang_cluster(
     wrap_prefill: Callable[[SglangEngine], Any] | None = None,
     wrap_decode: Callable[[SglangEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
+    incremental_streaming_output: bool = False,
 ) -> AsyncIterator[Cluster[MockSglangWorker]]:
     prefill = create_mock_worker("prefill", "sglang", fault_injection=True,
                                  latency=latency, model=prefill_model,
                                  bootstrap_port=0)
-    decode = create_mock_worker("decode", "sglang", fault_injection=True, latency=latency)
+    decode = MockSglangWorker("decode", fault_injection=True, latency=latency,
+                              incremental_streaming_output=incremental_streaming_output)
 
     def engines(prefill_url: str, decode_url: str, client: Client
                 ) -> tuple[Sequence[Engine], Sequence[Engine]]:
@@ -301,6 +303,75 @@ async def test_S5_native_generate_handoff() -> None:
         details = stream.prompt_tokens_details
         assert details is not None and details.cached_tokens == expected_cached(body)
         await cluster.settled()
+
+
+def _generate_event(text: str, ids: list[int], completion_tokens: int,
+                    finish: dict[str, Any] | None = None) -> bytes:
+    """One event of SGLang's streamed ``/generate``, as its tokenizer manager writes it."""
+    meta = {"id": "rid", "finish_reason": finish, "prompt_tokens": 3,
+            "completion_tokens": completion_tokens, "cached_tokens": 0}
+    return b"data: " + orjson.dumps({"text": text, "output_ids": ids,
+                                     "meta_info": meta}) + b"\n\n"
+
+
+#: The same three tokens, `` the the end``, streamed by SGLang's ``/generate`` as its
+#: tokenizer manager writes them (sgl-project/sglang, tokenizer_manager_components/
+#: output_processor.py): the text and ids so far in each event (the default), or with
+#: ``--incremental-streaming-output`` only the new ones, ``completion_tokens`` counting
+#: all so far either way.
+GENERATE_EVENTS = {
+    "cumulative": [_generate_event(" the", [279], 1), _generate_event(" the the", [279, 279], 2),
+                   _generate_event(" the the end", [279, 279, 835], 3,
+                                   {"type": "length", "length": 3})],
+    "incremental": [_generate_event(" the", [279], 1), _generate_event(" the", [279], 2),
+                    _generate_event(" end", [835], 3, {"type": "length", "length": 3})],
+}
+
+
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+async def test_native_generate_text_is_whole_whether_cumulative_or_incremental(
+        mode: str) -> None:
+    """A repeated token is a new token, not a cumulative event that brought none: the
+    client gets `` the the end`` and three token ids, however the server streams."""
+    body = b"".join(GENERATE_EVENTS[mode]) + b"data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await trio.lowlevel.checkpoint()
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    request = PreprocessedRequest(
+        request_id="gen", model=MODEL, body={"text": "a b c"}, max_tokens=3,
+        bootstrap_info=BootstrapInfo(host="prefill", port=8998, room=7))
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        engine = SglangEngine("http://decode:30000", "decode", client=client)
+        send, receive = trio.open_memory_channel[Item](8)
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.generate, request, RequestContext("gen"), send)
+                with receive:
+                    items = [item async for item in receive]
+    assert not any(item.is_error for item in items)
+    outputs = [item.data for item in items if item.data is not None]
+    assert "".join(output.text or "" for output in outputs) == " the the end"
+    assert [t for output in outputs for t in output.token_ids] == [279, 279, 835]
+
+
+async def test_native_generate_from_a_decode_that_streams_incrementally() -> None:
+    """The mock decode with ``incremental_streaming_output`` (SGLang's
+    ``--incremental-streaming-output``) gives the client the same tokens as without."""
+    answers = []
+    for incremental in (False, True):
+        async with sglang_cluster(incremental_streaming_output=incremental) as cluster:
+            body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6}}
+            _, items = await run(cluster, PreprocessedRequest(
+                request_id="native-inc", model=MODEL, body=body, max_tokens=6))
+            assert not any(item.is_error for item in items)
+            outputs = [item.data for item in items if item.data is not None]
+            answers.append(("".join(output.text or "" for output in outputs),
+                            [t for output in outputs for t in output.token_ids]))
+            await cluster.settled()
+    cumulative, incremental_answer = answers
+    assert len(cumulative[1]) == 6 and incremental_answer == cumulative
 
 
 async def test_S5_eos_on_the_first_token_ends_both_legs() -> None:

@@ -215,24 +215,39 @@ def _native_finish(value: Any) -> FinishReason | None:
 def native_output(answer: Mapping[str, Any], text_so_far: str, ids_so_far: list[int]
                   ) -> tuple[LLMEngineOutput, str, list[int]]:
     """The output of a native ``/generate`` answer or event, given the text and ids seen
-    so far (SGLang streams them cumulatively by default; incremental events are taken as
-    they are). Returns the output and the new text and ids so far."""
-    text = answer.get("text")
-    delta = ""
-    if isinstance(text, str):
-        if text.startswith(text_so_far):
-            delta, text_so_far = text[len(text_so_far):], text
-        else:
-            delta, text_so_far = text, text_so_far + text
-    ids = answer.get("output_ids")
-    new_ids: list[int] = []
-    if isinstance(ids, list) and all(type(i) is int for i in ids):
-        if ids[:len(ids_so_far)] == ids_so_far and len(ids) >= len(ids_so_far):
-            new_ids, ids_so_far = ids[len(ids_so_far):], list(ids)
-        else:
-            new_ids, ids_so_far = list(ids), ids_so_far + ids
+    so far. Returns the output and the new text and ids so far.
+
+    SGLang streams the text and ids so far in each event by default; with
+    ``--incremental-streaming-output`` each event has only its new text and ids. Its
+    ``meta_info.completion_tokens`` counts every token so far either way: an event with
+    fewer ids than that is incremental, and taken as it is (a repeated token is a new
+    one). An event without both is read as cumulative if its text and ids continue what
+    came so far, else as incremental.
+    """
     meta = answer.get("meta_info")
     meta = meta if isinstance(meta, Mapping) else {}
+    text = answer.get("text")
+    ids = answer.get("output_ids")
+    if not (type(ids) is list and all(type(i) is int for i in ids)):
+        ids = None
+    total = meta.get("completion_tokens")
+    if ids is not None and type(total) is int and len(ids) < total:  # incremental
+        delta = text if isinstance(text, str) else ""
+        new_ids: list[int] = ids
+        text_so_far, ids_so_far = text_so_far + delta, ids_so_far + ids
+    else:
+        delta = ""
+        if isinstance(text, str):
+            if text.startswith(text_so_far):
+                delta, text_so_far = text[len(text_so_far):], text
+            else:
+                delta, text_so_far = text, text_so_far + text
+        new_ids = []
+        if ids is not None:
+            if ids[:len(ids_so_far)] == ids_so_far and len(ids) >= len(ids_so_far):
+                new_ids, ids_so_far = ids[len(ids_so_far):], list(ids)
+            else:
+                new_ids, ids_so_far = list(ids), ids_so_far + ids
     finish = _native_finish(meta.get("finish_reason"))
     usage: CompletionUsage | None = None
     if finish is not None:

@@ -52,14 +52,16 @@ _TERMINAL_FINISH = {
 
 class NativeFormat(AnswerFormat):
     """SGLang's native ``/generate`` answers: ``{"text", "output_ids", "meta_info"}``;
-    streamed, each event carries the text and ids so far (SGLang's default, not
-    incremental) and ``meta_info`` with the finish and the token counts (``prompt_tokens``,
-    ``completion_tokens``, ``cached_tokens``)."""
+    streamed, each event carries the text and ids so far (SGLang's default) or, with
+    ``incremental`` (SGLang's ``--incremental-streaming-output``), only its new ones, and
+    ``meta_info`` with the finish and the token counts (``prompt_tokens``,
+    ``completion_tokens``: all so far, ``cached_tokens``)."""
 
-    __slots__ = ("_ids", "_rid", "_text", "_usage")
+    __slots__ = ("_ids", "_incremental", "_rid", "_text", "_usage")
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, *, incremental: bool = False) -> None:
         self._rid = rid
+        self._incremental = incremental
         self._text = ""
         self._ids: list[int] = []
         self._usage: Callable[[int], dict[str, Any]] = lambda n: usage_dict(0, n, 0)
@@ -85,9 +87,14 @@ class NativeFormat(AnswerFormat):
         self._text += text
         if token is not None:
             self._ids.append(token)
-        return b"data: " + orjson.dumps({
-            "text": self._text, "output_ids": self._ids, "index": 0,
-            "meta_info": self._meta(finish, self._usage(len(self._ids)))}) + b"\n\n"
+        meta = self._meta(finish, self._usage(len(self._ids)))
+        if self._incremental:
+            event = {"text": text, "output_ids": [token] if token is not None else [],
+                     "index": 0, "meta_info": meta}
+        else:
+            event = {"text": self._text, "output_ids": self._ids, "index": 0,
+                     "meta_info": meta}
+        return b"data: " + orjson.dumps(event) + b"\n\n"
 
     def answer(self, *, text: str, token_ids: list[int], finish: str,
                usage: dict[str, Any], top: Mapping[str, Any] | None = None,
@@ -104,7 +111,8 @@ class MockSglangWorker(MockWorker):
     Endpoints, as SGLang's server: ``POST /v1/completions``, ``POST /v1/chat/completions``
     (OpenAI answers and chunks) and ``POST /generate`` (native: ``text`` or ``input_ids``,
     ``sampling_params.max_new_tokens``, answers ``{"text", "output_ids", "meta_info"}``,
-    streamed as cumulative events), streamed or not; ``GET /get_server_info``
+    streamed as cumulative events, or incremental ones with
+    ``incremental_streaming_output``), streamed or not; ``GET /get_server_info``
     (``disaggregation_mode``, ``disaggregation_bootstrap_port``); ``GET /v1/models``,
     ``GET /health``, ``GET /metrics`` (with ``trio_disagg_mock_bootstrap_rooms_open``),
     ``GET /stats``. Errors are SGLang's ``{"object": "error", "message", ...}``.
@@ -152,6 +160,9 @@ class MockSglangWorker(MockWorker):
         bootstrap_port: a prefill worker's bootstrap port (0: any free one); default
             8998, SGLang's. Not for a decode worker.
         bootstrap_timeout: seconds either side waits for the other (SGLang's 300 s).
+        incremental_streaming_output: ``/generate`` streams each event's new text and ids
+            only, as SGLang's ``--incremental-streaming-output``; default the text and
+            ids so far.
         others: as :class:`~trio_disagg.workers.MockWorker`.
 
     Raises:
@@ -166,8 +177,10 @@ class MockSglangWorker(MockWorker):
 
     def __init__(self, role: Role, *, bootstrap_port: int | None = None,
                  bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+                 incremental_streaming_output: bool = False,
                  **options: Unpack[WorkerOptions]) -> None:
         super().__init__(role, **options)
+        self.incremental_streaming_output = incremental_streaming_output
         if not bootstrap_timeout > 0:
             raise ValueError(f"bootstrap_timeout must be > 0 seconds, got {bootstrap_timeout!r}")
         if bootstrap_port is not None:
@@ -253,7 +266,8 @@ class MockSglangWorker(MockWorker):
                 ) -> tuple[AnswerFormat, bool]:
         """The answer format, and whether a stream carries usage."""
         if path == GENERATE_PATH:
-            return NativeFormat(exchange.request_id or ""), True
+            return NativeFormat(exchange.request_id or "",
+                                incremental=self.incremental_streaming_output), True
         options = body.get("stream_options")
         include_usage = isinstance(options, Mapping) and options.get("include_usage") is True
         return self.openai_format(exchange, body, path, sglang=True), include_usage
