@@ -27,7 +27,7 @@ from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 from ._chunks import ChunkParser, choices_beyond_one
 from ._handoffs import needs_handoff
-from ._headers import CREDENTIAL_STATUSES, credentials_refused
+from ._headers import CREDENTIAL_STATUSES, credentials_refused, refusal_retry_after
 from ._httpx import HttpxWorkerClient
 from ._reader import SseReader
 from ._requests import check_worker_url, request_headers
@@ -347,13 +347,13 @@ class HttpEngine:
         if status in CREDENTIAL_STATUSES:  # a 4xx, so no retry and no ejection either
             message = credentials_refused(self.role, self.url, status, message)
         lost = self.role == "decode" and reports_lost_kv(message)
+        wait = refusal_retry_after(status, response.headers)
         if 400 <= status < 500:
             return WorkerError(message, status=status, worker=self.name, worker_status=status,
-                               handoff_lost=lost)
-        return WorkerError(
-            f"{self.role} worker {self.url} answered {status}: {message}",
-            status=502, worker=self.name, worker_status=status, handoff_lost=lost,
-        )
+                               handoff_lost=lost, retry_after=wait)
+        return WorkerError(f"{self.role} worker {self.url} answered {status}: {message}",
+                           status=502, worker=self.name, worker_status=status,
+                           handoff_lost=lost, retry_after=wait)
 
     def _error(self, what: str) -> Item:
         """An error item naming this worker: ``"decode worker URL <what>"``.

@@ -23,7 +23,7 @@ import attrs
 import orjson
 
 from ._answers import OpenAIFormat, usage_dict
-from ._asgi import Exchange
+from ._asgi import Exchange, Refusal
 from ._core import Prefill
 from ._faults import Fault, FaultKind
 from ._kv import StagedKV
@@ -31,7 +31,7 @@ from ._kvwire import RemoteKV
 from ._sinks import PrefillAnswers
 from ._text import WORDS, prompt_token_ids
 from ._wire_faults import REMOVED, MockFault, MockFaultKind
-from ._worker import MockWorker, Refusal, Work
+from ._worker import MockWorker, Work
 
 __all__ = ["CTX_REQUEST_ID_HOOK", "MockTrtllmWorker", "decode_opaque_state",
            "encode_opaque_state"]

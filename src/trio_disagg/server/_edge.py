@@ -32,9 +32,6 @@ from ._openai_errors import (
 
 logger = logging.getLogger("trio_disagg.server")
 
-#: Seconds a client refused by admission control is told to wait (``Retry-After``).
-RETRY_AFTER = 1
-
 #: Reasons of ``trio_disagg_http_refused_total``.
 REFUSALS = ("unauthorized", "unsupported_media_type", "max_in_flight", "max_keeper_tasks")
 
@@ -189,12 +186,11 @@ class Edge:
                                "unsupported_media_type")
         if not generation:
             return None
-        retry = ((b"retry-after", str(RETRY_AFTER).encode()),)
         limit = self.max_in_flight
         if limit is not None and self.in_flight >= limit:
             return Refusal(server_overloaded(
                 f"the router is at its limit of {limit} requests in flight; retry later"),
-                "max_in_flight", retry)
+                "max_in_flight")
         limit = self.max_keeper_tasks
         # A request admitted but not yet routed has no keeper task yet: counted as the
         # prefill drain it will start, or a burst that arrives at once would all be
@@ -203,7 +199,7 @@ class Edge:
                                   - self.routed) >= limit:
             return Refusal(server_overloaded(
                 f"the router is at its limit of {limit} KV transfers and cleanups in "
-                "flight; retry later"), "max_keeper_tasks", retry)
+                "flight; retry later"), "max_keeper_tasks")
         return None
 
     @contextmanager
