@@ -23,7 +23,7 @@ import openai
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ._adapters import ADAPTERS, DEMO_BACKENDS
+from ._adapters import BACKENDS, DEMO_BACKENDS, adapter
 from ._demo_workload import (
     Outcome,
     Result,
@@ -113,7 +113,7 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
     client = worker_client()  # the engines' worker legs
     http = httpx.AsyncClient(trust_env=False)  # the demo's own reads of /metrics
     nursery.start_soon(_close_at_cancel, client, http)
-    prefill, decode = ADAPTERS[protocol](prefill_specs, urls["decode"], client=client)
+    prefill, decode = adapter(protocol)(prefill_specs, urls["decode"], client=client)
 
     async def counters() -> KVCounters:
         total = KVCounters()
@@ -330,7 +330,7 @@ def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
         "mock-sequential": in_process("mock-sequential", HandoffStyle.SEQUENTIAL),
         "mock-bootstrap": in_process("mock-bootstrap", HandoffStyle.BOOTSTRAP),
     }
-    for protocol in ADAPTERS:
+    for protocol in BACKENDS:
         factories[protocol] = partial(http_backend, protocol, seed)
     return [factories[name] for name in names]
 

@@ -7,9 +7,9 @@ import argparse
 import importlib.metadata
 from typing import TypeAlias
 
-from .._adapters import DEMO_BACKENDS
+from .._adapters import BACKENDS, DEMO_BACKENDS
+from .._extras import install_hint, missing
 from .._supervisor import SUPERVISED_FLAG
-from ..mock import PROTOCOLS
 from ._arg_types import (
     DefaultsFormatter,
     limit,
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trio-disagg",
         description="Disaggregated (prefill/decode) LLM serving on trio.",
+        epilog=f"serve and mock-worker need the 'server' extra{_state('server')}; demo "
+               f"needs the 'demo' extra{_state('demo')}.",
     )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="default WARNING; ERROR for the demo, whose injected faults "
@@ -50,14 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _state(extra: str) -> str:
+    """Whether ``extra`` is installed, for the help: empty if it is, else how to."""
+    return "" if missing(extra) is None else f" (not installed: {install_hint(extra)})"
+
+
+def _needs(extra: str) -> str:
+    """``needs the 'server' extra``, and how to install it if it is not."""
+    return f"needs the '{extra}' extra{_state(extra)}"
+
+
 def add_serve_command(commands: Commands) -> None:
     """``serve``: the router's options, in the order ``--help`` lists them."""
     serve_cmd = commands.add_parser(
-        "serve", help="run the OpenAI-compatible router", formatter_class=DefaultsFormatter,
+        "serve", help=f"run the OpenAI-compatible router ({_needs('server')})",
+        formatter_class=DefaultsFormatter,
         description="Run the router. With no --prefill/--decode it runs the embedded "
                     "default: in-process mock prefill and decode engines. "
                     "docs/router.md, 'Securing and limiting the router', explains the "
-                    "limits, the API key and fault injection.")
+                    f"limits, the API key and fault injection. It {_needs('server')}.")
     _add_serve_routing_options(serve_cmd)
     _add_serve_process_options(serve_cmd)
     _add_serve_failure_options(serve_cmd)
@@ -183,13 +196,15 @@ def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
 def add_mock_worker_command(commands: Commands) -> None:
     """``mock-worker``: one mock worker's role, protocol, address and latency model."""
     worker_cmd = commands.add_parser(
-        "mock-worker", help="run one mock prefill or decode worker over HTTP",
+        "mock-worker", help=f"run one mock prefill or decode worker over HTTP "
+                            f"({_needs('server')})",
         description="A mock worker speaking a real worker's wire protocol (docs/protocols.md "
                     "section 5): KV block accounting with a lease, a real KV pull over "
                     "loopback, abort on connection close, faults from the request body's "
-                    "\"fault\" field (with --fault-injection), and GET /metrics.")
+                    "\"fault\" field (with --fault-injection), and GET /metrics. It "
+                    f"{_needs('server')}.")
     worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"])
-    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS))
+    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(BACKENDS))
     worker_cmd.add_argument("--host", type=listen_host, default="127.0.0.1")
     worker_cmd.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
     worker_cmd.add_argument("--model", type=model_name,
@@ -222,10 +237,12 @@ def add_mock_worker_command(commands: Commands) -> None:
 def add_demo_command(commands: Commands) -> None:
     """``demo``: the size, concurrency, seed and backends of the demo's workload."""
     demo_cmd = commands.add_parser(
-        "demo", help="run the whole router on mock workers with a mixed workload",
+        "demo", help=f"run the whole router on mock workers with a mixed workload "
+                     f"({_needs('demo')})",
         description="Start the router on mock workers, drive real OpenAI requests through "
                     "it (client disconnects and injected faults included), print a table "
-                    "per scenario, and exit non-zero if an invariant was broken.")
+                    "per scenario, and exit non-zero if an invariant was broken. It "
+                    f"{_needs('demo')} (the openai client).")
     demo_cmd.add_argument("--requests", type=positive_int, default=200,
                           help="requests per backend (at least one per scenario)")
     demo_cmd.add_argument("--concurrency", type=positive_int, default=32,

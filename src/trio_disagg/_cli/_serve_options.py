@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
-from .._adapters import ADAPTERS
+from .._adapters import BACKENDS, adapter
 from .._engine import CancelWindow, Engine, HandoffStyle
 from .._pool import (
     LeastOutstanding,
@@ -19,9 +20,11 @@ from .._pool import (
     SessionAffinity,
 )
 from .._router import Deadlines
-from ..engines import Client
 from ..mock import LatencyModel, MockCluster, mock_cluster
 from ._startup import StartupError
+
+if TYPE_CHECKING:  # the server extra: the parser and these options need none
+    from ..engines import Client
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
@@ -173,11 +176,10 @@ def engines_for(
     if not args.prefill or not args.decode:
         raise StartupError(f"--backend {args.backend} needs at least one --prefill and "
                            "--decode")
-    adapter = ADAPTERS.get(args.backend)
-    if adapter is None:
+    if args.backend not in BACKENDS:
         raise StartupError(f"--backend {args.backend} is not available yet")
     try:
-        prefill, decode = adapter(args.prefill, args.decode, client=client)
+        prefill, decode = adapter(args.backend)(args.prefill, args.decode, client=client)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return list(prefill), list(decode), None
