@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import signal
@@ -21,6 +22,7 @@ import trio
 from e2e_support import banner_port
 
 from trio_disagg._cli import StartupError, cancel_windows
+from trio_disagg._cli._arg_types import positive_seconds, seconds
 from trio_disagg._demo import Backend, in_process_backend, run_demo
 from trio_disagg._engine import CancelWindow, HandoffStyle
 from trio_disagg._http11 import KEEP_ALIVE_TIMEOUT
@@ -418,3 +420,55 @@ def test_host_takes_an_ipv6_address_in_brackets_and_refuses_a_url_or_nothing(
             parser.parse_args([*command, "--host", host])
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith(f"trio-disagg {command[0]}: error: argument --host: "), line
+
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """The parser of each command of ``trio-disagg``."""
+    from trio_disagg._cli import build_parser
+
+    (found,) = [action for action in build_parser()._actions
+                if isinstance(action, argparse._SubParsersAction)]
+    return dict(found.choices)
+
+
+#: Every option that takes seconds: (the command line before it, the option, 0 allowed).
+DURATION_FLAGS: list[tuple[list[str], argparse.Action, bool]] = [
+    (["serve"] if name == "serve" else [name, "--role", "prefill", "--protocol", "sglang"],
+     option, option.type is seconds)
+    for name, parser in _commands().items() if name != "demo"
+    for option in parser._actions if option.type in (seconds, positive_seconds)
+]
+
+
+def test_every_option_of_seconds_is_checked_the_same_way() -> None:
+    # serve: the drain window, two health flags, five deadlines, the keep-alive timeout;
+    # mock-worker: three latencies, the KV lease, the bootstrap timeout. Each says SECONDS.
+    assert len(DURATION_FLAGS) == 14
+    assert all(option.metavar == "SECONDS" for _, option, _ in DURATION_FLAGS)
+
+
+@pytest.mark.parametrize(("command", "option", "zero"), DURATION_FLAGS,
+                         ids=[option.option_strings[0] for _, option, _ in DURATION_FLAGS])
+def test_an_absurd_duration_is_refused_naming_the_flag(
+    command: list[str], option: argparse.Action, zero: bool,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Once: ``--keep-alive-timeout 1e300`` (any duration past a day, or a deadline of
+    1e-300 s) was accepted: a timer that never fires (a shutdown that waits for ever), or
+    one that fires at once. From 1 ms (0 where 0 means none) to a day, for every one."""
+    from trio_disagg._cli import build_parser
+
+    parser = build_parser()
+    flag = option.option_strings[0]
+    for good in ("86400", "0.001", "0" if zero else "0.5"):
+        parsed = parser.parse_args([*command, flag, good])
+        assert getattr(parsed, option.dest) == float(good)
+    lowest = "0" if zero else "0.001"
+    for bad in ("1e300", "86401", "inf", "nan", "-1", "-0.001" if zero else "0.0009"):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*command, flag, bad])
+        assert exited.value.code == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line == (f"trio-disagg {command[0]}: error: argument {flag}: must be "
+                        f"{lowest} to 86400 seconds (a day), got {bad!r}"), line

@@ -134,9 +134,11 @@ def _add_serve_process_options(serve_cmd: argparse.ArgumentParser) -> None:
 def _add_serve_failure_options(serve_cmd: argparse.ArgumentParser) -> None:
     """How the router notices failing workers: health probes, retries and deadlines."""
     serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
+                           metavar="SECONDS",
                            help="seconds between two probes of each worker's GET /health "
                                 "(default 5; the embedded mocks are not probed)")
     serve_cmd.add_argument("--health-timeout", type=positive_seconds, default=2.0,
+                           metavar="SECONDS",
                            help="seconds a health probe may take (default 2)")
     serve_cmd.add_argument("--max-attempts", type=positive_int, default=2,
                            help="attempts per leg, on another worker each, for a leg that "
@@ -210,18 +212,19 @@ def add_mock_worker_command(commands: Commands) -> None:
     worker_cmd.add_argument("--model", type=model_name,
                             help="the only model accepted (default: any)")
     worker_cmd.add_argument("--seed", type=int, default=0)
-    worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
+    worker_cmd.add_argument("--ttft-per-token", type=seconds, metavar="SECONDS", default=0.0002,
                             help="seconds of prefill compute per prompt token")
-    worker_cmd.add_argument("--itl", type=seconds, default=0.02,
+    worker_cmd.add_argument("--itl", type=seconds, metavar="SECONDS", default=0.02,
                             help="seconds between decoded tokens")
-    worker_cmd.add_argument("--kv-transfer-per-token", type=seconds, default=0.00002,
+    worker_cmd.add_argument("--kv-transfer-per-token", type=seconds, metavar="SECONDS",
+                            default=0.00002,
                             help="seconds per prompt token to move the KV")
-    worker_cmd.add_argument("--kv-ttl", type=positive_seconds, default=30.0,
+    worker_cmd.add_argument("--kv-ttl", type=positive_seconds, metavar="SECONDS", default=30.0,
                             help="seconds staged KV waits for its decode")
     worker_cmd.add_argument("--bootstrap-port", type=port_number,
                             help="sglang prefill only: the bootstrap port (default 8998; "
                                  "0 picks a free one)")
-    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds,
+    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, metavar="SECONDS",
                             help="sglang only: seconds either side of a bootstrap room "
                                  "waits for the other (default 300)")
     worker_cmd.add_argument("--fault-injection", action="store_true",
