@@ -91,6 +91,9 @@ class MockWorker:
     protocol: ClassVar[str] = "mock"
     #: ``owned_by`` in ``/v1/models``.
     owned_by: ClassVar[str] = "mock"
+    #: The context length ``/v1/models`` reports (vLLM's ``max_model_len``); a worker may
+    #: be given its own.
+    max_model_len: int = 8192
     #: Errors as ``{"object": "error", ...}`` (SGLang, TRT-LLM) rather than
     #: ``{"error": {...}}`` (vLLM).
     flat_errors: ClassVar[bool] = False
@@ -276,7 +279,8 @@ class MockWorker:
         model = self.model if self.model is not None else "mock-model"
         return orjson.dumps({"object": "list", "data": [{
             "id": model, "object": "model", "created": self._created,
-            "owned_by": self.owned_by, "root": model, "parent": None, "max_model_len": 8192,
+            "owned_by": self.owned_by, "root": model, "parent": None,
+            "max_model_len": self.max_model_len,
         }]})
 
     # --- generation ------------------------------------------------------------------------
