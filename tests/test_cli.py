@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import signal
 import socket
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from importlib.metadata import version
+from pathlib import Path
 
 import attrs
 import httpx
@@ -472,3 +474,38 @@ def test_an_absurd_duration_is_refused_naming_the_flag(
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line == (f"trio-disagg {command[0]}: error: argument {flag}: must be "
                         f"{lowest} to 86400 seconds (a day), got {bad!r}"), line
+
+
+@pytest.mark.parametrize(("argv", "exists"), [(SERVE, False), (MOCK_DECODE, True)],
+                         ids=["serve-missing-dir", "mock-worker-dir"])
+async def test_a_stray_prometheus_multiproc_dir_is_ignored(
+    argv: list[str], exists: bool, tmp_path: Path
+) -> None:
+    """Once: ``PROMETHEUS_MULTIPROC_DIR`` left in the environment (a base image's, a
+    gunicorn app's beside it) switched prometheus-client to files in that directory: a
+    traceback and exit 1 if it did not exist, else files piling up there, one set per
+    process, in the metrics of whatever else reads it. A process's metrics are its own
+    (``--workers N`` gives its processes a directory of their own)."""
+    shared = tmp_path / "multiproc"
+    if exists:
+        shared.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    stderr = bytearray()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "--log-level", "WARNING", *argv],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False, env=env))
+            assert process.stderr is not None
+            nursery.start_soon(_read_into, process.stderr, stderr)
+            port = await banner_port(process)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                         timeout=30) as http:
+                answer = await http.post("/v1/completions", json={
+                    "model": "trio-disagg-mock", "prompt": "hi", "max_tokens": 2})
+                metrics = await http.get("/metrics")
+            process.terminate()
+    assert answer.status_code == 200 and metrics.status_code == 200, stderr.decode()
+    assert "PROMETHEUS_MULTIPROC_DIR is set: ignored" in stderr.decode()
+    assert "Traceback" not in stderr.decode()
+    assert not exists or list(shared.iterdir()) == []

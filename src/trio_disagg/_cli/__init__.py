@@ -13,6 +13,7 @@ what it needs (the ``server`` extra, the ``demo`` extra) once it runs.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -21,6 +22,7 @@ import trio
 
 from .._adapters import DEMO_BACKENDS
 from .._extras import install_hint, missing
+from .._supervisor import MULTIPROC_DIR_ENV
 from ._parser import build_parser as build_parser
 from ._serve_options import API_KEY_ENV as API_KEY_ENV
 from ._serve_options import WORKER_API_KEY_ENV as WORKER_API_KEY_ENV
@@ -32,6 +34,20 @@ from ._startup import StartupError as StartupError
 from ._startup import run_command
 
 
+def ignore_multiprocess_dir() -> None:
+    """Forget a ``PROMETHEUS_MULTIPROC_DIR`` of the environment (with a warning), before
+    prometheus-client is imported: a command's metrics are its own process's, and
+    ``serve --workers N`` gives its processes a directory of its own. Left set, the
+    variable switched prometheus-client to files in that directory: a traceback if it did
+    not exist, else files that pile up there (one set per process) and land in the
+    metrics of whatever else reads that directory."""
+    for name in (MULTIPROC_DIR_ENV, MULTIPROC_DIR_ENV.lower()):
+        if os.environ.pop(name, None) is not None:
+            logging.getLogger("trio_disagg").warning(
+                "%s is set: ignored (the metrics are this process's own; serve --workers N "
+                "aggregates its processes itself)", name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trio-disagg`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -40,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # hypercorn prints its own lines with its own handler: not a second time through ours.
     logging.getLogger("hypercorn").propagate = False
+    if not getattr(args, "supervised", False):
+        ignore_multiprocess_dir()
     if args.command == "serve":
         from ._serve import serve_command  # the server extra
 
