@@ -88,7 +88,8 @@ class Edge:
         keeper_in_flight: reads the keeper's tasks in flight.
 
     Raises:
-        ValueError: an empty ``api_key``, ``protect_metrics`` without one, or a limit that
+        ValueError: an empty ``api_key`` (or one no client could send: whitespace around
+            it, a CR, LF or NUL), ``protect_metrics`` without one, or a limit that
             is not positive.
     """
 
@@ -105,6 +106,10 @@ class Edge:
     ) -> None:
         if api_key is not None and not api_key.strip():
             raise ValueError("the API key must not be empty")
+        if api_key is not None and (api_key != api_key.strip()
+                                    or any(char in api_key for char in "\r\n\0")):
+            raise ValueError("the API key must not begin or end with whitespace, nor hold a "
+                             "CR, LF or NUL: no client could send it")
         if protect_metrics and api_key is None:
             raise ValueError("protect_metrics needs an API key")
         for name, limit in (("max_in_flight", max_in_flight),
