@@ -451,8 +451,7 @@ def create_app(
 
     Raises:
         ValueError: no models, a limit that is not positive, an empty ``api_key`` (or
-            one no client could send: whitespace around it, a CR, LF or NUL), or
-            ``protect_metrics`` without one.
+            one no client could send), or ``protect_metrics`` without one.
     """
     _check_arguments(models, max_body_bytes, max_tokens_limit, default_max_tokens, linger)
     keeper = router.keeper
