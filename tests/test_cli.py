@@ -509,3 +509,41 @@ async def test_a_stray_prometheus_multiproc_dir_is_ignored(
     assert "PROMETHEUS_MULTIPROC_DIR is set: ignored" in stderr.decode()
     assert "Traceback" not in stderr.decode()
     assert not exists or list(shared.iterdir()) == []
+
+
+async def test_a_sigterm_during_the_first_health_probes_stops_before_listening() -> None:
+    """Once: a SIGTERM while the first round of health probes waited on a worker that
+    does not answer (up to --health-timeout) was acknowledged, then the router waited
+    for the round, opened its port and announced it, and only then shut down. An
+    orchestrator stopping a pod that is still starting now has it gone at once, its port
+    never opened."""
+    probed = trio.Event()
+    held: list[trio.SocketStream] = []
+
+    async def silent_worker(stream: trio.SocketStream) -> None:
+        held.append(stream)  # the probe's connection: never answered
+        probed.set()
+        await trio.sleep_forever()
+
+    stderr = bytearray()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(partial(trio.serve_tcp, silent_worker, 0,
+                                                      host="127.0.0.1"))
+            worker = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "serve", "--port", "0", "--backend", "vllm",
+                                   "--prefill", worker, "--decode", worker,
+                                   "--health-timeout", "60"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False))
+            assert process.stdout is not None and process.stderr is not None
+            nursery.start_soon(_read_into, process.stderr, stderr)
+            await probed.wait()
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(5):  # not the 60 s of the probe's timeout
+                returncode = await process.wait()
+            stdout = await process.stdout.receive_some()
+            nursery.cancel_scope.cancel()
+    assert returncode == 0, stderr.decode()
+    assert stdout == b""  # never announced: it never listened
+    assert "Traceback" not in stderr.decode()

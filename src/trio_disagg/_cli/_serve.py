@@ -111,7 +111,9 @@ async def serve_router(
     metrics_dir: str | None,
 ) -> None:
     """Serve ``router`` over HTTP until ``shutdown_trigger`` returns and the drain is over;
-    announce the address on stdout once it listens.
+    announce the address on stdout once it listens. A shutdown before it listens (during
+    the first round of health probes) ends the start-up at once: nothing is announced,
+    and the port is never opened.
 
     Raises:
         StartupError: the app refused an option, or the address could not be bound.
@@ -137,18 +139,34 @@ async def serve_router(
             finally:
                 mirror.cancel()  # the last copy of the metrics, then it ends
 
-        try:
-            port = await nursery.start(serving)
-        except* OSError as group:
-            raise StartupError(f"cannot listen on {display_address(args.host, args.port)}: "
-                               f"{first_os_error(group)}") from None
-        tune_gc_for_serving()  # after start-up: see SERVE_GC_THRESHOLD
-        pid = f", pid {os.getpid()}" if args.supervised else ""
-        names = ", ".join(repr(model) for model in models_of(args))
-        print(f"trio-disagg: serving {names} on "
-              f"http://{display_address(args.host, port)}/v1 "
-              f"({args.backend}: {len(router.prefill)} prefill, "
-              f"{len(router.decode)} decode{pid})", flush=True)
+        starting = trio.CancelScope()  # a shutdown before it listens ends the start-up
+        nursery.start_soon(_cancel_at, shutdown_trigger, starting)
+        port: int | None = None
+        with starting:
+            try:
+                port = await nursery.start(serving)
+            except* OSError as group:
+                raise StartupError(f"cannot listen on {display_address(args.host, args.port)}"
+                                   f": {first_os_error(group)}") from None
+        if port is not None:
+            tune_gc_for_serving()  # after start-up: see SERVE_GC_THRESHOLD
+            _announce(args, router, port)
+
+
+def _announce(args: argparse.Namespace, router: DisaggRouter, port: int) -> None:
+    """The line on stdout that says the router listens, and where."""
+    pid = f", pid {os.getpid()}" if args.supervised else ""
+    names = ", ".join(repr(model) for model in models_of(args))
+    print(f"trio-disagg: serving {names} on "
+          f"http://{display_address(args.host, port)}/v1 "
+          f"({args.backend}: {len(router.prefill)} prefill, "
+          f"{len(router.decode)} decode{pid})", flush=True)
+
+
+async def _cancel_at(trigger: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` (the start-up) once ``trigger`` returns; once it is over, nothing."""
+    await trigger()
+    scope.cancel()
 
 
 def router_app(
