@@ -23,12 +23,14 @@ import pytest
 import trio
 from e2e_support import banner_port
 
+from trio_disagg import DisaggRouter, TransferKeeper, WorkerPool
 from trio_disagg._cli import StartupError, cancel_windows
 from trio_disagg._cli._arg_types import positive_seconds, seconds
-from trio_disagg._demo import Backend, in_process_backend, run_demo
+from trio_disagg._demo import Backend, demo_client, in_process_backend, run_demo
 from trio_disagg._engine import CancelWindow, HandoffStyle
 from trio_disagg._http11 import KEEP_ALIVE_TIMEOUT
-from trio_disagg.engines import KVCounters
+from trio_disagg.engines import KVCounters, mock_cluster
+from trio_disagg.server import create_app, serve
 
 COMMAND = [sys.executable, "-m", "trio_disagg._cli"]
 
@@ -68,6 +70,28 @@ async def test_demo_names_a_broken_invariant_and_exits_1() -> None:
         status = await run_demo([start_leaky], requests=20, concurrency=8, seed=1, out=out)
     assert status == 1
     assert "leaky: 7 staged KV blocks still held after the run (B1, B5)" in out.getvalue()
+
+
+async def test_the_demo_ignores_an_http_proxy_of_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once: behind a corporate proxy (``HTTP_PROXY`` set, loopback not in ``NO_PROXY``)
+    every request of ``trio-disagg demo`` went to the proxy and failed ("Connection
+    error"): its openai client reads the router on this host directly."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    cluster = mock_cluster()
+    with trio.fail_after(30):
+        async with TransferKeeper() as keeper, trio.open_nursery() as nursery:
+            router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                                  keeper)
+            port = await nursery.start(partial(serve, create_app(router, models=["m"]),
+                                               host="127.0.0.1", port=0))
+            with demo_client(f"http://127.0.0.1:{port}/v1") as client:
+                listed = await trio.to_thread.run_sync(client.models.list)
+            nursery.cancel_scope.cancel()
+    assert [model.id for model in listed] == ["m"]
 
 
 async def test_serve_embedded_default_answers_and_stops_on_sigterm() -> None:

@@ -193,10 +193,7 @@ async def drive_backend(
             port = await nursery.start(
                 partial(serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait)
             )
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="demo", max_retries=0,
-                timeout=30.0,
-            )
+            client = demo_client(f"http://127.0.0.1:{port}/v1")
             start = time.perf_counter()
             with client:
                 async with trio.open_nursery() as clients:
@@ -315,6 +312,14 @@ async def run_demo(
     out.write("\nOK: every request got its expected outcome; no KV block stranded or left, "
               "no keeper drain left, no request past its deadlines.\n")
     return 0
+
+
+def demo_client(base_url: str) -> openai.OpenAI:
+    """The demo's openai client of the router at ``base_url`` (on this host): no retries,
+    and no proxy: an ``HTTP_PROXY`` of the environment would get every request, and the
+    demo would fail with "Connection error" behind a corporate proxy."""
+    return openai.OpenAI(base_url=base_url, api_key="demo", max_retries=0, timeout=30.0,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))
 
 
 def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
