@@ -285,7 +285,8 @@ async def test_context_unknown_model_404_is_passed_through() -> None:
 @pytest.mark.parametrize(("fault", "status"), [
     ("prefill_reject:500", 502), ("prefill_reject:503", 503),  # a 503: busy, not broken
     ("prefill_fail_before_handoff", 502), ("prefill_fail_after_handoff", 502)])
-async def test_context_5xx_is_502_with_the_workers_message(fault: str, status: int) -> None:
+async def test_context_5xx_is_a_502_or_503_with_the_workers_message(
+        fault: str, status: int) -> None:
     async with trtllm_cluster() as cluster:
         error = await refusal(cluster, completion("p5", fault=fault))
         assert isinstance(error, PrefillError)
