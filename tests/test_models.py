@@ -13,6 +13,7 @@ from e2e_support import MODEL, PROTOCOLS, ProtocolName, served
 
 from trio_disagg import DisaggRouter, TransferKeeper, WorkerError, WorkerPool
 from trio_disagg.engines import mock_cluster
+from trio_disagg.server import create_app
 from trio_disagg.server._models import ModelCards
 
 OWNED_BY = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
@@ -129,3 +130,21 @@ async def test_in_process_engines_get_openais_four_fields() -> None:
     listed, cards = await cards_of(list(cluster.prefill), list(cluster.decode), ["m"])
     assert listed == [{"id": "m", "object": "model", "created": cards.created,
                        "owned_by": "trio-disagg"}]
+
+
+async def test_serve_warns_of_a_model_name_the_workers_do_not_list(
+        autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture) -> None:
+    """``serve --backend vllm`` without ``--model`` serves 'trio-disagg-mock', which no
+    vLLM worker serves: every request would be its 404. Said once it listens."""
+    from trio_disagg._cli._serve import _check_models
+
+    prefill, decode = fleet([[vllm_card("base", 4096)]], [None])  # the decode is silent
+    async with TransferKeeper() as keeper:
+        app = create_app(DisaggRouter(WorkerPool(prefill), WorkerPool(decode), keeper),
+                         models=["base", "trio-disagg-mock"])
+        await _check_models(app)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "the prefill workers do not list 'trio-disagg-mock' (--model) in their /v1/models: "
+        "a worker that serves only what it lists refuses requests for it; give --model the "
+        "names the workers serve")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 from collections.abc import Awaitable, Callable
 
@@ -29,6 +30,8 @@ from ._serve_options import (
 )
 from ._signals import SHUTDOWN_SIGNALS, ignoring_signals, run_until_signalled
 from ._startup import StartupError, display_address, first_os_error
+
+logger = logging.getLogger("trio_disagg")
 
 #: The cyclic garbage collector's generation-0 threshold ``serve`` sets once it listens
 #: (Python's default is 700). Thousands of streams in flight keep ~250 container objects
@@ -123,6 +126,7 @@ async def serve_router(
     app = router_app(args, router, api_key=api_key, cluster=cluster)
     async with trio.open_nursery() as nursery:
         mirror = trio.CancelScope()
+        checking = trio.CancelScope()  # the check of the model names: never past the end
         if metrics_dir:  # one of serve --workers N: /metrics shows them all
             copier = app.metrics.enable_multiprocess(metrics_dir)
             nursery.start_soon(_run_in, mirror, copier.run)
@@ -138,6 +142,7 @@ async def serve_router(
                             task_status=task_status)
             finally:
                 mirror.cancel()  # the last copy of the metrics, then it ends
+                checking.cancel()
 
         starting = trio.CancelScope()  # a shutdown before it listens ends the start-up
         nursery.start_soon(_cancel_at, shutdown_trigger, starting)
@@ -151,6 +156,22 @@ async def serve_router(
         if port is not None:
             tune_gc_for_serving()  # after start-up: see SERVE_GC_THRESHOLD
             _announce(args, router, port)
+            nursery.start_soon(_check_models, app, checking)
+
+
+async def _check_models(app: OpenAIApp, scope: trio.CancelScope | None = None) -> None:
+    """Warn of a served name the workers do not list in their ``/v1/models``: vLLM, SGLang
+    and TensorRT-LLM refuse a request for it 404 (``--model`` forgotten, or not the
+    workers' ``--served-model-name``)."""
+    with scope or trio.CancelScope():
+        unlisted = await app.model_cards.unlisted()
+    if scope is not None and scope.cancelled_caught:
+        return
+    for role, names in unlisted.items():
+        logger.warning("the %s workers do not list %s (--model) in their /v1/models: a "
+                       "worker that serves only what it lists refuses requests for %s; "
+                       "give --model the names the workers serve", role,
+                       ", ".join(map(repr, names)), "it" if len(names) == 1 else "them")
 
 
 def _announce(args: argparse.Namespace, router: DisaggRouter, port: int) -> None:

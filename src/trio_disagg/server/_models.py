@@ -69,6 +69,14 @@ class ModelCards:
         """The model object of ``model`` (a served name)."""
         return self._card(model, await self._current())
 
+    async def unlisted(self) -> dict[str, list[str]]:
+        """The served names a pool's workers do not list, by role (``"prefill"``,
+        ``"decode"``): requests for them would be refused 404 by the workers (a ``--model``
+        that is not the workers' ``--served-model-name``). Only pools that answered."""
+        listed = await self._current()
+        return {role: missing for role, cards in listed.items()
+                if (missing := [model for model in self.models if _find(model, cards) is None])}
+
     async def _current(self) -> dict[str, list[Card]]:
         async with self._lock:  # one refresh at a time; the others then reuse it
             now = trio.current_time()
