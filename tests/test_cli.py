@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import signal
 import socket
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from importlib.metadata import version
+from pathlib import Path
 
 import attrs
 import httpx
@@ -21,11 +23,14 @@ import pytest
 import trio
 from e2e_support import banner_port
 
+from trio_disagg import DisaggRouter, TransferKeeper, WorkerPool
 from trio_disagg._cli import StartupError, cancel_windows
-from trio_disagg._demo import Backend, in_process_backend, run_demo
+from trio_disagg._cli._arg_types import positive_seconds, seconds
+from trio_disagg._demo import Backend, demo_client, in_process_backend, run_demo
 from trio_disagg._engine import CancelWindow, HandoffStyle
 from trio_disagg._http11 import KEEP_ALIVE_TIMEOUT
-from trio_disagg.engines import KVCounters
+from trio_disagg.engines import KVCounters, mock_cluster
+from trio_disagg.server import create_app, serve
 
 COMMAND = [sys.executable, "-m", "trio_disagg._cli"]
 
@@ -65,6 +70,28 @@ async def test_demo_names_a_broken_invariant_and_exits_1() -> None:
         status = await run_demo([start_leaky], requests=20, concurrency=8, seed=1, out=out)
     assert status == 1
     assert "leaky: 7 staged KV blocks still held after the run (B1, B5)" in out.getvalue()
+
+
+async def test_the_demo_ignores_an_http_proxy_of_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once: behind a corporate proxy (``HTTP_PROXY`` set, loopback not in ``NO_PROXY``)
+    every request of ``trio-disagg demo`` went to the proxy and failed ("Connection
+    error"): its openai client reads the router on this host directly."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    cluster = mock_cluster()
+    with trio.fail_after(30):
+        async with TransferKeeper() as keeper, trio.open_nursery() as nursery:
+            router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                                  keeper)
+            port = await nursery.start(partial(serve, create_app(router, models=["m"]),
+                                               host="127.0.0.1", port=0))
+            with demo_client(f"http://127.0.0.1:{port}/v1") as client:
+                listed = await trio.to_thread.run_sync(client.models.list)
+            nursery.cancel_scope.cancel()
+    assert [model.id for model in listed] == ["m"]
 
 
 async def test_serve_embedded_default_answers_and_stops_on_sigterm() -> None:
@@ -442,3 +469,127 @@ def test_help_gives_the_default_of_every_option(command: str) -> None:
         if not action.help or "default" not in text:  # argparse shows no help for None
             silent.append(action.option_strings[0])
     assert not silent, (silent, help_text)
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """The parser of each command of ``trio-disagg``."""
+    from trio_disagg._cli import build_parser
+
+    (found,) = [action for action in build_parser()._actions
+                if isinstance(action, argparse._SubParsersAction)]
+    return dict(found.choices)
+
+
+#: Every option that takes seconds: (the command line before it, the option, 0 allowed).
+DURATION_FLAGS: list[tuple[list[str], argparse.Action, bool]] = [
+    (["serve"] if name == "serve" else [name, "--role", "prefill", "--protocol", "sglang"],
+     option, option.type is seconds)
+    for name, parser in _commands().items() if name != "demo"
+    for option in parser._actions if option.type in (seconds, positive_seconds)
+]
+
+
+def test_every_option_of_seconds_is_checked_the_same_way() -> None:
+    # serve: the drain window, two health flags, five deadlines, the keep-alive timeout;
+    # mock-worker: three latencies, the KV lease, the bootstrap timeout. Each says SECONDS.
+    assert len(DURATION_FLAGS) == 14
+    assert all(option.metavar == "SECONDS" for _, option, _ in DURATION_FLAGS)
+
+
+@pytest.mark.parametrize(("command", "option", "zero"), DURATION_FLAGS,
+                         ids=[option.option_strings[0] for _, option, _ in DURATION_FLAGS])
+def test_an_absurd_duration_is_refused_naming_the_flag(
+    command: list[str], option: argparse.Action, zero: bool,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Once: ``--keep-alive-timeout 1e300`` (any duration past a day, or a deadline of
+    1e-300 s) was accepted: a timer that never fires (a shutdown that waits for ever), or
+    one that fires at once. From 1 ms (0 where 0 means none) to a day, for every one."""
+    from trio_disagg._cli import build_parser
+
+    parser = build_parser()
+    flag = option.option_strings[0]
+    for good in ("86400", "0.001", "0" if zero else "0.5"):
+        parsed = parser.parse_args([*command, flag, good])
+        assert getattr(parsed, option.dest) == float(good)
+    lowest = "0" if zero else "0.001"
+    for bad in ("1e300", "86401", "inf", "nan", "-1", "-0.001" if zero else "0.0009"):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*command, flag, bad])
+        assert exited.value.code == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line == (f"trio-disagg {command[0]}: error: argument {flag}: must be "
+                        f"{lowest} to 86400 seconds (a day), got {bad!r}"), line
+
+
+@pytest.mark.parametrize(("argv", "exists"), [(SERVE, False), (MOCK_DECODE, True)],
+                         ids=["serve-missing-dir", "mock-worker-dir"])
+async def test_a_stray_prometheus_multiproc_dir_is_ignored(
+    argv: list[str], exists: bool, tmp_path: Path
+) -> None:
+    """Once: ``PROMETHEUS_MULTIPROC_DIR`` left in the environment (a base image's, a
+    gunicorn app's beside it) switched prometheus-client to files in that directory: a
+    traceback and exit 1 if it did not exist, else files piling up there, one set per
+    process, in the metrics of whatever else reads it. A process's metrics are its own
+    (``--workers N`` gives its processes a directory of their own)."""
+    shared = tmp_path / "multiproc"
+    if exists:
+        shared.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    stderr = bytearray()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "--log-level", "WARNING", *argv],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False, env=env))
+            assert process.stderr is not None
+            nursery.start_soon(_read_into, process.stderr, stderr)
+            port = await banner_port(process)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                         timeout=30) as http:
+                answer = await http.post("/v1/completions", json={
+                    "model": "trio-disagg-mock", "prompt": "hi", "max_tokens": 2})
+                metrics = await http.get("/metrics")
+            process.terminate()
+    assert answer.status_code == 200 and metrics.status_code == 200, stderr.decode()
+    assert "PROMETHEUS_MULTIPROC_DIR is set: ignored" in stderr.decode()
+    assert "Traceback" not in stderr.decode()
+    assert not exists or list(shared.iterdir()) == []
+
+
+async def test_a_sigterm_during_the_first_health_probes_stops_before_listening() -> None:
+    """Once: a SIGTERM while the first round of health probes waited on a worker that
+    does not answer (up to --health-timeout) was acknowledged, then the router waited
+    for the round, opened its port and announced it, and only then shut down. An
+    orchestrator stopping a pod that is still starting now has it gone at once, its port
+    never opened."""
+    probed = trio.Event()
+    held: list[trio.SocketStream] = []
+
+    async def silent_worker(stream: trio.SocketStream) -> None:
+        held.append(stream)  # the probe's connection: never answered
+        probed.set()
+        await trio.sleep_forever()
+
+    stderr = bytearray()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(partial(trio.serve_tcp, silent_worker, 0,
+                                                      host="127.0.0.1"))
+            worker = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+            process: trio.Process = await nursery.start(partial(
+                trio.run_process, [*COMMAND, "serve", "--port", "0", "--backend", "vllm",
+                                   "--prefill", worker, "--decode", worker,
+                                   "--health-timeout", "60"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False))
+            assert process.stdout is not None and process.stderr is not None
+            nursery.start_soon(_read_into, process.stderr, stderr)
+            await probed.wait()
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(5):  # not the 60 s of the probe's timeout
+                returncode = await process.wait()
+            stdout = await process.stdout.receive_some()
+            nursery.cancel_scope.cancel()
+    assert returncode == 0, stderr.decode()
+    assert stdout == b""  # never announced: it never listened
+    assert "Traceback" not in stderr.decode()

@@ -95,6 +95,16 @@ async def test_errors(protocol: ProtocolName) -> None:
                 "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:429"})
             assert rejected.status_code == 429
             assert "refused request" in rejected.json()["error"]["message"]
+            assert "retry-after" not in rejected.headers
+            # A worker's Retry-After reaches the client (the openai SDK waits that long),
+            # bounded to 60 s; a worker's 503 is the client's 503, not a bad gateway.
+            rejected = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:429:7"})
+            assert (rejected.status_code, rejected.headers["retry-after"]) == (429, "7")
+            busy = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "fault": "decode_reject:503:3600"})
+            assert (busy.status_code, busy.headers["retry-after"]) == (503, "60")
+            assert busy.json()["error"]["code"] == "worker_unavailable"
             failed = await http.post("/v1/completions", json={
                 "model": MODEL, "prompt": PROMPT, "fault": "prefill_reject:500"})
             assert failed.status_code == 502

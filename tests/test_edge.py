@@ -553,16 +553,31 @@ async def test_a_bad_worker_url_is_one_line_and_exit_2() -> None:
     (["--api-key", ""], {}, "--api-key is empty"),
     ([], {API_KEY_ENV: " "}, f"{API_KEY_ENV} is blank"),
     (["--protect-metrics"], {}, "--protect-metrics needs an API key"),
+    # Once: served, and every request refused 401 (no header can carry the newline a
+    # secret made from a file often ends with, nor keep the spaces around a key).
+    ([], {API_KEY_ENV: "sekrit\n"}, f"^{API_KEY_ENV} has a CR, LF or NUL: .*newline"),
+    (["--api-key", " sekrit"], {}, "^--api-key begins or ends with whitespace"),
 ])
-def test_an_empty_api_key_is_a_startup_error(
+def test_an_empty_or_unsendable_api_key_is_a_startup_error(
     argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     args = build_parser().parse_args(["serve", *argv])
-    with pytest.raises(StartupError, match=message):
+    with pytest.raises(StartupError, match=message) as raised:
         api_key_of(args)
+    assert "sekrit" not in str(raised.value)  # the key itself is never shown
+
+
+@pytest.mark.parametrize("key", ["sekrit\n", " sekrit", "sek\0rit"])
+def test_create_app_refuses_an_api_key_no_client_could_send(key: str) -> None:
+    cluster = mock_cluster()
+    router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode),
+                          TransferKeeper())
+    with pytest.raises(ValueError, match="no client could send it") as raised:
+        create_app(router, models=["m"], api_key=key)
+    assert "sekrit" not in str(raised.value)
 
 
 async def test_an_empty_api_key_in_the_environment_is_one_line_and_exit_2() -> None:

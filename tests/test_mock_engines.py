@@ -497,6 +497,11 @@ def test_parse_fault() -> None:
     assert parse_fault("decode_error_at:3") == Fault(FaultKind.DECODE_ERROR_AT, at=3)
     assert parse_fault("decode_reject") == Fault(FaultKind.DECODE_REJECT, status=503)
     assert parse_fault("prefill_reject:429").status == 429
+    assert parse_fault("decode_reject:503:5") == Fault(FaultKind.DECODE_REJECT, status=503,
+                                                       retry_after=5)
+    assert str(parse_fault("decode_reject:503:5")) == "decode_reject:503:5"
+    with pytest.raises(ValueError, match="whole seconds after the status"):
+        parse_fault("decode_reject:503:soon")
     assert str(parse_fault("decode_stall_at:2")) == "decode_stall_at:2"
     assert FaultKind.EOS_FIRST_TOKEN.role == "prefill"
     assert FaultKind.DECODE_STALL.role == "decode"
@@ -531,6 +536,9 @@ async def test_reject_faults(autojump_clock: trio.testing.MockClock) -> None:
     error = await refused(prefill, request(fault="prefill_reject:429"))
     assert "refused" in str(error)
     assert error.status == 429 and error.worker == "prefill-0"
+    assert error.retry_after is None
+    error = await refused(prefill, request(fault="prefill_reject:429:7"))
+    assert (error.status, error.retry_after) == (429, 7)
     assert prefill.counters() == KVCounters()
     req = request(fault="decode_reject")
     (handoff,) = await run_leg(prefill, req)

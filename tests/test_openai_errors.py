@@ -16,6 +16,7 @@ from trio_disagg import (
     RouterClosed,
     WorkerError,
 )
+from trio_disagg.engines._headers import retry_after
 from trio_disagg.server import error_for_exception
 from trio_disagg.server._openai_errors import ERROR_TABLE
 
@@ -78,8 +79,16 @@ ROWS: list[tuple[BaseException, int, str, str, str | None, str]] = [
      None, "decode-0 refused"),
     (caused_by(PrefillError("prefill-0 failed"), rejected(403)), 502,
      "upstream_error", "prefill_failed", None, "prefill-0 failed"),
-    (WorkerError("decode-0 failed", status=503), 502, "upstream_error", "worker_error",
-     None, "decode-0 failed"),
+    # A worker's 503 (an HTTP worker's, or an in-process engine's own) is passed on: the
+    # fleet is busy, not broken.
+    (WorkerError("decode-0 failed", status=503), 503, "service_unavailable_error",
+     "worker_unavailable", None, "decode-0 failed"),
+    (WorkerError("decode-0 answered 503", status=502, worker_status=503), 503,
+     "service_unavailable_error", "worker_unavailable", None, "decode-0 answered 503"),
+    (caused_by(PrefillError("prefill-0 failed: answered 503"),
+               WorkerError("answered 503", status=502, worker_status=503)), 503,
+     "service_unavailable_error", "worker_unavailable", None,
+     "prefill-0 failed: answered 503"),
     (WorkerError("decode-0 failed", status=500), 502, "upstream_error", "worker_error",
      None, "decode-0 failed"),
     (WorkerError("decode-0 answered 302", status=302), 502, "upstream_error",
@@ -116,7 +125,7 @@ def test_every_row_of_the_table_can_apply() -> None:
     for later_index, later in enumerate(ERROR_TABLE):
         for earlier in ERROR_TABLE[:later_index]:
             shadowed = issubclass(later.exception, earlier.exception) and (
-                earlier.status is not None
+                earlier.status is not None and not earlier.unavailable
             )
             assert not shadowed, (earlier, later)
 
@@ -142,3 +151,62 @@ def test_an_exception_group_maps_by_its_first_leaf() -> None:
     assert (error.status, error.code) == (504, "prefill_deadline_exceeded")
     bug = error_for_exception(ExceptionGroup("request", [RuntimeError("x"), RouterClosed()]))
     assert (bug.status, bug.code) == (500, "internal_error")
+
+
+def worker_refusal(status: int, wait: float | None) -> WorkerError:
+    """An HTTP worker's refusal with that status and ``Retry-After`` (as the adapter
+    reads it)."""
+    return WorkerError(f"worker answered {status}", status=status if status < 500 else 502,
+                       worker="w", worker_status=status, retry_after=wait)
+
+
+@pytest.mark.parametrize(("exc", "status", "retry_after"), [
+    # the router's own 503s tell the client when to try again
+    (RouterClosed(), 503, 1),
+    (NoWorkerAvailable(), 503, 1),
+    # a worker's 429 or 503 passes its Retry-After on, in whole seconds, at most 60
+    (worker_refusal(429, 7.0), 429, 7),
+    (worker_refusal(429, 0.2), 429, 1),
+    (worker_refusal(429, 0.0), 429, 0),
+    (worker_refusal(503, 3600.0), 503, 60),
+    (caused_by(PrefillError("prefill-0 refused"), worker_refusal(429, 2.5)), 429, 3),
+    (caused_by(PrefillError("prefill-0 failed"), worker_refusal(503, 5.0)), 503, 5),
+    # none given, none sent; and never on another status
+    (worker_refusal(503, None), 503, None),
+    (worker_refusal(429, None), 429, None),
+    (WorkerError("busy", status=500, worker_status=500, retry_after=5.0), 502, None),
+    (DeadlineExceeded("handoff", 30), 504, None),
+])
+def test_retry_after_of_the_routers_503s_and_of_a_workers_refusal(
+    exc: BaseException, status: int, retry_after: int | None
+) -> None:
+    error = error_for_exception(exc)
+    assert (error.status, error.retry_after) == (status, retry_after)
+
+
+NOW = 1_700_000_000.0  # a wall-clock time: Tue, 14 Nov 2023 22:13:20 GMT
+
+
+@pytest.mark.parametrize(("headers", "seconds"), [
+    ({}, None),
+    ({"retry-after": "7"}, 7.0),
+    ({"retry-after": " 7 "}, 7.0),
+    ({"retry-after": "1.5"}, 1.5),  # not RFC 9110's, but plain enough
+    ({"retry-after": "Tue, 14 Nov 2023 22:13:50 GMT"}, 30.0),  # an HTTP date: 30 s on
+    ({"retry-after": "Tue, 14 Nov 2023 22:00:00 GMT"}, 0.0),  # a date past: at once
+    ({"retry-after": "9" * 400}, 86400.0),  # at most a day (the server sends at most 60)
+    ({"retry-after-ms": "1500", "retry-after": "9"}, 1.5),  # OpenAI's own header wins
+    ({"retry-after-ms": "soon", "retry-after": "9"}, 9.0),
+    # not a wait: ignored, never a crash
+    ({"retry-after": "-3"}, None),
+    ({"retry-after": "1e3"}, None),
+    ({"retry-after": "soon"}, None),
+    ({"retry-after": ""}, None),
+    ({"retry-after": "\u0663"}, None),  # a digit, but not an ASCII one
+    ({"retry-after": "Tue, 99 Nov 2023 22:13:50 GMT"}, None),
+    ({"retry-after": "Sun, 06 Nov 99999 08:49:37 GMT"}, None),
+])
+def test_a_workers_retry_after_as_the_adapter_reads_it(
+    headers: dict[str, str], seconds: float | None
+) -> None:
+    assert retry_after(headers, NOW) == seconds

@@ -98,15 +98,43 @@ def test_core_install_runs_the_core_examples(core_venv: Path, example: str) -> N
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("command", [["serve"], ["demo"], ["mock-worker", "--role", "prefill"]])
-def test_command_without_the_server_extra_names_it(core_venv: Path, command: list[str]) -> None:
+def _script(venv_python: Path) -> Path:
+    return venv_python.parent / ("trio-disagg.exe" if os.name == "nt" else "trio-disagg")
+
+
+@pytest.mark.parametrize(("command", "extra"), [
+    (["serve"], "server"), (["mock-worker", "--role", "prefill"], "server"),
+    (["demo"], "demo"),  # the demo extra installs the server extra too
+])
+def test_command_without_its_extra_names_it(
+    core_venv: Path, command: list[str], extra: str
+) -> None:
     """The command line without its extra: one line naming the extra to install, exit 2."""
-    script = core_venv.parent / ("trio-disagg.exe" if os.name == "nt" else "trio-disagg")
-    done = _run([str(script), *command], cwd=core_venv.parent)
+    done = _run([str(_script(core_venv)), *command], cwd=core_venv.parent)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1, done.stderr
-    assert "pip install 'trio-disagg[server]'" in done.stderr
+    assert f"pip install 'trio-disagg[{extra}]'" in done.stderr
+
+
+def test_core_install_answers_version_and_help_naming_the_extras(core_venv: Path) -> None:
+    """``--version`` and ``--help`` (the commands' too) need no extra; the help says which
+    extra each command needs, and how to install it."""
+    script = str(_script(core_venv))
+    done = _run([script, "--version"], cwd=core_venv.parent)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.startswith("trio-disagg ")
+    done = _run([script, "--help"], cwd=core_venv.parent)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    text = " ".join(done.stdout.split())  # argparse wraps the lines
+    assert ("serve and mock-worker need the 'server' extra (not installed: pip install "
+            "'trio-disagg[server]')") in text
+    assert "demo needs the 'demo' extra (not installed: pip install 'trio-disagg[demo]')" in text
+    for command, flag in (("serve", "--prefill URL"), ("mock-worker", "--role"),
+                          ("demo", "--requests")):
+        done = _run([script, command, "--help"], cwd=core_venv.parent)
+        assert (done.returncode, done.stderr) == (0, ""), (command, done.stderr)
+        assert flag in done.stdout and "not installed" in " ".join(done.stdout.split())
 
 
 def test_core_install_says_which_extra_the_server_needs(core_venv: Path) -> None:
@@ -134,7 +162,7 @@ def test_server_extra_serves_and_the_demo_names_its_own_extra(
     assert done.returncode == 0, done.stderr
     done = _run([str(python), "-m", "trio_disagg", "serve", "--help"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "--prefill URL" in done.stdout
+    assert "--prefill URL" in done.stdout and "not installed" not in " ".join(done.stdout.split())
     done = _run([str(python), "-m", "trio_disagg", "demo"], cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1, done.stderr

@@ -648,13 +648,16 @@ async def test_the_openai_client_sees_typed_errors() -> None:
 WORKER_FAULTS: list[tuple[str, int, str, str | None]] = [
     # (fault, status, error code, a piece of the message)
     ("prefill_reject:429", 429, "prefill_rejected", "refused request"),
-    ("prefill_reject:503", 502, "prefill_failed", "refused request"),
+    # A worker's 503 is the client's (busy, try again later), like the HTTP engines make
+    # it; any other 5xx is a bad gateway.
+    ("prefill_reject:503", 503, "worker_unavailable", "refused request"),
+    ("prefill_reject:500", 502, "prefill_failed", "refused request"),
     ("prefill_fail_before_handoff", 502, "prefill_failed", "prefill_fail_before_handoff"),
     ("prefill_reset", 502, "prefill_failed", "no output"),
     ("prefill_error_finish", 502, "generation_failed", "prefill_error_finish"),
     ("prefill_cancelled_finish", 502, "cancelled", None),
-    # A worker's 5xx is a bad gateway to the client, like the HTTP engines make it.
-    ("decode_reject:503", 502, "worker_error", "refused request"),
+    ("decode_reject:503", 503, "worker_unavailable", "refused request"),
+    ("decode_reject:502", 502, "worker_error", "refused request"),
     ("decode_reject:429", 429, "worker_error", "refused request"),
     # A worker refusing the router's credentials is a bad gateway, never the client's
     # 401/403 (S2).
@@ -982,6 +985,7 @@ async def test_closed_router_answers_503() -> None:
         response = await http.post(COMPLETIONS, json=GOOD)
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "router_closed"
+        assert response.headers["retry-after"] == "1"  # try again, elsewhere
         health = await http.get("/health")
         assert health.status_code == 503
         assert health.json()["status"] == "closing"
@@ -1190,6 +1194,7 @@ async def test_shutdown_past_the_window_ends_each_request_cleanly(
     long = {**GOOD, "max_tokens": 2000}
     bodies: dict[str, bytes] = {}
     statuses: dict[str, int] = {}
+    retry_after: list[str | None] = []
     with trio.fail_after(15):
         async with running(latency=latency, graceful_timeout=0.3,
                            decode_engine=ArrivalsCounted) as server, server.http() as http:
@@ -1209,6 +1214,7 @@ async def test_shutdown_past_the_window_ends_each_request_cleanly(
             async def collected() -> None:
                 response = await http.post(COMPLETIONS, json=long)
                 statuses["json"] = response.status_code
+                retry_after.append(response.headers.get("retry-after"))
                 bodies["json"] = response.content
 
             async with trio.open_nursery() as nursery:
@@ -1222,6 +1228,7 @@ async def test_shutdown_past_the_window_ends_each_request_cleanly(
     # Both ended by the app at the end of its window (B4), each with its error, not cut by
     # hypercorn's own (longer) graceful timeout.
     assert statuses == {"sse": 200, "json": 503}
+    assert retry_after == ["1"]
     data = events(bodies["sse"])
     assert data[-1] == b"[DONE]" and data.count(b"[DONE]") == 1
     error = orjson.loads(data[-2])["error"]

@@ -466,18 +466,20 @@ async def test_prefill_unknown_model_404_is_passed_through() -> None:
         await cluster.settled()
 
 
-@pytest.mark.parametrize("fault", ["prefill_reject:503", "prefill_fail_before_handoff",
-                                   "prefill_reset"])
+@pytest.mark.parametrize(("fault", "status"), [
+    ("prefill_reject:500", 502), ("prefill_reject:503", 503),
+    ("prefill_fail_before_handoff", 502), ("prefill_reset", 502)])
 async def test_G6_prefill_failure_before_the_bootstrap_stops_the_waiting_decode(
-        fault: str) -> None:
+        fault: str, status: int) -> None:
     """The decode waits in the room for KV that never comes (SGLang: until its 300 s
-    timeout); the gatekeeper stops it at once and the client gets a 502."""
+    timeout); the gatekeeper stops it at once and the client gets a 502 (the worker's 503
+    for a worker too busy)."""
     async with sglang_cluster() as cluster:
         with trio.fail_after(5):  # not the decode's bootstrap timeout
             error, items = await prefill_failure(cluster, completion("p5", fault=fault))
             assert isinstance(error, PrefillError)
             assert cluster.prefill_url in str(error.__cause__ or error)
-            assert error_for_exception(error).status == 502
+            assert error_for_exception(error).status == status
             assert not any(item.data is not None and item.data.text for item in items)
             await cluster.settled()
         assert cluster.decode.stats.completed == 0

@@ -297,9 +297,9 @@ async def test_B8_the_openai_client_retries_a_bad_gateway_and_gives_up_as_usual(
         before = server.cluster.prefill.stats.requests
         error = await _openai_error(lambda: client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=2,
-            extra_body={"fault": "prefill_reject:503"}))
+            extra_body={"fault": "prefill_reject:500"}))
         assert isinstance(error, openai.InternalServerError) and error.status_code == 502
-        assert "answered 503" in error.message
+        assert "answered 500" in error.message
         assert server.cluster.prefill.stats.requests - before == 3
         await server.cluster.settled()
 

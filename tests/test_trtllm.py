@@ -401,9 +401,11 @@ async def test_context_unknown_model_404_is_passed_through() -> None:
         assert str(error.__cause__) == "The model `no-such-model` does not exist."
 
 
-@pytest.mark.parametrize("fault", ["prefill_reject:503", "prefill_fail_before_handoff",
-                                   "prefill_fail_after_handoff"])
-async def test_context_5xx_is_502_with_the_workers_message(fault: str) -> None:
+@pytest.mark.parametrize(("fault", "status"), [
+    ("prefill_reject:500", 502), ("prefill_reject:503", 503),  # a 503: busy, not broken
+    ("prefill_fail_before_handoff", 502), ("prefill_fail_after_handoff", 502)])
+async def test_context_5xx_is_a_502_or_503_with_the_workers_message(
+        fault: str, status: int) -> None:
     async with trtllm_cluster() as cluster:
         error = await refusal(cluster, completion("p5", fault=fault))
         assert isinstance(error, PrefillError)
@@ -411,7 +413,7 @@ async def test_context_5xx_is_502_with_the_workers_message(fault: str) -> None:
         assert isinstance(cause, WorkerError) and cause.status == 502
         assert cluster.prefill_url in str(cause)
         assert fault.partition(":")[0] in str(cause)  # the worker's own message
-        assert error_for_exception(error).status == 502
+        assert error_for_exception(error).status == status
         await cluster.settled()
         assert cluster.prefill.kv.counters().held_blocks == 0
 

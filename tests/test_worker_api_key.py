@@ -193,6 +193,8 @@ def test_serve_worker_key_from_the_flag_or_the_variable(
     with pytest.raises(StartupError, match="--worker-api-key has a CR, LF or NUL") as caught:
         of("secret\nx")
     assert "secret" not in str(caught.value)
+    with pytest.raises(StartupError, match="--worker-api-key begins or ends with whitespace"):
+        of("secret ")  # the worker's server strips it: every request would be a 401
     with pytest.raises(StartupError, match="it needs --backend vllm, sglang or trtllm"):
         of("flag", backend="mock")
     monkeypatch.setenv("TRIO_DISAGG_WORKER_API_KEY", "")

@@ -23,7 +23,7 @@ import openai
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ._adapters import ADAPTERS, DEMO_BACKENDS
+from ._adapters import BACKENDS, DEMO_BACKENDS, adapter
 from ._demo_workload import (
     Outcome,
     Result,
@@ -113,7 +113,7 @@ async def http_backend(protocol: str, seed: int, nursery: trio.Nursery) -> Backe
     client = worker_client()  # the engines' worker legs
     http = httpx.AsyncClient(trust_env=False)  # the demo's own reads of /metrics
     nursery.start_soon(_close_at_cancel, client, http)
-    prefill, decode = ADAPTERS[protocol](prefill_specs, urls["decode"], client=client)
+    prefill, decode = adapter(protocol)(prefill_specs, urls["decode"], client=client)
 
     async def counters() -> KVCounters:
         total = KVCounters()
@@ -193,10 +193,7 @@ async def drive_backend(
             port = await nursery.start(
                 partial(serve, app, host="127.0.0.1", port=0, shutdown_trigger=stop.wait)
             )
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="demo", max_retries=0,
-                timeout=30.0,
-            )
+            client = demo_client(f"http://127.0.0.1:{port}/v1")
             start = time.perf_counter()
             with client:
                 async with trio.open_nursery() as clients:
@@ -317,6 +314,14 @@ async def run_demo(
     return 0
 
 
+def demo_client(base_url: str) -> openai.OpenAI:
+    """The demo's openai client of the router at ``base_url`` (on this host): no retries,
+    and no proxy: an ``HTTP_PROXY`` of the environment would get every request, and the
+    demo would fail with "Connection error" behind a corporate proxy."""
+    return openai.OpenAI(base_url=base_url, api_key="demo", max_retries=0, timeout=30.0,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))
+
+
 def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
     """The backends for ``--backend``, by name (see :data:`DEMO_BACKENDS`)."""
 
@@ -330,7 +335,7 @@ def demo_backends(names: Sequence[str], seed: int) -> list[BackendFactory]:
         "mock-sequential": in_process("mock-sequential", HandoffStyle.SEQUENTIAL),
         "mock-bootstrap": in_process("mock-bootstrap", HandoffStyle.BOOTSTRAP),
     }
-    for protocol in ADAPTERS:
+    for protocol in BACKENDS:
         factories[protocol] = partial(http_backend, protocol, seed)
     return [factories[name] for name in names]
 

@@ -4,7 +4,7 @@ prefill worker (:class:`PrefillEngine`)."""
 from __future__ import annotations
 
 import enum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
@@ -242,3 +242,22 @@ class PrefillEngine(DecodeEngine, Protocol):
 #: :class:`DecodeEngine`). Kept for code written before the two protocols were split;
 #: annotate a decode-only engine with :class:`DecodeEngine`.
 Engine = PrefillEngine
+
+
+@runtime_checkable
+class ModelLister(Protocol):
+    """An engine that can list the models its worker serves (an HTTP adapter:
+    ``GET /v1/models``); the server answers its own ``GET /v1/models`` with them."""
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """The worker's model objects (OpenAI's ``id``, ``object``, ``created``,
+        ``owned_by``, and whatever else the worker says of each), as it sent them.
+
+        It need not bound itself: the caller cancels it after its own timeout, and it must
+        then leave nothing behind (an HTTP adapter closes its connection).
+
+        Raises:
+            Exception: any, if the worker could not say (the adapter's
+                :class:`~trio_disagg.WorkerError`).
+        """
+        ...

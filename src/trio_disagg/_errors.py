@@ -83,6 +83,9 @@ class WorkerError(TrioDisaggError):
         handoff_lost: a decode worker refused because the handoff's KV could not be used
             (its transfer failed, its lease expired): the router then sends no cleanup
             decode for that KV, which would fail the same way (B1).
+        retry_after: seconds the worker asked its client to wait before trying again
+            (an HTTP worker's ``Retry-After`` on a 429 or 503), or None; the server
+            passes it on to the client, bounded.
     """
 
     def __init__(
@@ -93,12 +96,14 @@ class WorkerError(TrioDisaggError):
         worker: str | None = None,
         worker_status: int | None = None,
         handoff_lost: bool = False,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.worker = worker
         self.worker_status = worker_status
         self.handoff_lost = handoff_lost
+        self.retry_after = retry_after
 
 
 class PrefillCancelled(PrefillError):

@@ -16,6 +16,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "server": ("hypercorn", "httpx", "httptools", "prometheus_client"),
     "demo": ("openai",),
 }
+#: The extras each extra installs too (``trio-disagg[demo]`` is ``[server]`` and more).
+INCLUDES: dict[str, tuple[str, ...]] = {"server": (), "demo": ("server",)}
 
 
 def extra_for(module: str | None) -> str | None:
@@ -32,6 +34,19 @@ def install_hint(extra: str) -> str:
     return f"pip install 'trio-disagg[{extra}]'"
 
 
+def missing(extra: str) -> str | None:
+    """The first import name of ``extra`` (or of an extra it includes) that is not
+    installed, or None if the extra is (checked without importing anything)."""
+    for included in INCLUDES[extra]:
+        module = missing(included)
+        if module is not None:
+            return module
+    for module in EXTRAS[extra]:
+        if importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
 def require(extra: str, what: str) -> None:
     """Check that the ``extra``'s packages are installed, without importing them.
 
@@ -40,16 +55,17 @@ def require(extra: str, what: str) -> None:
         what: who needs it, for the message (e.g. ``"trio_disagg.server"``).
 
     Raises:
-        ModuleNotFoundError: a package of the extra is missing; its ``name`` is the missing
-            module and its message says which extra to install.
+        ModuleNotFoundError: a package of the extra (or of an extra it includes) is
+            missing; its ``name`` is the missing module and its message says which extra
+            to install.
     """
-    for module in EXTRAS[extra]:
-        if importlib.util.find_spec(module) is None:
-            raise ModuleNotFoundError(
-                f"{what} needs the '{extra}' extra ({module} is not installed): "
-                f"{install_hint(extra)}",
-                name=module,
-            )
+    module = missing(extra)
+    if module is not None:
+        raise ModuleNotFoundError(
+            f"{what} needs the '{extra}' extra ({module} is not installed): "
+            f"{install_hint(extra)}",
+            name=module,
+        )
 
 
 def lazy_attribute(package: str, lazy: Mapping[str, str], name: str, extra: str) -> object:

@@ -29,7 +29,6 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 
 import trio
-from prometheus_client.multiprocess import mark_process_dead
 
 logger = logging.getLogger("trio_disagg")
 
@@ -147,6 +146,14 @@ def end_with_supervisor() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _mark_dead(pid: int, metrics_dir: str) -> None:
+    """Take a process that exited out of the aggregate's live gauges."""
+    # The server extra: imported here, so that the command line's parser needs none.
+    from prometheus_client.multiprocess import mark_process_dead
+
+    mark_process_dead(pid, metrics_dir)  # type: ignore[no-untyped-call]
+
+
 async def _watch(processes: list[trio.Process], signals: AsyncIterator[int],
                  metrics_dir: str) -> int:
     failures: list[int] = []
@@ -183,7 +190,7 @@ async def _watch(processes: list[trio.Process], signals: AsyncIterator[int],
         nonlocal stopping
         code = exit_code(await process.wait())
         # Its live gauges leave the aggregate; its counters stay.
-        mark_process_dead(process.pid, metrics_dir)  # type: ignore[no-untyped-call]
+        _mark_dead(process.pid, metrics_dir)
         if code != 0:
             failures.append(code)
             if not stopping:  # a process failed on its own: stop the others

@@ -4,7 +4,6 @@ its help formatter."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 
@@ -19,30 +18,38 @@ def port_number(text: str) -> int:
     return value
 
 
-def _finite_seconds(text: str) -> float:
+#: The longest duration a flag takes, in seconds (a day): a deadline, a timeout or a
+#: window longer than that is a typo (``1e300``), not a setting; a timer that never fires
+#: would hold a request, a connection or a shutdown for ever.
+LONGEST_SECONDS = 86400.0
+#: The shortest positive duration a flag takes, in seconds (1 ms): a deadline or a
+#: timeout shorter than that runs out before anything could happen.
+SHORTEST_SECONDS = 0.001
+
+
+def _seconds_in(text: str, low: float, what: str) -> float:
+    """``text`` as seconds from ``low`` to :data:`LONGEST_SECONDS` (argparse names the
+    flag in front of the message)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"seconds must be a finite number, got {text!r}")
+    if not low <= value <= LONGEST_SECONDS:  # NaN and infinities too
+        raise argparse.ArgumentTypeError(
+            f"must be {what} to {LONGEST_SECONDS:g} seconds (a day), got {text!r}")
     return value
 
 
 def seconds(text: str) -> float:
-    """A finite, non-negative number of seconds."""
-    value = _finite_seconds(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text!r}")
-    return value
+    """A number of seconds from 0 to :data:`LONGEST_SECONDS` (a drain window, a mock
+    latency)."""
+    return _seconds_in(text, 0.0, "0")
 
 
 def positive_seconds(text: str) -> float:
-    """A finite number of seconds, > 0 (a deadline, a lease)."""
-    value = _finite_seconds(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text!r}")
-    return value
+    """A number of seconds from :data:`SHORTEST_SECONDS` to :data:`LONGEST_SECONDS` (a
+    deadline, a timeout, an interval, a lease)."""
+    return _seconds_in(text, SHORTEST_SECONDS, f"{SHORTEST_SECONDS:g}")
 
 
 def positive_int(text: str) -> int:

@@ -7,9 +7,9 @@ import argparse
 import importlib.metadata
 from typing import TypeAlias
 
-from .._adapters import DEMO_BACKENDS
+from .._adapters import BACKENDS, DEMO_BACKENDS
+from .._extras import install_hint, missing
 from .._supervisor import SUPERVISED_FLAG
-from ..mock import PROTOCOLS
 from ._arg_types import (
     DefaultsFormatter,
     limit,
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trio-disagg",
         description="Disaggregated (prefill/decode) LLM serving on trio.",
+        epilog=f"serve and mock-worker need the 'server' extra{_state('server')}; demo "
+               f"needs the 'demo' extra{_state('demo')}.",
     )
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="default WARNING; ERROR for the demo, whose injected faults "
@@ -50,14 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _state(extra: str) -> str:
+    """Whether ``extra`` is installed, for the help: empty if it is, else how to."""
+    return "" if missing(extra) is None else f" (not installed: {install_hint(extra)})"
+
+
+def _needs(extra: str) -> str:
+    """``needs the 'server' extra``, and how to install it if it is not."""
+    return f"needs the '{extra}' extra{_state(extra)}"
+
+
 def add_serve_command(commands: Commands) -> None:
     """``serve``: the router's options, in the order ``--help`` lists them."""
     serve_cmd = commands.add_parser(
-        "serve", help="run the OpenAI-compatible router", formatter_class=DefaultsFormatter,
+        "serve", help=f"run the OpenAI-compatible router ({_needs('server')})",
+        formatter_class=DefaultsFormatter,
         description="Run the router. With no --prefill/--decode it runs the embedded "
                     "default: in-process mock prefill and decode engines. "
                     "docs/router.md, 'Securing and limiting the router', explains the "
-                    "limits, the API key and fault injection.")
+                    f"limits, the API key and fault injection. It {_needs('server')}.")
     _add_serve_routing_options(serve_cmd)
     _add_serve_process_options(serve_cmd)
     _add_serve_failure_options(serve_cmd)
@@ -121,9 +134,11 @@ def _add_serve_process_options(serve_cmd: argparse.ArgumentParser) -> None:
 def _add_serve_failure_options(serve_cmd: argparse.ArgumentParser) -> None:
     """How the router notices failing workers: health probes, retries and deadlines."""
     serve_cmd.add_argument("--health-interval", type=positive_seconds, default=5.0,
+                           metavar="SECONDS",
                            help="seconds between two probes of each worker's GET /health "
                                 "(default 5; the embedded mocks are not probed)")
     serve_cmd.add_argument("--health-timeout", type=positive_seconds, default=2.0,
+                           metavar="SECONDS",
                            help="seconds a health probe may take (default 2)")
     serve_cmd.add_argument("--max-attempts", type=positive_int, default=2,
                            help="attempts per leg, on another worker each, for a leg that "
@@ -183,15 +198,17 @@ def _add_serve_limits(serve_cmd: argparse.ArgumentParser) -> None:
 def add_mock_worker_command(commands: Commands) -> None:
     """``mock-worker``: one mock worker's role, protocol, address and latency model."""
     worker_cmd = commands.add_parser(
-        "mock-worker", help="run one mock prefill or decode worker over HTTP",
+        "mock-worker", help=f"run one mock prefill or decode worker over HTTP "
+                            f"({_needs('server')})",
         formatter_class=DefaultsFormatter,
         description="A mock worker speaking a real worker's wire protocol (docs/protocols.md "
                     "section 5): KV block accounting with a lease, a real KV pull over "
                     "loopback, abort on connection close, faults from the request body's "
-                    "\"fault\" field (with --fault-injection), and GET /metrics.")
+                    "\"fault\" field (with --fault-injection), and GET /metrics. It "
+                    f"{_needs('server')}.")
     worker_cmd.add_argument("--role", required=True, choices=["prefill", "decode"],
                             help="serve prefill requests or decode requests")
-    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(PROTOCOLS),
+    worker_cmd.add_argument("--protocol", default="vllm", choices=sorted(BACKENDS),
                             help="the worker whose wire protocol it speaks")
     worker_cmd.add_argument("--host", type=listen_host, default="127.0.0.1",
                             help="the address to listen on")
@@ -200,18 +217,19 @@ def add_mock_worker_command(commands: Commands) -> None:
                             help="the only model accepted (default: any)")
     worker_cmd.add_argument("--seed", type=int, default=0,
                             help="seeds the made-up text the worker generates")
-    worker_cmd.add_argument("--ttft-per-token", type=seconds, default=0.0002,
+    worker_cmd.add_argument("--ttft-per-token", type=seconds, metavar="SECONDS", default=0.0002,
                             help="seconds of prefill compute per prompt token")
-    worker_cmd.add_argument("--itl", type=seconds, default=0.02,
+    worker_cmd.add_argument("--itl", type=seconds, metavar="SECONDS", default=0.02,
                             help="seconds between decoded tokens")
-    worker_cmd.add_argument("--kv-transfer-per-token", type=seconds, default=0.00002,
+    worker_cmd.add_argument("--kv-transfer-per-token", type=seconds, metavar="SECONDS",
+                            default=0.00002,
                             help="seconds per prompt token to move the KV")
-    worker_cmd.add_argument("--kv-ttl", type=positive_seconds, default=30.0,
+    worker_cmd.add_argument("--kv-ttl", type=positive_seconds, metavar="SECONDS", default=30.0,
                             help="seconds staged KV waits for its decode")
     worker_cmd.add_argument("--bootstrap-port", type=port_number,
                             help="sglang prefill only: the bootstrap port (default 8998; "
                                  "0 picks a free one)")
-    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds,
+    worker_cmd.add_argument("--bootstrap-timeout", type=positive_seconds, metavar="SECONDS",
                             help="sglang only: seconds either side of a bootstrap room "
                                  "waits for the other (default 300)")
     worker_cmd.add_argument("--fault-injection", action="store_true",
@@ -227,11 +245,13 @@ def add_mock_worker_command(commands: Commands) -> None:
 def add_demo_command(commands: Commands) -> None:
     """``demo``: the size, concurrency, seed and backends of the demo's workload."""
     demo_cmd = commands.add_parser(
-        "demo", help="run the whole router on mock workers with a mixed workload",
+        "demo", help=f"run the whole router on mock workers with a mixed workload "
+                     f"({_needs('demo')})",
         formatter_class=DefaultsFormatter,
         description="Start the router on mock workers, drive real OpenAI requests through "
                     "it (client disconnects and injected faults included), print a table "
-                    "per scenario, and exit non-zero if an invariant was broken.")
+                    "per scenario, and exit non-zero if an invariant was broken. It "
+                    f"{_needs('demo')} (the openai client).")
     demo_cmd.add_argument("--requests", type=positive_int, default=200,
                           help="requests per backend (at least one per scenario)")
     demo_cmd.add_argument("--concurrency", type=positive_int, default=32,

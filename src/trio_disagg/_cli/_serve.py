@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 from collections.abc import Awaitable, Callable
 
@@ -29,6 +30,8 @@ from ._serve_options import (
 )
 from ._signals import SHUTDOWN_SIGNALS, ignoring_signals, run_until_signalled
 from ._startup import StartupError, display_address, first_os_error
+
+logger = logging.getLogger("trio_disagg")
 
 #: The cyclic garbage collector's generation-0 threshold ``serve`` sets once it listens
 #: (Python's default is 700). Thousands of streams in flight keep ~250 container objects
@@ -111,7 +114,9 @@ async def serve_router(
     metrics_dir: str | None,
 ) -> None:
     """Serve ``router`` over HTTP until ``shutdown_trigger`` returns and the drain is over;
-    announce the address on stdout once it listens.
+    announce the address on stdout once it listens. A shutdown before it listens (during
+    the first round of health probes) ends the start-up at once: nothing is announced,
+    and the port is never opened.
 
     Raises:
         StartupError: the app refused an option, or the address could not be bound.
@@ -121,6 +126,7 @@ async def serve_router(
     app = router_app(args, router, api_key=api_key, cluster=cluster)
     async with trio.open_nursery() as nursery:
         mirror = trio.CancelScope()
+        checking = trio.CancelScope()  # the check of the model names: never past the end
         if metrics_dir:  # one of serve --workers N: /metrics shows them all
             copier = app.metrics.enable_multiprocess(metrics_dir)
             nursery.start_soon(_run_in, mirror, copier.run)
@@ -136,19 +142,52 @@ async def serve_router(
                             task_status=task_status)
             finally:
                 mirror.cancel()  # the last copy of the metrics, then it ends
+                checking.cancel()
 
-        try:
-            port = await nursery.start(serving)
-        except* OSError as group:
-            raise StartupError(f"cannot listen on {display_address(args.host, args.port)}: "
-                               f"{first_os_error(group)}") from None
-        tune_gc_for_serving()  # after start-up: see SERVE_GC_THRESHOLD
-        pid = f", pid {os.getpid()}" if args.supervised else ""
-        names = ", ".join(repr(model) for model in models_of(args))
-        print(f"trio-disagg: serving {names} on "
-              f"http://{display_address(args.host, port)}/v1 "
-              f"({args.backend}: {len(router.prefill)} prefill, "
-              f"{len(router.decode)} decode{pid})", flush=True)
+        starting = trio.CancelScope()  # a shutdown before it listens ends the start-up
+        nursery.start_soon(_cancel_at, shutdown_trigger, starting)
+        port: int | None = None
+        with starting:
+            try:
+                port = await nursery.start(serving)
+            except* OSError as group:
+                raise StartupError(f"cannot listen on {display_address(args.host, args.port)}"
+                                   f": {first_os_error(group)}") from None
+        if port is not None:
+            tune_gc_for_serving()  # after start-up: see SERVE_GC_THRESHOLD
+            _announce(args, router, port)
+            nursery.start_soon(_check_models, app, checking)
+
+
+async def _check_models(app: OpenAIApp, scope: trio.CancelScope | None = None) -> None:
+    """Warn of a served name the workers do not list in their ``/v1/models``: vLLM, SGLang
+    and TensorRT-LLM refuse a request for it 404 (``--model`` forgotten, or not the
+    workers' ``--served-model-name``)."""
+    with scope or trio.CancelScope():
+        unlisted = await app.model_cards.unlisted()
+    if scope is not None and scope.cancelled_caught:
+        return
+    for role, names in unlisted.items():
+        logger.warning("the %s workers do not list %s (--model) in their /v1/models: a "
+                       "worker that serves only what it lists refuses requests for %s; "
+                       "give --model the names the workers serve", role,
+                       ", ".join(map(repr, names)), "it" if len(names) == 1 else "them")
+
+
+def _announce(args: argparse.Namespace, router: DisaggRouter, port: int) -> None:
+    """The line on stdout that says the router listens, and where."""
+    pid = f", pid {os.getpid()}" if args.supervised else ""
+    names = ", ".join(repr(model) for model in models_of(args))
+    print(f"trio-disagg: serving {names} on "
+          f"http://{display_address(args.host, port)}/v1 "
+          f"({args.backend}: {len(router.prefill)} prefill, "
+          f"{len(router.decode)} decode{pid})", flush=True)
+
+
+async def _cancel_at(trigger: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` (the start-up) once ``trigger`` returns; once it is over, nothing."""
+    await trigger()
+    scope.cancel()
 
 
 def router_app(

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
-from .._adapters import ADAPTERS
+from .._adapters import BACKENDS, adapter
 from .._engine import CancelWindow, Engine, HandoffStyle
 from .._pool import (
     LeastOutstanding,
@@ -19,9 +20,11 @@ from .._pool import (
     SessionAffinity,
 )
 from .._router import Deadlines
-from ..engines import Client
 from ..mock import LatencyModel, MockCluster, mock_cluster
 from ._startup import StartupError
+
+if TYPE_CHECKING:  # the server extra: the parser and these options need none
+    from ..engines import Client
 
 POLICIES: dict[str, Callable[[], SelectionPolicy]] = {
     "round-robin": RoundRobin,
@@ -60,12 +63,27 @@ def deadlines_of(args: argparse.Namespace) -> Deadlines:
                         for name in deadline_defaults()})
 
 
+def _unsendable(where: str, key: str) -> StartupError | None:
+    """Why ``key`` can never arrive in an ``Authorization`` header, naming ``where`` it
+    came from and never the key; None if it can. A key read from a file or a secret
+    often ends with the file's newline."""
+    if any(char in key for char in "\r\n\0"):
+        return StartupError(f"{where} has a CR, LF or NUL: it cannot go in a header (a "
+                            "file's trailing newline?)")
+    if key != key.strip():
+        return StartupError(f"{where} begins or ends with whitespace, which no HTTP header "
+                            "keeps: no request would ever match it")
+    return None
+
+
 def api_key_of(args: argparse.Namespace) -> str | None:
     """``--api-key``, else :data:`API_KEY_ENV`, else None (no key).
 
     Raises:
         StartupError: the key given is empty or blank (an unset variable expanded to
-            nothing must not silently turn authentication off).
+            nothing must not silently turn authentication off), or no client could send
+            it: a CR, LF or NUL, or whitespace around it (every request would be refused
+            401). The message names where the key came from, never the key.
     """
     key: str | None = args.api_key
     where = "--api-key"
@@ -75,6 +93,8 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     if key is not None and not key.strip():
         raise StartupError(f"{where} is {'empty' if not key else 'blank'}; give a key, or "
                            "unset it to serve without one")
+    if key is not None and (problem := _unsendable(where, key)) is not None:
+        raise problem
     if args.protect_metrics and key is None:
         raise StartupError(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
     return key
@@ -87,9 +107,9 @@ def worker_api_key_of(args: argparse.Namespace) -> str | None:
 
     Raises:
         StartupError: the key given is empty or blank, has a CR, LF or NUL (it could
-            not be sent) or a non-ASCII character (no worker would match it), or
-            ``--worker-api-key`` with the embedded mocks. The message names where the key
-            came from, never the key.
+            not be sent) or whitespace around it or a non-ASCII character (no worker
+            would match it), or ``--worker-api-key`` with the embedded mocks. The message
+            names where the key came from, never the key.
     """
     key: str | None = args.worker_api_key
     where = "--worker-api-key"
@@ -104,8 +124,8 @@ def worker_api_key_of(args: argparse.Namespace) -> str | None:
     if not key.strip():
         raise StartupError(f"{where} is {'empty' if not key else 'blank'}; give the workers' "
                            "key, or unset it to send none")
-    if any(char in key for char in "\r\n\0"):
-        raise StartupError(f"{where} has a CR, LF or NUL: it cannot go in a header")
+    if (problem := _unsendable(where, key)) is not None:
+        raise problem
     if not key.isascii():
         raise StartupError(f"{where} has a non-ASCII character: vLLM and SGLang read the "
                            "header as Latin-1, so no worker would ever match it")
@@ -173,11 +193,10 @@ def engines_for(
     if not args.prefill or not args.decode:
         raise StartupError(f"--backend {args.backend} needs at least one --prefill and "
                            "--decode")
-    adapter = ADAPTERS.get(args.backend)
-    if adapter is None:
+    if args.backend not in BACKENDS:
         raise StartupError(f"--backend {args.backend} is not available yet")
     try:
-        prefill, decode = adapter(args.prefill, args.decode, client=client)
+        prefill, decode = adapter(args.backend)(args.prefill, args.decode, client=client)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return list(prefill), list(decode), None

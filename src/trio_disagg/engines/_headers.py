@@ -3,6 +3,9 @@ worker's API key), checked and encoded once, and the message of a worker refusin
 
 from __future__ import annotations
 
+import datetime
+import email.utils
+import time
 from collections.abc import Mapping
 
 #: The characters of an HTTP header name (RFC 9110 ``token``).
@@ -104,3 +107,62 @@ def credentials_refused(role: str, url: str, status: int, message: str) -> str:
     return (f"{role} worker {url} answered {status} ({message}): a missing or wrong worker "
             f"API key? Start the router with the workers' key (serve --worker-api-key or "
             f"TRIO_DISAGG_WORKER_API_KEY; WorkerClient(headers=...))")
+
+
+#: The statuses whose ``Retry-After`` the router passes on: a worker too busy (429) or
+#: unavailable (503) for now.
+RETRY_AFTER_STATUSES = frozenset({429, 503})
+#: The longest wait a worker's ``Retry-After`` is read as, in seconds (one day).
+LONGEST_RETRY_AFTER = 86400.0
+
+
+def refusal_retry_after(status: int, headers: Mapping[str, str]) -> float | None:
+    """The wait a worker's refusal asks for (:func:`retry_after`), if its status is one
+    of :data:`RETRY_AFTER_STATUSES`; else None."""
+    if status not in RETRY_AFTER_STATUSES:
+        return None
+    return retry_after(headers, time.time())
+
+
+def retry_after(headers: Mapping[str, str], now: float) -> float | None:
+    """How long a worker's answer asks its client to wait before trying again, in seconds.
+
+    ``retry-after-ms`` (milliseconds, as OpenAI's API sends it) wins over
+    ``retry-after``, which is a whole number of seconds or an HTTP date (RFC 9110,
+    section 10.2.3): a date in the past is 0, a wait longer than a day
+    (:data:`LONGEST_RETRY_AFTER`) is a day. A value that is neither (negative, garbage) is
+    no value at all.
+
+    Args:
+        headers: the answer's headers, names in lower case.
+        now: the wall-clock time (``time.time()``), for a date.
+
+    Returns:
+        Seconds, 0 to :data:`LONGEST_RETRY_AFTER`; None if the answer asks for no
+        particular wait.
+    """
+    value = headers.get("retry-after-ms")
+    if value is not None and (seconds := _number(value)) is not None:
+        return min(seconds / 1000, LONGEST_RETRY_AFTER)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _number(value)
+    if seconds is not None:
+        return min(seconds, LONGEST_RETRY_AFTER)
+    try:
+        when = email.utils.parsedate_to_datetime(value.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT; one without a zone is taken as such
+        when = when.replace(tzinfo=datetime.UTC)
+    return min(max(0.0, when.timestamp() - now), LONGEST_RETRY_AFTER)
+
+
+def _number(text: str) -> float | None:
+    """A non-negative number written in decimal (``"7"``, ``"1.5"``; as long as it likes,
+    which may make it infinite), else None."""
+    text = text.strip()
+    if not text.isascii() or not text.replace(".", "", 1).isdigit():
+        return None
+    return float(text)

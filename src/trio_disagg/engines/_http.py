@@ -27,8 +27,9 @@ from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
 from ._chunks import ChunkParser, choices_beyond_one
 from ._handoffs import needs_handoff
-from ._headers import CREDENTIAL_STATUSES, credentials_refused
+from ._headers import CREDENTIAL_STATUSES, credentials_refused, refusal_retry_after
 from ._httpx import HttpxWorkerClient
+from ._models import ModelListing
 from ._reader import SseReader
 from ._requests import check_worker_url, request_headers
 from ._stopper import SendChannel, Stopper, send_quietly
@@ -76,7 +77,7 @@ JSON_BODY_LIMIT = 16 * 1024 * 1024  # bytes of a non-streamed answer
 #: cancelled (its deadline expired in the meantime): the worker's error still wins.
 ERROR_CLOSE_GRACE = 0.5
 
-class HttpEngine:
+class HttpEngine(ModelListing):
     """The skeleton of an HTTP engine adapter (an :class:`~trio_disagg.Engine`).
 
     ``generate`` POSTs :meth:`_prepare`'s body with ``X-Request-Id: request.request_id``,
@@ -318,9 +319,8 @@ class HttpEngine:
             raise WorkerError(f"{self.role} worker {self.url} health check failed: "
                               f"{describe(exc)}", status=502, worker=self.name) from exc
         if not 200 <= status < 300:
-            raise WorkerError(
-                f"{self.role} worker {self.url} health check answered {status}",
-                status=502, worker=self.name, worker_status=status)
+            raise WorkerError(f"{self.role} worker {self.url} health check answered {status}",
+                              status=502, worker=self.name, worker_status=status)
 
     async def _status_error(self, response: Response) -> WorkerError:
         """The error for a worker's non-2xx answer; the answer is read and closed.
@@ -347,13 +347,13 @@ class HttpEngine:
         if status in CREDENTIAL_STATUSES:  # a 4xx, so no retry and no ejection either
             message = credentials_refused(self.role, self.url, status, message)
         lost = self.role == "decode" and reports_lost_kv(message)
+        wait = refusal_retry_after(status, response.headers)
         if 400 <= status < 500:
             return WorkerError(message, status=status, worker=self.name, worker_status=status,
-                               handoff_lost=lost)
-        return WorkerError(
-            f"{self.role} worker {self.url} answered {status}: {message}",
-            status=502, worker=self.name, worker_status=status, handoff_lost=lost,
-        )
+                               handoff_lost=lost, retry_after=wait)
+        return WorkerError(f"{self.role} worker {self.url} answered {status}: {message}",
+                           status=502, worker=self.name, worker_status=status,
+                           handoff_lost=lost, retry_after=wait)
 
     def _error(self, what: str) -> Item:
         """An error item naming this worker: ``"decode worker URL <what>"``.

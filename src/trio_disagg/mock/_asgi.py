@@ -39,6 +39,17 @@ def error_event(message: str, status: int = 500, *, flat: bool = False) -> bytes
     return b"data: " + error_json(message, status, flat=flat) + b"\n\n" + DONE_EVENT
 
 
+class Refusal(Exception):
+    """A generation request the worker answers with an error status before serving it."""
+
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        #: The ``Retry-After`` seconds to answer with, or None for no header.
+        self.retry_after = retry_after
+
+
 @attrs.define(eq=False)
 class Exchange:
     """One HTTP response and where it is: not started, streaming, or finished.
@@ -95,17 +106,21 @@ class Exchange:
         self.finished = True
         await self.send({"type": "http.response.body", "body": data, "more_body": False})
 
-    async def respond(self, status: int, data: bytes, content_type: bytes = JSON_TYPE) -> None:
+    async def respond(self, status: int, data: bytes, content_type: bytes = JSON_TYPE,
+                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
         """A whole response; the listener is cancelled first, so it cannot be aborted."""
         if self.listener is not None:
             self.listener.cancel()
-        await self.start(status, content_type, length=len(data))
+        await self.start(status, content_type, extra, length=len(data))
         await self.finish(data)
 
-    async def error(self, message: str, status: int) -> None:
-        """An error response, or once streaming an error event and ``[DONE]``."""
+    async def error(self, message: str, status: int,
+                    extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """An error response (with the ``extra`` headers), or once streaming an error event
+        and ``[DONE]``."""
         if not self.started:
-            await self.respond(status, error_json(message, status, flat=self.flat))
+            await self.respond(status, error_json(message, status, flat=self.flat),
+                               extra=extra)
         elif not self.finished:
             await self.finish(error_event(message, status, flat=self.flat))
         else:

@@ -74,7 +74,7 @@ def pick_fault(request: PreprocessedRequest, role: str, plan: FaultPlan | None,
     if fault is not None and fault.kind in (FaultKind.PREFILL_REJECT, FaultKind.DECODE_REJECT):
         raise WorkerError(f"{worker} refused request {request.request_id!r} "
                           f"(injected fault {fault})", status=fault.status or 503,
-                          worker=worker)
+                          worker=worker, retry_after=fault.retry_after)
     return fault
 
 

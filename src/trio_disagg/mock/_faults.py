@@ -53,7 +53,8 @@ class FaultKind(WireRole, enum.Enum):
     #: The prefill stream ends with no output at all (S1); an HTTP worker resets.
     PREFILL_RESET = "prefill_reset"
     #: The prefill refuses the request: ``WorkerError`` before ``started()``
-    #: (``:STATUS``, default 503; an HTTP worker answers with that status).
+    #: (``:STATUS``, default 503; an HTTP worker answers with that status;
+    #: ``:STATUS:SECONDS`` adds ``Retry-After: SECONDS``).
     PREFILL_REJECT = "prefill_reject"
     #: The first token is EOS: the prefill answers with one token, ``finish_reason`` eos,
     #: no ``disaggregated_params``, nothing staged. (A decode doing its own prefill, with
@@ -73,7 +74,8 @@ class FaultKind(WireRole, enum.Enum):
     #: (a worker that died; an HTTP worker resets the connection).
     DECODE_RESET_AT = "decode_reset_at"
     #: The decode refuses the request: ``WorkerError`` before ``started()``
-    #: (``:STATUS``, default 503). It never hears of the KV, which waits for its TTL.
+    #: (``:STATUS``, default 503; ``:STATUS:SECONDS`` adds ``Retry-After: SECONDS``). It
+    #: never hears of the KV, which waits for its TTL.
     DECODE_REJECT = "decode_reject"
 
 
@@ -85,7 +87,7 @@ _BY_NAME = {kind.value: kind for kind in FaultKind}
 
 def _fault_names() -> str:
     return ", ".join(kind.value + (":K" if kind in _NEEDS_INDEX else "")
-                     + ("[:STATUS]" if kind in _TAKES_STATUS else "")
+                     + ("[:STATUS[:SECONDS]]" if kind in _TAKES_STATUS else "")
                      for kind in FaultKind)
 
 
@@ -98,11 +100,14 @@ class Fault:
         kind: what to break.
         at: for the ``*_at`` kinds, the number of tokens sent before the fault.
         status: for the ``*_reject`` kinds, the HTTP-like status of the refusal.
+        retry_after: for the ``*_reject`` kinds, the seconds the refusal asks the client
+            to wait (an HTTP worker's ``Retry-After``), or None.
     """
 
     kind: FaultKind
     at: int | None = None
     status: int | None = None
+    retry_after: int | None = None
 
     @property
     def role(self) -> str:
@@ -112,6 +117,8 @@ class Fault:
     def __str__(self) -> str:
         if self.at is not None:
             return f"{self.kind.value}:{self.at}"
+        if self.retry_after is not None:
+            return f"{self.kind.value}:{self.status}:{self.retry_after}"
         if self.status is not None:
             return f"{self.kind.value}:{self.status}"
         return self.kind.value
@@ -122,8 +129,9 @@ def parse_fault(text: str) -> Fault:
 
     Args:
         text: ``KIND``, ``KIND:K`` (a token count, for the ``*_at`` kinds) or
-            ``KIND[:STATUS]`` (an HTTP status 400-599, for the ``*_reject`` kinds, 503 if
-            omitted); surrounding blanks are ignored.
+            ``KIND[:STATUS[:SECONDS]]`` (an HTTP status 400-599, for the ``*_reject``
+            kinds, 503 if omitted, and the whole seconds of a ``Retry-After``);
+            surrounding blanks are ignored.
 
     Returns:
         The :class:`Fault`.
@@ -144,10 +152,14 @@ def parse_fault(text: str) -> Fault:
     if kind in _TAKES_STATUS:
         if not sep:
             return Fault(kind, status=503)
-        if not arg.isdigit() or not 400 <= int(arg) <= 599:
+        status, sep, wait = arg.partition(":")
+        if not status.isdigit() or not 400 <= int(status) <= 599:
             raise ValueError(f"fault {name!r} takes an HTTP status 400-599, as in "
                              f"'{name}:429'; got {text!r}")
-        return Fault(kind, status=int(arg))
+        if sep and not (wait.isascii() and wait.isdigit()):
+            raise ValueError(f"fault {name!r} takes whole seconds after the status, as in "
+                             f"'{name}:503:5'; got {text!r}")
+        return Fault(kind, status=int(status), retry_after=int(wait) if sep else None)
     if sep:
         raise ValueError(f"fault {name!r} takes no argument; got {text!r}")
     return Fault(kind)

@@ -22,7 +22,7 @@ import orjson
 from .._asgi import Receive, Scope, Send
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
 from ._answers import AnswerFormat, usage_dict
-from ._asgi import DONE_EVENT, Exchange
+from ._asgi import DONE_EVENT, Exchange, Refusal
 from ._bootstrap import BOOTSTRAP_KEYS, MAX_ROOM, BootstrapJoin, BootstrapPort, bootstrap_triple
 from ._core import Handover, Prefill, hand_over
 from ._faults import Fault, FaultKind
@@ -36,7 +36,7 @@ from ._options import WorkerOptions
 from ._sinks import PrefillAnswers
 from ._text import WORDS, resolve_max_tokens
 from ._wire_faults import MockFault
-from ._worker import OPENAI_PATHS, MockWorker, Refusal, Role, Work
+from ._worker import OPENAI_PATHS, MockWorker, Role, Work
 
 __all__ = ["BOOTSTRAP_KEYS", "MAX_ROOM", "BootstrapJoin", "MockSglangWorker", "NativeFormat"]
 

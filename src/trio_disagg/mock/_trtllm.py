@@ -23,7 +23,7 @@ import attrs
 import orjson
 
 from ._answers import OpenAIFormat, usage_dict
-from ._asgi import Exchange
+from ._asgi import Exchange, Refusal
 from ._core import Prefill
 from ._faults import Fault, FaultKind
 from ._kv import StagedKV
@@ -32,7 +32,7 @@ from ._options import WorkerOptions
 from ._sinks import PrefillAnswers
 from ._text import WORDS, prompt_token_ids
 from ._wire_faults import REMOVED, MockFault, MockFaultKind
-from ._worker import MockWorker, Refusal, Role, Work
+from ._worker import MockWorker, Role, Work
 
 __all__ = ["CTX_REQUEST_ID_HOOK", "EARLY_PARAMS", "MockTrtllmWorker", "decode_opaque_state",
            "encode_opaque_state"]

@@ -25,7 +25,7 @@ from prometheus_client.exposition import generate_latest
 
 from .._asgi import JSON_TYPE, BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body
 from ._answers import REASONING_HOOK, AnswerFormat, OpenAIFormat, choice_shape
-from ._asgi import Exchange, run_until_disconnect
+from ._asgi import Exchange, Refusal, run_until_disconnect
 from ._auth import UNAUTHORIZED, api_key_of
 from ._core import RELEASE_TIMEOUT, Decode, Prefill, PrefillSink
 from ._faults import Fault, FaultKind, FaultPlan, fault_for
@@ -49,15 +49,6 @@ OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 _BATCH = 32  # SSE chunks per write when there is no inter-token latency
 REJECTS = frozenset({FaultKind.PREFILL_REJECT, FaultKind.DECODE_REJECT})
-
-
-class Refusal(Exception):
-    """A generation request the worker answers with an error status before serving it."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -100,6 +91,9 @@ class MockWorker:
     protocol: ClassVar[str] = "mock"
     #: ``owned_by`` in ``/v1/models``.
     owned_by: ClassVar[str] = "mock"
+    #: The context length ``/v1/models`` reports (vLLM's ``max_model_len``); a worker may
+    #: be given its own.
+    max_model_len: int = 8192
     #: Errors as ``{"object": "error", ...}`` (SGLang, TRT-LLM) rather than
     #: ``{"error": {...}}`` (vLLM).
     flat_errors: ClassVar[bool] = False
@@ -285,7 +279,8 @@ class MockWorker:
         model = self.model if self.model is not None else "mock-model"
         return orjson.dumps({"object": "list", "data": [{
             "id": model, "object": "model", "created": self._created,
-            "owned_by": self.owned_by, "root": model, "parent": None, "max_model_len": 8192,
+            "owned_by": self.owned_by, "root": model, "parent": None,
+            "max_model_len": self.max_model_len,
         }]})
 
     # --- generation ------------------------------------------------------------------------
@@ -330,7 +325,7 @@ class MockWorker:
                                  f"{fault} and {mock.kind.value}")
             if fault is not None and fault.kind in REJECTS:
                 raise Refusal(fault.status or 503, f"{self.name} refused request "
-                              f"{request_id!r} (injected fault {fault})")
+                              f"{request_id!r} (injected fault {fault})", fault.retry_after)
             if request_id in self.running_ids:  # vLLM's AsyncLLM.add_request: a 400
                 raise ValueError(f"Request id {request_id} already running.")
             work = self._work(exchange, body, path, fault, mock)
@@ -340,7 +335,9 @@ class MockWorker:
             return
         except Refusal as refusal:
             stats.failed += 1
-            await exchange.error(refusal.message, refusal.status)
+            wait = refusal.retry_after
+            await exchange.error(refusal.message, refusal.status, extra=[] if wait is None
+                                 else [(b"retry-after", str(wait).encode())])
             return
         stats.running += 1
         self.running_ids.add(request_id)

@@ -53,6 +53,7 @@ class OpenAIApp:
         router: the router every generation request goes through.
         models: the model names served; any other is a 404 ``model_not_found``.
         metrics: this app's :class:`ServerMetrics` (its own registry).
+        model_cards: the model objects of ``GET /v1/models``, from the workers.
         edge: the checks before a request's body is read (API key, content type,
             admission control) and before any worker is called (prompt size, the body's
             ``fault``); :func:`create_app` sets them up.
@@ -87,6 +88,8 @@ class OpenAIApp:
         self._limits = RequestLimits(self.edge, frozenset(self.models), max_tokens_limit,
                                      default_max_tokens)
         self._info = info = InfoEndpoints(router, self.models, self.metrics)
+        #: The model objects of ``GET /v1/models``, as the workers describe them.
+        self.model_cards = info.cards
         self._active: set[RequestState] = set()
         self._cancelling = False
         self._generation = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -450,8 +453,8 @@ def create_app(
         An :class:`OpenAIApp`.
 
     Raises:
-        ValueError: no models, a limit that is not positive, an empty ``api_key``, or
-            ``protect_metrics`` without one.
+        ValueError: no models, a limit that is not positive, an empty ``api_key`` (or
+            one no client could send), or ``protect_metrics`` without one.
     """
     _check_arguments(models, max_body_bytes, max_tokens_limit, default_max_tokens, linger)
     keeper = router.keeper

@@ -32,9 +32,6 @@ from ._openai_errors import (
 
 logger = logging.getLogger("trio_disagg.server")
 
-#: Seconds a client refused by admission control is told to wait (``Retry-After``).
-RETRY_AFTER = 1
-
 #: Reasons of ``trio_disagg_http_refused_total``.
 REFUSALS = ("unauthorized", "unsupported_media_type", "max_in_flight", "max_keeper_tasks")
 
@@ -91,7 +88,8 @@ class Edge:
         keeper_in_flight: reads the keeper's tasks in flight.
 
     Raises:
-        ValueError: an empty ``api_key``, ``protect_metrics`` without one, or a limit that
+        ValueError: an empty ``api_key`` (or one no client could send: whitespace around
+            it, a CR, LF or NUL), ``protect_metrics`` without one, or a limit that
             is not positive.
     """
 
@@ -108,6 +106,10 @@ class Edge:
     ) -> None:
         if api_key is not None and not api_key.strip():
             raise ValueError("the API key must not be empty")
+        if api_key is not None and (api_key != api_key.strip()
+                                    or any(char in api_key for char in "\r\n\0")):
+            raise ValueError("the API key must not begin or end with whitespace, nor hold a "
+                             "CR, LF or NUL: no client could send it")
         if protect_metrics and api_key is None:
             raise ValueError("protect_metrics needs an API key")
         for name, limit in (("max_in_flight", max_in_flight),
@@ -189,12 +191,11 @@ class Edge:
                                "unsupported_media_type")
         if not generation:
             return None
-        retry = ((b"retry-after", str(RETRY_AFTER).encode()),)
         limit = self.max_in_flight
         if limit is not None and self.in_flight >= limit:
             return Refusal(server_overloaded(
                 f"the router is at its limit of {limit} requests in flight; retry later"),
-                "max_in_flight", retry)
+                "max_in_flight")
         limit = self.max_keeper_tasks
         # A request admitted but not yet routed has no keeper task yet: counted as the
         # prefill drain it will start, or a burst that arrives at once would all be
@@ -203,7 +204,7 @@ class Edge:
                                   - self.routed) >= limit:
             return Refusal(server_overloaded(
                 f"the router is at its limit of {limit} KV transfers and cleanups in "
-                "flight; retry later"), "max_keeper_tasks", retry)
+                "flight; retry later"), "max_keeper_tasks")
         return None
 
     @contextmanager

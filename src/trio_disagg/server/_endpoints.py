@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import orjson
 
 from .._asgi import Receive, Scope
 from .._router import DisaggRouter
 from ._metrics import ServerMetrics
+from ._models import ModelCards
 from ._openai_errors import ApiError
 from ._responder import Responder
 
@@ -18,17 +17,19 @@ class InfoEndpoints:
     ``GET /metrics`` of one app; each handler takes the request's scope, its ``receive``
     and its :class:`Responder`."""
 
-    __slots__ = ("created", "metrics", "models", "router")
+    __slots__ = ("cards", "metrics", "models", "router")
 
     def __init__(self, router: DisaggRouter, models: tuple[str, ...],
                  metrics: ServerMetrics) -> None:
         self.router = router
         self.models = models
         self.metrics = metrics
-        self.created = int(time.time())
+        #: The model objects, as the workers describe them.
+        self.cards = ModelCards(router, models)
 
     async def list_models(self, scope: Scope, receive: Receive, responder: Responder) -> None:
-        data = [self.model_object(model) for model in self.models]
+        """``GET /v1/models``: every served model's object (:class:`ModelCards`)."""
+        data = await self.cards.cards()
         await responder.respond(200, orjson.dumps({"object": "list", "data": data}))
 
     async def retrieve_model(self, scope: Scope, receive: Receive,
@@ -40,11 +41,7 @@ class InfoEndpoints:
                 404, f"The model {model!r} does not exist", param="model",
                 code="model_not_found"))
             return
-        await responder.respond(200, orjson.dumps(self.model_object(model)))
-
-    def model_object(self, model: str) -> dict[str, object]:
-        return {"id": model, "object": "model", "created": self.created,
-                "owned_by": "trio-disagg"}
+        await responder.respond(200, orjson.dumps(await self.cards.card(model)))
 
     async def health(self, scope: Scope, receive: Receive, responder: Responder) -> None:
         """Readiness: 200 while the router admits requests and each pool has a worker

@@ -11,7 +11,7 @@ from typing import Protocol
 import trio
 
 from .._asgi import JSON_TYPE, SSE_TYPE, Message, Send
-from ._openai_errors import ApiError
+from ._openai_errors import RETRY_AFTER, ApiError
 from ._openai_responses import DONE_EVENT
 
 logger = logging.getLogger("trio_disagg.server")
@@ -134,10 +134,13 @@ class Responder:
         await self.finish(data)
 
     async def error(self, error: ApiError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-        """An error response, or, once streaming, an error event and ``[DONE]`` (B4)."""
+        """An error response (with ``Retry-After`` if the error has one), or, once
+        streaming, an error event and ``[DONE]`` (B4)."""
         if self.done:
             await trio.lowlevel.checkpoint()
         elif not self.started:
+            if error.retry_after is not None:
+                extra = (*extra, (b"retry-after", str(error.retry_after).encode()))
             await self.respond(error.status, error.to_json(), extra=extra)
         else:
             await self.finish(error.to_event() + DONE_EVENT)
@@ -146,7 +149,8 @@ class Responder:
 def shutdown_error() -> ApiError:
     """The error of a request the server cancelled because it is shutting down."""
     return ApiError(503, "the server is shutting down; the request was cancelled before it "
-                    "completed", type="service_unavailable_error", code="server_shutting_down")
+                    "completed", type="service_unavailable_error", code="server_shutting_down",
+                    retry_after=RETRY_AFTER)
 
 
 async def end_cancelled(responder: Responder) -> None:
