@@ -7,7 +7,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import httpx
 import openai
@@ -15,6 +18,7 @@ import pytest
 import trio
 from e2e_support import banner_port
 
+from trio_disagg._supervisor import reserve_port, supervise
 from trio_disagg.server import REUSE_PORT_SUPPORTED
 
 COMMAND = [sys.executable, "-m", "trio_disagg"]
@@ -109,10 +113,10 @@ async def test_a_process_that_cannot_be_started_is_a_startup_error_naming_worker
 
 async def test_a_supervisor_killed_at_once_leaves_no_process_behind() -> None:
     """SIGKILL (an operator's, or the out-of-memory killer's) gives the supervisor no
-    chance to stop its processes: the kernel tells each of them (Linux), and each shuts
-    down as on a SIGTERM, rather than serving on as an orphan nobody watches."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the kernel's parent-death signal is Linux's")
+    chance to stop its processes: the pipe each of them watches closes with it, and each
+    shuts down as on a SIGTERM, rather than serving on as an orphan nobody watches."""
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("the test waits for the processes with pidfds (Linux)")
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             process: trio.Process = await nursery.start(partial(
@@ -134,3 +138,72 @@ async def test_a_supervisor_killed_at_once_leaves_no_process_behind() -> None:
             finally:
                 for handle in handles:
                     os.close(handle)
+
+
+async def test_processes_serve_on_once_the_thread_that_started_them_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """trio starts a process from one of its worker threads, and such a thread ends after
+    10 s without work: the processes must not take its end for their supervisor's death
+    (with the kernel's parent-death signal, which follows the thread that forked, every
+    ``serve --workers N`` shut itself down 10 s after it started). Here each process is
+    started from a thread of its own, which ends once both serve."""
+    real_run_sync = trio.to_thread.run_sync
+    release = threading.Event()
+    threads: list[threading.Thread] = []
+
+    async def run_sync(fn: Callable[..., Any], *args: Any, **options: Any) -> Any:
+        if getattr(fn, "func", None) is not subprocess.Popen:
+            return await real_run_sync(fn, *args, **options)
+        started = threading.Event()
+        result: list[Any] = []
+
+        def spawn_then_wait() -> None:
+            try:
+                result.append(fn(*args))
+            except OSError as exc:  # (what Popen raises: open_process's error)
+                result.append(exc)
+            started.set()
+            release.wait(30)  # (the thread's end)
+
+        thread = threading.Thread(target=spawn_then_wait)
+        thread.start()
+        threads.append(thread)
+        await real_run_sync(started.wait)
+        if isinstance(result[0], OSError):
+            raise result[0]
+        return result[0]
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+    codes: list[int] = []
+    sock, port = await reserve_port("127.0.0.1", 0)
+    with sock, trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            over = trio.Event()
+
+            async def supervisor() -> None:
+                codes.append(await supervise(["serve"], workers=2, host="127.0.0.1",
+                                             port=port))
+                over.set()
+
+            nursery.start_soon(supervisor)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                pids: set[int] = set()
+                while len(pids) < 2:  # both processes serve
+                    try:
+                        metrics = (await http.get("/metrics")).text
+                    except httpx.TransportError:
+                        metrics = ""
+                    pids = {int(pid) for pid in re.findall(
+                        r'trio_disagg_router_closing\{pid="(\d+)"\} 0\.0', metrics)}
+                    await trio.sleep(0.05)
+                release.set()
+                for thread in threads:
+                    await real_run_sync(thread.join)
+                for _ in range(5):  # they serve on
+                    assert (await http.get("/livez")).status_code == 200
+                    await trio.sleep(0.1)
+            assert not over.is_set(), "the processes ended with the thread that started them"
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
+    assert codes == [0]

@@ -12,12 +12,12 @@ The parent forwards SIGINT and SIGTERM to every process: the first signal shuts 
 gracefully (B3), a second one stops each at once. Each process runs in a session of its
 own, so a terminal's Ctrl-C reaches it only once, through the parent. When a process
 exits with an error the parent stops the others (SIGTERM) and exits with that process's
-code.
+code. A parent that dies without a word (SIGKILL) closes its end of a pipe each process
+watches (:func:`end_with_supervisor`), and each then shuts down as on a SIGTERM.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -36,9 +36,9 @@ logger = logging.getLogger("trio_disagg")
 SUPERVISED_FLAG = "--supervised"
 #: The environment variable naming prometheus-client's multiprocess directory.
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-#: The supervisor's pid, in each process's environment (:func:`end_with_supervisor`).
-SUPERVISOR_PID_ENV = "TRIO_DISAGG_SUPERVISOR_PID"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: In each process's environment, the file descriptor of the read end of a pipe whose
+#: write end only the supervisor holds (:func:`end_with_supervisor`).
+LIFELINE_FD_ENV = "TRIO_DISAGG_SUPERVISOR_FD"
 #: How a process of ``serve`` announces that it listens: the parent prints one such line,
 #: with every pid, once all did.
 READY_PREFIX = b"trio-disagg: serving "
@@ -99,7 +99,11 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
     """
     sock, port = await reserve_port(host, port)
     metrics_dir = tempfile.mkdtemp(prefix="trio-disagg-metrics-")
-    env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir, SUPERVISOR_PID_ENV: str(os.getpid())}
+    # The lifeline: nothing is ever written; the processes see its end when this process
+    # ends, however it ends. (Not the kernel's parent-death signal: that one follows the
+    # thread that forked, and trio forks in a worker thread that ends after 10 s idle.)
+    lifeline, held = os.pipe()
+    env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir, LIFELINE_FD_ENV: str(lifeline)}
     command = [sys.executable, "-m", "trio_disagg", *argv,
                "--port", str(port), "--workers", "1", SUPERVISED_FLAG]
     processes: list[trio.Process] = []
@@ -110,7 +114,7 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
                     try:
                         processes.append(await trio.lowlevel.open_process(
                             command, stdout=subprocess.PIPE, env=env,
-                            start_new_session=True))
+                            start_new_session=True, pass_fds=(lifeline,)))
                     except OSError as exc:  # out of processes, memory or descriptors
                         raise SupervisorError(
                             f"--workers {workers}: could not start process {index + 1} of "
@@ -122,28 +126,41 @@ async def supervise(argv: Sequence[str], *, workers: int, host: str, port: int) 
                     for process in processes:
                         await process.wait()
                 raise
+            os.close(lifeline)  # the processes hold it now
+            lifeline = -1
             return await _watch(processes, signals, metrics_dir)
     finally:
+        for fd in (lifeline, held):
+            if fd >= 0:
+                os.close(fd)
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def end_with_supervisor() -> None:
-    """In one of ``serve --workers N``'s processes: have the kernel send it SIGTERM when
-    its supervisor dies (Linux's ``PR_SET_PDEATHSIG``), so that a supervisor killed with
-    SIGKILL (by an operator, or by the out-of-memory killer) leaves no router processes
-    behind: each shuts down gracefully, as on a SIGTERM the supervisor forwards (B3). A
-    supervisor already gone is noticed at once. Elsewhere than Linux: nothing."""
-    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
-    if supervisor is None or not sys.platform.startswith("linux"):
+    """In one of ``serve --workers N``'s processes: send itself SIGTERM once its supervisor
+    is gone, so that a supervisor killed with SIGKILL (by an operator, or by the
+    out-of-memory killer) leaves no router process behind: each shuts down gracefully, as
+    on a SIGTERM the supervisor forwards (B3). A supervisor already gone is noticed at
+    once. It watches the pipe the supervisor started it with (:data:`LIFELINE_FD_ENV`),
+    whose write end the kernel closes when the supervisor dies, however it dies; it does
+    nothing in a process started otherwise.
+
+    Call it inside ``trio.run``, before the SIGTERM handler's first checkpoint: the watch
+    is a system task, which the run cancels when it ends.
+    """
+    text = os.environ.get(LIFELINE_FD_ENV)
+    if text is None or not text.isdigit():
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):  # (no libc to load, or no prctl in it)
-        return
-    if os.getppid() != int(supervisor):  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    fd = int(text)
+    os.set_inheritable(fd, False)  # nothing this process starts keeps its supervisor
+    trio.lowlevel.spawn_system_task(_end_when_closed, fd, name="trio_disagg.supervisor lifeline")
+
+
+async def _end_when_closed(fd: int) -> None:
+    """Send this process SIGTERM once ``fd``, the lifeline, reads its end (nothing else is
+    ever written to it)."""
+    await trio.lowlevel.wait_readable(fd)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _mark_dead(pid: int, metrics_dir: str) -> None:
