@@ -324,3 +324,63 @@ def test_a_header_that_could_inject_another_is_refused_at_construction(
         WorkerClient(headers=headers)
     assert message in str(caught.value)
     assert "Bearer k" not in str(caught.value)  # a value may be a secret: never shown
+
+
+async def ok_after(both: trio.Event | None, stream: trio.SocketStream) -> None:
+    """Answer each request ``ok``, keeping the connection; the first one only once
+    ``both`` is set (None: at once)."""
+    buffer = bytearray()
+    while await read_request(stream, buffer) is not None:
+        if both is not None:
+            await both.wait()
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+
+async def post_ok(client: WorkerClient, url: str) -> None:
+    async with client.stream("POST", url, content=b"{}", headers=HEADERS) as response:
+        assert await response.aread() == b"ok"
+
+
+async def test_idle_connections_never_keep_a_request_waiting() -> None:
+    """Connections kept idle for one worker (after a burst to it) hold ``max_connections``
+    slots: a request to another worker closes the one idle the longest and takes its
+    place, rather than wait ``pool_timeout`` for a connection nobody will free."""
+    both = trio.Event()
+    with trio.fail_after(10):
+        async with (trio.open_nursery() as nursery,
+                    WorkerClient(max_connections=2, pool_timeout=5) as client):
+            busy = await start_server(nursery, partial(ok_after, both))
+            other = await start_server(nursery, partial(ok_after, None))
+            async with trio.open_nursery() as burst:  # two at once: two connections
+                burst.start_soon(post_ok, client, busy)
+                burst.start_soon(post_ok, client, busy)
+                await trio.testing.wait_all_tasks_blocked()
+                both.set()
+            assert (client.connections_open, client.connections_idle) == (2, 2)
+            with trio.fail_after(1):  # not pool_timeout
+                await post_ok(client, other)
+            assert (client.connections_open, client.connections_idle) == (2, 2)
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_connection_is_closed_once_past_its_expiry() -> None:
+    """An idle connection is kept ``keepalive_expiry`` seconds, not for as long as the
+    worker's newer connections are reused: after a burst, the ones left over close."""
+    both = trio.Event()
+    expiry = 0.05
+    with trio.fail_after(10):
+        async with (trio.open_nursery() as nursery,
+                    WorkerClient(keepalive_expiry=expiry) as client):
+            url = await start_server(nursery, partial(ok_after, both))
+            async with trio.open_nursery() as burst:
+                burst.start_soon(post_ok, client, url)
+                burst.start_soon(post_ok, client, url)
+                await trio.testing.wait_all_tasks_blocked()
+                both.set()
+            assert client.connections_idle == 2
+            start = trio.current_time()
+            while trio.current_time() < start + 3 * expiry:  # one request at a time
+                await post_ok(client, url)
+                await trio.sleep(expiry / 5)
+            assert (client.connections_open, client.connections_idle) == (1, 1)
+            nursery.cancel_scope.cancel()

@@ -145,21 +145,29 @@ def end_with_supervisor() -> None:
     whose write end the kernel closes when the supervisor dies, however it dies; it does
     nothing in a process started otherwise.
 
-    Call it inside ``trio.run``, before the SIGTERM handler's first checkpoint: the watch
-    is a system task, which the run cancels when it ends.
+    Call it inside ``trio.run``, and handle SIGTERM from the next checkpoint on (``serve``
+    does): the watch is a system task, which the run cancels when it ends.
     """
     text = os.environ.get(LIFELINE_FD_ENV)
     if text is None or not text.isdigit():
         return
     fd = int(text)
-    os.set_inheritable(fd, False)  # nothing this process starts keeps its supervisor
+    try:
+        os.set_inheritable(fd, False)  # nothing this process starts keeps its supervisor
+    except OSError:  # not open: started by hand with a stale environment, nothing to watch
+        return
     trio.lowlevel.spawn_system_task(_end_when_closed, fd, name="trio_disagg.supervisor lifeline")
 
 
 async def _end_when_closed(fd: int) -> None:
     """Send this process SIGTERM once ``fd``, the lifeline, reads its end (nothing else is
     ever written to it)."""
-    await trio.lowlevel.wait_readable(fd)
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    except (OSError, trio.ClosedResourceError):  # not a descriptor epoll can watch
+        logger.warning("cannot watch the supervisor's pipe (fd %d): this process will not "
+                       "stop by itself if its supervisor dies", fd)
+        return
     os.kill(os.getpid(), signal.SIGTERM)
 
 

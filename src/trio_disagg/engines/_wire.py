@@ -252,8 +252,11 @@ class WorkerClient:
     Connections are opened on demand, at most ``max_connections`` at once over all
     workers; an idle one is kept (at most ``max_idle_per_worker`` per worker) for
     ``keepalive_expiry`` seconds, shorter than the workers' own keep-alive timeout, and
-    checked before reuse. A request on a kept connection the worker had closed is sent
-    once more on a new one (the worker never saw it).
+    checked before reuse; one past its expiry is closed when its worker's pool is next
+    used. A request on a kept connection the worker had closed is sent once more on a
+    new one (the worker never saw it). With ``max_connections`` open, a request closes
+    the connection idle the longest, of any worker, to open its own: it waits only if
+    none is idle.
 
     Args:
         max_connections: connections open at once, over all workers.
@@ -266,7 +269,7 @@ class WorkerClient:
             cancel scope per read would cost the relay's hot path one scope per token.
         write_timeout: seconds to write a request.
         pool_timeout: seconds to wait for a free connection when ``max_connections``
-            are open.
+            are open and none of them is idle.
         headers: sent with every request, probes too (a worker's API key:
             ``{"authorization": "Bearer KEY"}``), checked and encoded once
             (:class:`~trio_disagg.engines.DefaultHeaders`); a request's own header of
@@ -386,7 +389,7 @@ class WorkerClient:
             if connection.usable(now, self.keepalive_expiry):
                 return connection, True
             self._forget(connection)
-        if not self._take_slot():
+        if not self._take_slot() and not self._make_room():
             with trio.move_on_after(self.pool_timeout) as waited:
                 await self._slots.acquire()
             if waited.cancelled_caught:
@@ -426,6 +429,18 @@ class WorkerClient:
             return False
         return True
 
+    def _make_room(self) -> bool:
+        """Close the connection idle the longest, of any worker, and take its slot: kept
+        connections never make a request wait (False: none is idle)."""
+        while True:
+            pools = [pool for pool in self._pools.values() if pool.idle]
+            if not pools:
+                return False
+            oldest = min(pools, key=lambda pool: pool.idle[0].idle_since)
+            self._forget(oldest.idle.popleft())
+            if self._take_slot():  # (else a waiting request took the slot: once more)
+                return True
+
     async def _connect(self, pool: Pool) -> Connection:
         with trio.move_on_after(self.connect_timeout) as connecting:
             try:
@@ -442,11 +457,16 @@ class WorkerClient:
                                           https_compatible=True), None)
 
     def _give_back(self, pool: Pool, connection: Connection) -> None:
-        if self._closed or len(pool.idle) >= self.max_idle_per_worker:
+        idle = pool.idle
+        if self._closed or len(idle) >= self.max_idle_per_worker:
             self._forget(connection)
             return
-        connection.idle_since = trio.current_time()
-        pool.idle.append(connection)
+        connection.idle_since = now = trio.current_time()
+        # The oldest first: close those past their expiry, which only the newest, reused
+        # first, would otherwise keep from being looked at.
+        while idle and now - idle[0].idle_since > self.keepalive_expiry:
+            self._forget(idle.popleft())
+        idle.append(connection)
 
     def _forget(self, connection: Connection) -> None:
         """Close a connection without a checkpoint (its answer is complete)."""

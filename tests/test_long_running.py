@@ -1,0 +1,125 @@
+"""B5 over many requests: a router left up serves request after request, of every handoff
+style, fault and client behaviour, and keeps nothing per request once the requests are
+over: no table, counter or object grows with the requests served, only with those in
+flight.
+
+Two rounds of the same mix on one keeper and one router per handoff style: after each,
+once every lease and timeout has run out, nothing is in flight, held or open, and the
+second round leaves no more objects behind than the first.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from trio_disagg import (
+    Deadlines,
+    DisaggRouter,
+    HandoffStyle,
+    PreprocessedRequest,
+    RequestContext,
+    RoutingHints,
+    SessionAffinity,
+    TransferKeeper,
+    TrioDisaggError,
+    WorkerPool,
+)
+from trio_disagg.mock import LatencyModel, MockCluster, mock_cluster
+
+LATENCY = LatencyModel(ttft_per_prompt_token=0.0005, inter_token_latency=0.002,
+                       kv_transfer_per_token=0.0001)
+#: No fault, then one of each kind the mocks inject (the stalls end at a deadline).
+FAULTS = [None, None, None, "prefill_fail_before_handoff", "prefill_fail_after_handoff",
+          "prefill_error_finish", "prefill_cancelled_finish", "prefill_stall", "prefill_reset",
+          "prefill_reject", "eos_first_token", "decode_fail_before_first_token",
+          "decode_error_at:1", "decode_stall", "decode_stall_at:1", "decode_reset_at:1",
+          "decode_reject"]
+#: What the client does: read to the end, leave, close its stream early, stop or kill.
+ACTIONS = ["read", "read", "leave", "close", "stop", "kill"]
+REQUESTS = 120  # per router and round
+
+
+async def client(router: DisaggRouter, rng: random.Random, n: int) -> None:
+    body = {"model": "m", "prompt": f"prompt {n} " + "w " * rng.randint(1, 40),
+            "max_tokens": 3, "fault": rng.choice(FAULTS)}
+    request = PreprocessedRequest(request_id=f"r{n}", model="m", body=body, max_tokens=3,
+                                  stream=True, routing=RoutingHints(session_id=f"s{n}"))
+    context = RequestContext(request.request_id)
+    action, when = rng.choice(ACTIONS), rng.random() * 0.03
+    with trio.move_on_after(when if action == "leave" else 60):
+        try:
+            async with trio.open_nursery() as nursery:
+                if action in ("stop", "kill"):
+                    nursery.start_soon(_stop_later, context, when, action == "kill")
+                stream = await router.stream(nursery, request, context)
+                async with stream.outputs:
+                    async for _ in stream.outputs:
+                        if action == "close":
+                            break
+                nursery.cancel_scope.cancel()
+        except* TrioDisaggError:
+            pass
+
+
+async def _stop_later(context: RequestContext, when: float, kill: bool) -> None:
+    await trio.sleep(when)
+    context.kill() if kill else context.stop_generating()
+
+
+def leftovers(keeper: TransferKeeper, routers: list[tuple[MockCluster, DisaggRouter]]
+              ) -> list[object]:
+    """Whatever is still in flight, held or open, by name; empty when nothing is."""
+    found: list[object] = [("keeper", keeper.in_flight)] if keeper.in_flight else []
+    for cluster, router in routers:
+        kv = cluster.counters()
+        rooms = sum(engine.kv.open_rooms for engine in cluster.prefill)
+        for name, value in [("in flight", router.in_flight), ("held blocks", kv.held_blocks),
+                            ("prefill outstanding", router.prefill.outstanding),
+                            ("decode outstanding", router.decode.outstanding),
+                            ("rooms", rooms)]:
+            if value:
+                found.append((router.prefill.workers[0].engine.handoff_style, name, value))
+    return found
+
+
+@pytest.fixture
+def quiet() -> Iterator[None]:
+    """No log records: pytest keeps every one it captures, which would count as growth."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@pytest.mark.usefixtures("quiet")
+async def test_nothing_grows_with_the_requests_served(autojump_clock: trio.abc.Clock) -> None:
+    rng = random.Random(13)
+    deadlines = Deadlines(prefill=1, handoff=1, decode_idle=1, terminal_hold=1, transfer=5)
+    counts = []
+    async with TransferKeeper() as keeper:
+        routers = []
+        for style in HandoffStyle:
+            cluster = mock_cluster(2, 2, style=style, latency=LATENCY, kv_ttl=3.0,
+                                   bootstrap_timeout=3.0)
+            routers.append((cluster, DisaggRouter(
+                WorkerPool(cluster.prefill, policy=SessionAffinity()),
+                WorkerPool(cluster.decode), keeper, deadlines=deadlines)))
+        for round_ in range(3):  # a first round warms up (imports, caches, the pacer)
+            async with trio.open_nursery() as nursery:
+                for n in range(REQUESTS):
+                    for _, router in routers:
+                        nursery.start_soon(client, router, rng, round_ * REQUESTS + n)
+            await keeper.wait_idle()
+            await trio.sleep(30)  # past every lease, bootstrap timeout and cool-down
+            assert leftovers(keeper, routers) == []
+            gc.collect()
+            counts.append(len(gc.get_objects()))  # (the containers: what a table is made of)
+    # 360 requests a round: one object per request left behind would show 360.
+    assert counts[2] - counts[1] < 36, counts
