@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import random
 from collections.abc import Iterator
 
@@ -42,7 +43,7 @@ FAULTS = [None, None, None, "prefill_fail_before_handoff", "prefill_fail_after_h
           "decode_reject"]
 #: What the client does: read to the end, leave, close its stream early, stop or kill.
 ACTIONS = ["read", "read", "leave", "close", "stop", "kill"]
-REQUESTS = 120  # per router and round
+REQUESTS = 60  # per router and round
 
 
 async def client(router: DisaggRouter, rng: random.Random, n: int) -> None:
@@ -52,7 +53,7 @@ async def client(router: DisaggRouter, rng: random.Random, n: int) -> None:
                                   stream=True, routing=RoutingHints(session_id=f"s{n}"))
     context = RequestContext(request.request_id)
     action, when = rng.choice(ACTIONS), rng.random() * 0.03
-    with trio.move_on_after(when if action == "leave" else 60):
+    with trio.move_on_after(when if action == "leave" else math.inf):
         try:
             async with trio.open_nursery() as nursery:
                 if action in ("stop", "kill"):
@@ -119,7 +120,8 @@ async def test_nothing_grows_with_the_requests_served(autojump_clock: trio.abc.C
             await keeper.wait_idle()
             await trio.sleep(30)  # past every lease, bootstrap timeout and cool-down
             assert leftovers(keeper, routers) == []
-            gc.collect()
-            counts.append(len(gc.get_objects()))  # (the containers: what a table is made of)
-    # 360 requests a round: one object per request left behind would show 360.
-    assert counts[2] - counts[1] < 36, counts
+            if round_:
+                gc.collect()
+                counts.append(len(gc.get_objects()))  # (containers: what tables are made of)
+    # 180 requests a round: one object per request left behind would show 180.
+    assert counts[1] - counts[0] < 18, counts
