@@ -1224,6 +1224,32 @@ async def test_B9_S2_a_refusal_raised_inside_the_engines_own_nursery_is_a_refusa
     h.assert_clean()
 
 
+async def test_B9_B5_a_refused_decode_leg_does_not_end_the_stream_of_its_replacement(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The decode leg a worker refused ended, but it fed no stream: the leg that replaced
+    it (B9) owns the stream, which stays in flight (B5: ``wait_idle()`` waits for it) until
+    its last item is read, and whose end is the replacement's own."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, SEQ, prefill=1, decode=2)
+        decode = h.cluster.decode
+        h.router.decode = WorkerPool([RefusesInANursery(decode[0], 503), decode[1]])
+        async with trio.open_nursery() as nursery:
+            stream = await h.router.stream(nursery, make_request(max_tokens=4),
+                                           RequestContext("r"))
+            assert h.router.counters.retries == {("decode", "server_error"): 1}
+            assert h.router.in_flight == 1
+            with stream.outputs:
+                first = await stream.outputs.receive()
+                assert h.router.in_flight == 1
+                rest = [item async for item in stream.outputs]
+            assert h.router.in_flight == 0
+        assert first.data is not None and first.data.token_ids
+        assert finish_of(rest[-1]) is FinishKind.LENGTH
+        await h.settle()
+    h.assert_clean()
+
+
 @pytest.mark.parametrize("style", [SEQ, HandoffStyle.CONTEXT_FIRST, BOOT])
 async def test_S3_a_library_stream_records_its_decode_first_token(
     autojump_clock: trio.abc.Clock, style: HandoffStyle

@@ -188,8 +188,11 @@ async def decode_leg(  # noqa: ASYNC128 (the engine calls task_status.started())
 
 def _leg_exited(router: DisaggRouter, owner: HandoffOwner, worker: Worker[DecodeEngine],
                 request: PreprocessedRequest, *, accepted: bool) -> None:
-    """What the end of a decode leg's task tells its owner and its stream's reader."""
-    if accepted and owner.leg is not None and owner.leg.scope.cancel_called:
+    """What the end of a decode leg's task tells its owner and its stream's reader. A leg
+    its worker refused fed no stream: the leg that replaces it (B9) owns the stream."""
+    if not accepted:
+        return
+    if owner.leg is not None and owner.leg.scope.cancel_called:
         owner.decode_cancelled()
     if trio.current_effective_deadline() != -math.inf:  # ended on its own
         owner.decode_leg_ended = True
