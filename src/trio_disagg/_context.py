@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from ._pull import PullSlot
 
 logger = logging.getLogger("trio_disagg.context")
 
@@ -46,7 +49,8 @@ class RequestContext:
         metadata: the read-only metadata.
     """
 
-    __slots__ = ("_callbacks", "_children", "_killed", "_state", "_stopped", "id", "metadata")
+    __slots__ = ("_callbacks", "_children", "_killed", "_pull", "_state", "_stopped", "id",
+                 "metadata")
 
     def __init__(self, request_id: str, metadata: Mapping[str, Any] | None = None) -> None:
         if not isinstance(request_id, str):
@@ -62,6 +66,8 @@ class RequestContext:
         self._killed: trio.Event | None = None
         self._children: list[RequestContext] | None = None
         self._callbacks: list[Callable[[bool], None]] | None = None
+        #: Set by the router for a decode leg whose reader may read its worker (_pull.py).
+        self._pull: PullSlot | None = None
 
     def __repr__(self) -> str:
         state = "killed" if self.is_killed else "stopped" if self.is_stopped else "live"

@@ -10,7 +10,7 @@ import trio
 
 from ._context import RequestContext
 from ._errors import WorkerError
-from ._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
+from ._protocols import Annotated, FinishKind, LLMEngineOutput, PreprocessedRequest
 
 
 class HandoffStyle(enum.Enum):
@@ -261,3 +261,20 @@ class ModelLister(Protocol):
                 :class:`~trio_disagg.WorkerError`).
         """
         ...
+
+
+def is_decode_failure(item: Annotated[LLMEngineOutput]) -> bool:
+    """An error envelope, or ``finish_reason`` error or cancelled (G4)."""
+    if item.event == "error":
+        return True
+    data = item.data
+    if data is None or data.finish_reason is None:
+        return False
+    kind = data.finish_reason.kind
+    return kind is FinishKind.ERROR or kind is FinishKind.CANCELLED
+
+
+def is_terminal(item: Annotated[LLMEngineOutput]) -> bool:
+    """An error item, or an item with a finish reason: the last of a stream (G8)."""
+    data = item.data
+    return item.event == "error" or (data is not None and data.finish_reason is not None)

@@ -10,8 +10,9 @@ import trio
 
 from ._context import RequestContext
 from ._crash import worker_refusal
+from ._engine import is_decode_failure
 from ._errors import PrefillError
-from ._gated import GatedOutputs, is_decode_failure
+from ._gated import GatedOutputs
 from ._keeper import PrefillTask
 from ._prefill import Handoff, PrefillCompletion, Terminal
 from ._protocols import Annotated, LLMEngineOutput

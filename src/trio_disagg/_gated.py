@@ -12,8 +12,10 @@ import trio
 
 from ._context import RequestContext
 from ._engine import decode_output as _engine_output
+from ._engine import is_decode_failure, is_terminal
 from ._errors import DeadlineExceeded, WorkerError
-from ._protocols import Annotated, FinishKind, FinishReason, LLMEngineOutput
+from ._protocols import Annotated, FinishReason, LLMEngineOutput
+from ._pull import pull_slot, receive_decode
 
 if TYPE_CHECKING:
     from ._gate import Gatekeeper
@@ -28,23 +30,6 @@ _CLOSED: Final = 2
 _AGAIN: Final = Annotated[LLMEngineOutput](comment=["the prefill ended"])
 #: A held end of the decode stream (no terminal item), as :attr:`GatedOutputs._held`.
 _END: Final = Annotated[LLMEngineOutput](comment=["the decode stream ended"])
-
-
-def is_decode_failure(item: Item) -> bool:
-    """An error envelope, or ``finish_reason`` error or cancelled (G4)."""
-    if item.event == "error":
-        return True
-    data = item.data
-    if data is None or data.finish_reason is None:
-        return False
-    kind = data.finish_reason.kind
-    return kind is FinishKind.ERROR or kind is FinishKind.CANCELLED
-
-
-def is_terminal(item: Item) -> bool:
-    """An error item, or an item with a finish reason: the last of a stream (G8)."""
-    data = item.data
-    return item.event == "error" or (data is not None and data.finish_reason is not None)
 
 
 class GatedOutputs(trio.abc.ReceiveChannel[Item]):
@@ -89,7 +74,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     __slots__ = ("_decode", "_decode_context", "_decode_ended", "_ended", "_final",
                  "_finished", "_gate", "_held", "_hold_at", "_idle_at", "_leg_exit",
                  "_leg_running", "_on_end", "_passing", "_prefill", "_raced", "_reading",
-                 "_state", "_stop_finish", "_stopped", "_waiting", "_watcher")
+                 "_slot", "_state", "_stop_finish", "_stopped", "_waiting", "_watcher")
 
     def __init__(
         self,
@@ -125,6 +110,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._ended: trio.Event | None = None  # made only for wait_ended()
         self._leg_running = False  # see follow_leg()
         self._leg_exit: trio.Event | None = None  # made only for a wait for it
+        #: Where the decode leg may hand this reader the reading of its worker (_pull.py).
+        self._slot = pull_slot(decode_context) if decode_context is not None else None
         if not self._prefill.done:
             self._watcher = self._prefill_ended
             self._prefill._on_done(self._watcher)
@@ -181,7 +168,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             return self._final
         if self._reading:
             raise trio.BusyResourceError("another task is reading this stream")
-        if not self._passing:
+        if not self._passing or self._pulling():
             raise trio.WouldBlock
         try:
             item = _engine_output(self._decode.receive_nowait())
@@ -239,6 +226,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         early = self._state == _OPEN
         self._state = _CLOSED
         self._decode.close()
+        if self._slot is not None:
+            self._slot.release()
         if early and stop and self._decode_context is not None:
             # Nobody reads the decode leg any more, whyever the reader left (its own
             # timeout too: a stalled leg would otherwise hold the request's nursery).
@@ -254,6 +243,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._state = _ENDED
         if self._state != _CLOSED:
             self._decode.close()
+        if self._slot is not None:
+            self._slot.release()
         self._end()
 
     def decode_ended(self) -> None:
@@ -348,6 +339,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     async def _pass(self) -> Item | None:
         """G7, the hot path: the next decode output; None at the stream's end."""
+        if self._pulling():
+            return await self._wait()
         try:
             item = _engine_output(self._decode.receive_nowait())
         except trio.WouldBlock:
@@ -359,16 +352,19 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._idle_at = None
         return item
 
+    def _pulling(self) -> bool:
+        return self._slot is not None and self._slot.source is not None
+
+    async def _receive(self) -> Item | None:
+        return await receive_decode(self._slot, self._decode)
+
     async def _wait(self) -> Item | None:
         """Wait for the next decode output, at most the decode-idle deadline (B2); a stop
         or the prefill's end interrupts the wait (None, or :data:`_AGAIN`)."""
         timeout = self._gate.idle_timeout
         if timeout == math.inf and (self._passing or self._raced):
             # Nothing of ours interrupts it (or a forwarder's one race does): no scope.
-            try:
-                return _engine_output(await self._decode.receive())
-            except trio.EndOfChannel:
-                return None
+            return await self._receive()
         # The deadline is absolute and outlives a wait the reader's own timeout cut: the
         # decode is idle since the first wait for this output, not since the last (B2).
         if self._idle_at is None:
@@ -376,9 +372,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         with trio.CancelScope(deadline=self._idle_at) as wait:
             self._waiting = wait
             try:
-                item: Item | None = _engine_output(await self._decode.receive())
-            except trio.EndOfChannel:
-                item = None
+                item = await self._receive()
             finally:
                 self._waiting = None
             self._idle_at = None
@@ -403,8 +397,10 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                 if self._gate._on_first_output is None:
                     self._passing = True
                     return await self._pass()
+            item: Item | None
             try:
-                item: Item | None = _engine_output(self._decode.receive_nowait())
+                item = (_AGAIN if self._pulling()
+                        else _engine_output(self._decode.receive_nowait()))
             except trio.WouldBlock:
                 item = _AGAIN
             except trio.EndOfChannel:
@@ -488,6 +484,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         if self._finished:
             return
         self._finished = True
+        if self._slot is not None:
+            self._slot.release()
         if self._watcher is not None:
             self._prefill._forget_on_done(self._watcher)
             self._watcher = None

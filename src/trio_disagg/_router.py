@@ -39,6 +39,7 @@ from ._protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
 )
+from ._pull import open_pull_slot
 from ._router_types import DECODE_ONLY as DECODE_ONLY
 from ._router_types import DISAGGREGATED as DISAGGREGATED
 from ._router_types import Deadlines as Deadlines
@@ -383,8 +384,11 @@ class DisaggRouter:
             # only once it fetched its KV (its first output): never abort a transfer (G9).
             on_first_output=hooks.first_output,
         )
+        slot = None
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4
+            # Its reader may read its worker in its own task (one task a token, _pull.py).
+            slot = open_pull_slot(decode_context)
         handoff_deadline = trio.current_time() + self.deadlines.handoff
         with trio.move_on_at(handoff_deadline) as handoff_scope:
             decode_receive = await accepted_decode(
@@ -395,6 +399,8 @@ class DisaggRouter:
             await owner.tracker.enter_decode()  # S11: waits for the drain to have started
         except BaseException:
             decode_receive.close()
+            if slot is not None:
+                slot.release()
             raise
         # A kept leg is ended by its owner, never by a stop it would obey before it
         # fetched its KV (that would leave the KV to a worker timeout): see forward_ended().

@@ -25,11 +25,13 @@ from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import InvalidPrefillHandoff, WorkerError
 from .._protocols import Annotated, LLMEngineOutput, PreprocessedRequest
+from .._pull import PullSlot
 from ._chunks import ChunkParser, choices_beyond_one
 from ._handoffs import needs_handoff
 from ._headers import CREDENTIAL_STATUSES, credentials_refused, refusal_retry_after
 from ._httpx import HttpxWorkerClient
 from ._models import ModelListing
+from ._pulled import SseSource
 from ._reader import SseReader
 from ._requests import check_worker_url, request_headers
 from ._stopper import SendChannel, Stopper, send_quietly
@@ -235,7 +237,7 @@ class HttpEngine(ModelListing):
             # bootstrap prefill's KV goes to the decode in its room, not to the answer.)
             stopper.disarm()
         if body.get("stream") is True:
-            await self._relay_any(response, request, body, parser, send)
+            await self._relay_any(response, request, body, parser, send, stopper.pull)
         else:
             await self._relay_json(response, request, body, parser, send)
 
@@ -414,57 +416,44 @@ class HttpEngine(ModelListing):
         body: Mapping[str, Any],
         parser: ChunkParser,
         send: SendChannel,
+        slot: PullSlot | None,
     ) -> None:
         content_type = response.headers.get("content-type", "")
         if content_type.startswith("text/event-stream"):
-            await self._relay_stream(response, parser, send)
+            await self._relay_stream(response, parser, send, slot)
         elif content_type.startswith("application/json"):
             await self._relay_json(response, request, body, parser, send)  # won't stream
         else:
             await send.send(self._error(f"answered content-type {content_type!r}"))
 
     async def _relay_stream(
-        self, response: Response, parser: ChunkParser, send: SendChannel
+        self, response: Response, parser: ChunkParser, send: SendChannel,
+        slot: PullSlot | None,
     ) -> None:
         """Server-sent events -> outputs; the finish is held until the usage chunk.
 
         The hot path of the relay (docs/performance.md): the outputs of what one socket
         read brought go to the channel as one item (a :class:`~._burst.Burst`), so a burst
         of tokens costs one channel send, one trip through the gatekeeper and one write to
-        the client.
+        the client. With a ``slot`` the stream's reader reads the worker itself, in its
+        own task (:class:`~._pulled.SseSource`), while this leg waits: one task a token.
         """
-        reader = SseReader(parser)
-        try:
-            while part := await response.read():
-                problem = reader.feed(part)
-                if (output := reader.burst.take()) is not None:
-                    item = Annotated(data=output)
-                    try:
-                        send.send_nowait(item)
-                        sent = True
-                    except trio.WouldBlock:
-                        sent = False
-                    if not sent:  # awaited outside the except: no exception kept alive
-                        await send.send(item)
-                if problem is not None:
-                    await send.send(self._error(problem))
-                    return
-                if reader.done:
-                    break
-        except TransportError as exc:
-            if reader.final is None:
-                await send.send(self._error(f"failed mid-stream: {describe(exc)}"))
-                return
-            # The answer was complete; only the usage chunk or [DONE] was lost.
-        if reader.final is None:
-            how = "sent [DONE]" if reader.done else "closed the stream"
-            await send.send(self._error(
-                f"{how} without a finish_reason (the worker died mid-stream?)"))
-            return
-        # Sent before anything else is awaited: the writer ends the response in the same
-        # socket write as the burst before it.
-        await send.send(Annotated(data=reader.final))
-        if reader.done:
+        source = SseSource(response, SseReader(parser), self._error, describe, slot)
+        if slot is not None and slot.offer(source):
+            try:
+                await slot.wait_released()
+            finally:
+                slot.withdraw()  # a stop: the reader reads the channel for the rest
+        else:
+            while (item := await source.pull()) is not None:
+                try:
+                    send.send_nowait(item)
+                    sent = True
+                except trio.WouldBlock:
+                    sent = False
+                if not sent:  # awaited outside the except: no exception kept alive
+                    await send.send(item)
+        if source.finished and source.reader.done and source.reader.final is not None:
             await _read_body_end(response)
 
 

@@ -9,6 +9,7 @@ import trio
 
 from .._context import RequestContext
 from .._protocols import Annotated, FinishReason, LLMEngineOutput
+from .._pull import pull_slot
 
 Item = Annotated[LLMEngineOutput]
 SendChannel = trio.MemorySendChannel[Item]
@@ -27,7 +28,7 @@ class Stopper:
     prefill stopped inside its cancel window, B10, B1).
     """
 
-    __slots__ = ("_kill_scope", "_killed", "armed", "scope", "stop_grace")
+    __slots__ = ("_kill_scope", "_killed", "armed", "pull", "scope", "stop_grace")
 
     def __init__(self, context: RequestContext, *, stop_grace: float = 0.0) -> None:
         self.scope = trio.CancelScope()
@@ -37,6 +38,8 @@ class Stopper:
         self._killed = False
         self.armed = True
         self.stop_grace = stop_grace
+        #: The leg's :class:`~trio_disagg._pull.PullSlot`, if its reader reads the worker.
+        self.pull = pull_slot(context)
         context.on_stop(self)
 
     def __call__(self, killed: bool) -> None:
