@@ -6,13 +6,16 @@ leaves aborts the worker's request."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import attrs
 import trio
 from e2e_support import FAST, wait_until
-from protocol_support import completion, tokens
+from protocol_support import Item, completion, tokens
 from test_vllm import vllm_cluster
 
-from trio_disagg import FinishKind, RequestContext
+from trio_disagg import DeadlineExceeded, Deadlines, FinishKind, RequestContext
 
 #: 10 ms between tokens: a reader mostly waits on the worker's socket.
 PACED = attrs.evolve(FAST, inter_token_latency=0.01)
@@ -95,4 +98,65 @@ async def test_B5_a_reader_that_leaves_mid_read_aborts_the_decode() -> None:
                     async for _ in stream.outputs:
                         pass
         await wait_until(lambda: any(rid == "leave" for rid, _ in cluster.decode.aborts))
+        await cluster.settled()
+
+
+#: A short decode-idle deadline; the others long.
+IDLE = Deadlines(prefill=10, handoff=10, decode_idle=0.3, terminal_hold=10, transfer=30)
+
+
+async def _read_all(cluster: Any, rid: str, max_tokens: int, *, cut: float | None = None,
+                    fault: str | None = None) -> tuple[list[Item], float]:
+    """Route one request, read its whole stream (each receive cut after ``cut`` seconds,
+    if given), and time it."""
+    fields = {"fault": fault} if fault else {}
+    start = trio.current_time()
+    items: list[Item] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            stream = await cluster.router.stream(
+                nursery, completion(rid, max_tokens=max_tokens, **fields), RequestContext(rid))
+            with stream.outputs:
+                while True:
+                    with trio.move_on_after(math.inf if cut is None else cut):
+                        try:
+                            items.append(await stream.outputs.receive())
+                        except trio.EndOfChannel:
+                            break
+    return items, trio.current_time() - start
+
+
+async def test_B2_a_decode_worker_that_stalls_mid_stream_fails_at_the_decode_idle_deadline(
+) -> None:
+    """A decode worker that stops sending mid-stream, its reader waiting on its socket:
+    the stream ends with the decode-idle error at the deadline (not later, and not at
+    once), the worker's request is aborted, and nothing is left held."""
+    async with vllm_cluster(deadlines=IDLE) as cluster:
+        items, took = await _read_all(cluster, "stall", 8, fault="decode_stall_at:3")
+        assert tokens(items) and items[-1].is_error
+        assert isinstance(items[-1].exception, DeadlineExceeded)
+        assert items[-1].exception.what == "decode idle"
+        assert 0.3 <= took < 1.5
+        await wait_until(lambda: any(rid == "stall" for rid, _ in cluster.decode.aborts))
+        await cluster.settled()
+
+
+async def test_B2_a_readers_own_timeouts_do_not_restart_a_pulled_waits_deadline() -> None:
+    """The reader cuts each receive after 50 ms and carries on: the worker that stalled
+    still fails the stream at the decode-idle deadline, counted from the first wait."""
+    async with vllm_cluster(deadlines=IDLE) as cluster:
+        items, took = await _read_all(cluster, "cut", 8, cut=0.05, fault="decode_stall_at:3")
+        assert isinstance(items[-1].exception, DeadlineExceeded)
+        assert 0.3 <= took < 1.5
+        await cluster.settled()
+
+
+async def test_B2_the_decode_idle_deadline_is_per_gap_not_per_stream() -> None:
+    """Tokens 0.1 s apart under a 0.3 s decode-idle deadline: a stream that lasts several
+    deadlines completes, each gap within it."""
+    async with vllm_cluster(latency=attrs.evolve(FAST, inter_token_latency=0.1),
+                            deadlines=IDLE) as cluster:
+        items, took = await _read_all(cluster, "slow", 8)
+        assert took > 0.6  # more than two deadlines
+        assert len(tokens(items)) == 8 and finish_of(items[-1]) is FinishKind.LENGTH
         await cluster.settled()

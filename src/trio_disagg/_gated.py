@@ -15,7 +15,7 @@ from ._engine import decode_output as _engine_output
 from ._engine import is_decode_failure, is_terminal
 from ._errors import DeadlineExceeded, WorkerError
 from ._protocols import Annotated, FinishReason, LLMEngineOutput
-from ._pull import pull_slot, receive_decode
+from ._pull import pull_slot, pulling, receive_decode
 
 if TYPE_CHECKING:
     from ._gate import Gatekeeper
@@ -37,7 +37,9 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     Each :meth:`receive` pulls the next decode output through the gate in the reader's
     own task: no forwarding task and no second channel stand between the decode leg and
-    the client (docs/performance.md, P3 and P4). What the reader gets:
+    the client (docs/performance.md, P3 and P4); a leg that hands the reader its
+    worker's response (:class:`~._pull.PullSlot`) is read in that task too, a socket
+    read a receive. What the reader gets:
 
     - a decode output without a finish reason at once, even while the prefill is
       pending (G3);
@@ -112,6 +114,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._leg_exit: trio.Event | None = None  # made only for a wait for it
         #: Where the decode leg may hand this reader the reading of its worker (_pull.py).
         self._slot = pull_slot(decode_context) if decode_context is not None else None
+        if self._slot is not None:
+            self._slot.on_idle = self._idle_expired
         if not self._prefill.done:
             self._watcher = self._prefill_ended
             self._prefill._on_done(self._watcher)
@@ -168,7 +172,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             return self._final
         if self._reading:
             raise trio.BusyResourceError("another task is reading this stream")
-        if not self._passing or self._pulling():
+        if not self._passing or pulling(self._slot):
             raise trio.WouldBlock
         try:
             item = _engine_output(self._decode.receive_nowait())
@@ -226,8 +230,6 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         early = self._state == _OPEN
         self._state = _CLOSED
         self._decode.close()
-        if self._slot is not None:
-            self._slot.release()
         if early and stop and self._decode_context is not None:
             # Nobody reads the decode leg any more, whyever the reader left (its own
             # timeout too: a stalled leg would otherwise hold the request's nursery).
@@ -235,32 +237,27 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._end()
 
     def abandon(self) -> None:
-        """The request is over (its nursery was cancelled: the client went away), whether
-        or not its reader closes this channel: the decode leg's channel is closed (its
-        next send fails) and nothing is stopped; a later receive gives what the gate
-        still owes (its error, G6) or ends the channel. Idempotent."""
+        """The request is over (its nursery was cancelled), whether or not its reader
+        closes this channel: the leg's channel is closed (its next send fails), nothing is
+        stopped; a later receive gives what the gate still owes (G6) or the end."""
         if self._state == _OPEN and self._final is None:
             self._state = _ENDED
         if self._state != _CLOSED:
             self._decode.close()
-        if self._slot is not None:
-            self._slot.release()
         self._end()
 
     def decode_ended(self) -> None:
-        """The decode leg ended on its own: its whole stream is in the channel. Once the
-        prefill has succeeded too, nothing is left to gate and the request ends (its
-        ``on_end``), while the reader may still read what the channel holds, as a
-        forwarder that has put the last item in a buffer is done (B5)."""
+        """The decode leg ended on its own, its whole stream in the channel: once the
+        prefill has succeeded too, the request ends (its ``on_end``) while the reader may
+        still read the channel, as a forwarder that buffered its last item is done (B5)."""
         self._decode_ended = True
         self._complete_if_whole()
 
     def follow_leg(self) -> None:
-        """A decode leg of the router's feeds this stream: an end of its channel is the
-        stream's end only once the leg has exited (:meth:`leg_exited`), so that a crash
-        the leg reports meanwhile (:meth:`decode_crashed`) ends the stream instead of an
-        end that reads as a success (B4). An engine that closes its channel with ``async
-        with`` or inside a nursery of its own reaches checkpoints before its crash does."""
+        """A decode leg of the router's feeds this stream: its channel's end is the stream's
+        only once the leg exited (:meth:`leg_exited`), so that a crash it reports meanwhile
+        (:meth:`decode_crashed`) ends the stream instead of an end that reads as a success
+        (B4): an engine may close its channel (``async with``) before its crash arrives."""
         self._leg_running = True
 
     def leg_exited(self) -> None:
@@ -270,8 +267,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._leg_exit.set()
 
     async def _wait_leg_exit(self) -> None:
-        """Wait for the decode leg to exit once its channel ended, at most the decode-idle
-        deadline (B2)."""
+        """Wait for the leg to exit once its channel ended, at most decode-idle (B2)."""
         if self._leg_exit is None:
             self._leg_exit = trio.Event()
         with trio.move_on_after(self._gate.idle_timeout):
@@ -313,13 +309,10 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     def stop(self, killed: bool = False) -> None:
         """End the stream at once: its next (or pending) receive gets one ``cancelled``
-        finish, then the channel's end; ``killed``: the end only (C3, as a request
-        stopped before its decode was handed it). The router calls it for a client that
-        stopped or killed its context while its decode leg, part of the KV transfer, may
-        not hear of it yet (G9). A leg whose first output already waits in the channel
-        has fetched its KV: then the first-output hook is called instead (the router
-        links the leg's context to the client's, C4, and the stop reaches the leg), and
-        the stream goes on."""
+        finish, then the end; ``killed``: the end only (C3). For a client that stopped
+        while its decode leg, part of the KV transfer, may not hear of it yet (G9). A leg
+        whose first output waits in the channel has its KV: the first-output hook is
+        called instead (the router links the leg's context to the client's, C4)."""
         if self._state == _OPEN and self._final is None:
             if self._note_output_waiting():
                 return
@@ -339,7 +332,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     async def _pass(self) -> Item | None:
         """G7, the hot path: the next decode output; None at the stream's end."""
-        if self._pulling():
+        if pulling(self._slot):
             return await self._wait()
         try:
             item = _engine_output(self._decode.receive_nowait())
@@ -352,19 +345,24 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._idle_at = None
         return item
 
-    def _pulling(self) -> bool:
-        return self._slot is not None and self._slot.source is not None
-
-    async def _receive(self) -> Item | None:
-        return await receive_decode(self._slot, self._decode)
-
     async def _wait(self) -> Item | None:
         """Wait for the next decode output, at most the decode-idle deadline (B2); a stop
         or the prefill's end interrupts the wait (None, or :data:`_AGAIN`)."""
         timeout = self._gate.idle_timeout
+        slot = self._slot
+        if self._passing and slot is not None and slot.source is not None:
+            # Read from the worker here; its leg keeps the idle deadline: no scope.
+            if self._idle_at is None:
+                self._idle_at = trio.current_time() + timeout
+            slot.idle_at = self._idle_at
+            item = await receive_decode(self._slot, self._decode)
+            if self._final is not None:  # the idle deadline passed meanwhile
+                return _AGAIN
+            self._idle_at = slot.idle_at = None
+            return item
         if timeout == math.inf and (self._passing or self._raced):
             # Nothing of ours interrupts it (or a forwarder's one race does): no scope.
-            return await self._receive()
+            return await receive_decode(self._slot, self._decode)
         # The deadline is absolute and outlives a wait the reader's own timeout cut: the
         # decode is idle since the first wait for this output, not since the last (B2).
         if self._idle_at is None:
@@ -372,7 +370,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         with trio.CancelScope(deadline=self._idle_at) as wait:
             self._waiting = wait
             try:
-                item = await self._receive()
+                item = await receive_decode(self._slot, self._decode)
             finally:
                 self._waiting = None
             self._idle_at = None
@@ -399,7 +397,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                     return await self._pass()
             item: Item | None
             try:
-                item = (_AGAIN if self._pulling()
+                item = (_AGAIN if pulling(self._slot)
                         else _engine_output(self._decode.receive_nowait()))
             except trio.WouldBlock:
                 item = _AGAIN
@@ -437,6 +435,12 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         if prefill.failed or self._gate._prefill_answer() is not None:
             return self._conclude()
         return item
+
+    def _idle_expired(self) -> None:
+        """A pulled wait's decode-idle deadline passed (B2; the leg keeps it): fail."""
+        if self._state == _OPEN and self._final is None:
+            self._fail(DeadlineExceeded("decode idle", self._gate.idle_timeout))
+            self._end()
 
     def _prefill_ended(self) -> None:
         """The prefill's watcher, called by its task when it ends: a failure (G6) or an

@@ -13,6 +13,8 @@ are the ones the engine would have sent, through the same gate (G3-G8).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -47,16 +49,33 @@ class PullSlot:
     keeper holds for the KV transfer, G9: its reader may leave before it fetched its
     KV). One source at most, offered before the leg sent anything to its channel.
 
+    The leg, idle meanwhile, also keeps the decode-idle deadline (B2) of a reader that
+    waits on the worker: the reader notes when its wait's deadline falls
+    (:attr:`idle_at`), and the leg's wait wakes at that time (at least once every
+    ``idle_timeout`` seconds, never per token) and ends the stream
+    (:attr:`on_idle`) if no output came meanwhile. A cancel scope a wait costs as much
+    as the rest of a paced token's relay (docs/performance.md).
+
+    Args:
+        idle_timeout: the decode-idle deadline (seconds; ``math.inf``: none).
+
     Attributes:
         source: the offered source while the reader may pull it, else None.
         released: the reader needs no more of it (the stream ended, or its reader left).
+        idle_at: when the reader's wait for the next output fails (trio clock), while it
+            waits for one; else None.
+        on_idle: what ends the stream when ``idle_at`` passed (the reader's), or None.
     """
 
-    __slots__ = ("_released_event", "released", "source")
+    __slots__ = ("_released_event", "idle_at", "idle_timeout", "on_idle", "released",
+                 "source")
 
-    def __init__(self) -> None:
+    def __init__(self, idle_timeout: float = math.inf) -> None:
         self.source: PulledSource | None = None
         self.released = False
+        self.idle_timeout = idle_timeout
+        self.idle_at: float | None = None
+        self.on_idle: Callable[[], object] | None = None
         self._released_event: trio.Event | None = None
 
     def offer(self, source: PulledSource) -> bool:
@@ -80,24 +99,44 @@ class PullSlot:
                 self._released_event.set()
 
     async def wait_released(self) -> None:
-        """Wait until :meth:`release` (the leg's context's stop cancels the wait)."""
+        """Wait until :meth:`release`, keeping the reader's decode-idle deadline (see
+        the class docstring). The leg's context's stop cancels the wait."""
         if self.released:
             await trio.lowlevel.checkpoint()
             return
-        if self._released_event is None:
-            self._released_event = trio.Event()
-        await self._released_event.wait()
+        released = self._released_event = trio.Event()
+        timeout = self.idle_timeout
+        while not self.released:
+            if timeout == math.inf:
+                await released.wait()
+                return
+            now = trio.current_time()
+            idle_at = self.idle_at
+            if idle_at is not None and idle_at <= now:
+                if self.on_idle is not None:
+                    self.on_idle()  # (it releases the slot: the stream ended)
+                    continue
+                idle_at = None
+            # A wait that starts later falls no earlier than now + timeout.
+            with trio.move_on_at(idle_at if idle_at is not None else now + timeout):
+                await released.wait()
 
 
-def open_pull_slot(context: RequestContext) -> PullSlot:
-    """Give the leg of ``context`` a :class:`PullSlot` (the router, before a dispatch)."""
-    slot = context._pull = PullSlot()
+def open_pull_slot(context: RequestContext, idle_timeout: float) -> PullSlot:
+    """Give the leg of ``context`` a :class:`PullSlot` (the router, before a dispatch),
+    with the decode-idle deadline (seconds) its reader's waits keep."""
+    slot = context._pull = PullSlot(idle_timeout)
     return slot
 
 
 def pull_slot(context: RequestContext) -> PullSlot | None:
     """The slot the router gave the leg of ``context``, or None: send every output."""
     return context._pull
+
+
+def pulling(slot: PullSlot | None) -> bool:
+    """The leg's source is offered: its reader reads the worker (the channel is empty)."""
+    return slot is not None and slot.source is not None
 
 
 async def receive_decode(slot: PullSlot | None,
@@ -113,6 +152,8 @@ async def receive_decode(slot: PullSlot | None,
         pulled = await source.pull()
         if pulled is not None:
             return pulled
+        if slot.released:
+            return None  # the stream ended meanwhile (its idle deadline passed)
         # (the leg took the reading back: the rest is in its channel)
     try:
         return decode_output(await channel.receive())

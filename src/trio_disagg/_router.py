@@ -388,7 +388,7 @@ class DisaggRouter:
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4
             # Its reader may read its worker in its own task (one task a token, _pull.py).
-            slot = open_pull_slot(decode_context)
+            slot = open_pull_slot(decode_context, self.deadlines.decode_idle)
         handoff_deadline = trio.current_time() + self.deadlines.handoff
         with trio.move_on_at(handoff_deadline) as handoff_scope:
             decode_receive = await accepted_decode(
