@@ -38,8 +38,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     Each :meth:`receive` pulls the next decode output through the gate in the reader's
     own task: no forwarding task and no second channel stand between the decode leg and
     the client (docs/performance.md, P3 and P4); a leg that hands the reader its
-    worker's response (:class:`~._pull.PullSlot`) is read in that task too, a socket
-    read a receive. What the reader gets:
+    worker's response (:class:`~._pull.PullSlot`) is read in that task. The reader gets:
 
     - a decode output without a finish reason at once, even while the prefill is
       pending (G3);
@@ -287,9 +286,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             self._end()
 
     def _note_output_waiting(self) -> bool:
-        """Call the first-output hook if it is pending and an output waits unread: the
-        leg has fetched its KV, whether or not the reader took that output (G9). True if
-        it was called."""
+        """Call the pending first-output hook if an output waits unread (the leg fetched
+        its KV, read or not, G9); True if called."""
         if self._gate._on_first_output is None or not self._decode.statistics().current_buffer_used:
             return False
         self._gate._first_output()
@@ -323,8 +321,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             if self._waiting is not None:
                 self._waiting.cancel()
 
-    def _stopped_end(self) -> Item | None:
-        """A stopped stream's last item: its ``cancelled`` finish once, then the end."""
+    def _stopped_end(self) -> Item | None:  # its ``cancelled`` finish once, then the end
         item, self._stop_finish = self._stop_finish, None
         return item
 
@@ -350,8 +347,9 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         or the prefill's end interrupts the wait (None, or :data:`_AGAIN`)."""
         timeout = self._gate.idle_timeout
         slot = self._slot
-        if self._passing and slot is not None and slot.source is not None:
-            # Read from the worker here; its leg keeps the idle deadline: no scope.
+        if (slot is not None and slot.source is not None
+                and (self._passing or self._prefill.done)):
+            # No scope: the leg keeps the idle deadline, and a stop reaches the leg.
             if self._idle_at is None:
                 self._idle_at = trio.current_time() + timeout
             slot.idle_at = self._idle_at
@@ -385,6 +383,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         """The prefill pending, a terminal held, or the first output not yet seen."""
         prefill = self._prefill
         while True:
+            if self._final is not None:  # (the idle deadline passed: a pulled wait's)
+                return _AGAIN
             if self._stopped:
                 return self._stopped_end()
             if self._held is not None:
