@@ -7,6 +7,8 @@ leaves aborts the worker's request."""
 from __future__ import annotations
 
 import attrs
+import httpx  # noqa: ASYNC127 (a caller's own client)
+import pytest
 import trio
 from e2e_support import FAST, wait_until
 from protocol_support import completion, tokens
@@ -24,11 +26,14 @@ def finish_of(item: object) -> FinishKind | None:
     return finish.kind if finish is not None else None
 
 
-async def test_G7_a_receive_cut_while_it_reads_the_worker_loses_nothing() -> None:
+@pytest.mark.parametrize("client", ["worker_client", "httpx"])
+async def test_G7_a_receive_cut_while_it_reads_the_worker_loses_nothing(client: str) -> None:
     """A reader whose every receive is cut short by its own timeout while it waits on
     the worker's socket still gets every token once, in order, and the finish (the
-    mock's tokens follow the request id: the same id, the same tokens)."""
-    async with vllm_cluster(latency=PACED) as cluster:
+    mock's tokens follow the request id: the same id, the same tokens); also through a
+    caller's own httpx client, whose reads a cancellation would end."""
+    async with vllm_cluster(latency=PACED, client=None if client == "worker_client"
+                            else httpx.AsyncClient()) as cluster:
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 whole = await cluster.router.stream(
