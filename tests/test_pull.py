@@ -15,6 +15,7 @@ from protocol_support import completion, tokens
 from test_vllm import vllm_cluster
 
 from trio_disagg import FinishKind, RequestContext
+from trio_disagg.engines import vllm_client
 
 #: 10 ms between tokens: a reader mostly waits on the worker's socket.
 PACED = attrs.evolve(FAST, inter_token_latency=0.01)
@@ -100,4 +101,28 @@ async def test_B5_a_reader_that_leaves_mid_read_aborts_the_decode() -> None:
                     async for _ in stream.outputs:
                         pass
         await wait_until(lambda: any(rid == "leave" for rid, _ in cluster.decode.aborts))
+        await cluster.settled()
+
+
+async def test_a_read_timeout_counts_the_workers_silence_across_receives_cut_short() -> None:
+    """A worker that stalls mid-stream, read by a reader whose receives its own timeout
+    cuts short (shorter than the client's ``read_timeout``): the stream still ends with
+    the read timeout's error once the worker was silent that long, not at the decode-idle
+    deadline (60 s) nor never."""
+    async with vllm_cluster(latency=PACED, client=vllm_client(read_timeout=0.2)) as cluster:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("stall", max_tokens=12, fault="decode_stall_at:3"),
+                    RequestContext("stall"))
+                items = []
+                with stream.outputs:
+                    while True:
+                        with trio.move_on_after(0.05):
+                            try:
+                                items.append(await stream.outputs.receive())
+                            except trio.EndOfChannel:
+                                break
+        assert len(tokens(items)) == 3
+        assert items[-1].event == "error" and "ReadTimeout" in (items[-1].error or "")
         await cluster.settled()
