@@ -16,6 +16,7 @@ from test_vllm import vllm_cluster
 
 from trio_disagg import FinishKind, RequestContext
 from trio_disagg.engines import vllm_client
+from trio_disagg.engines._reader import SseReader
 
 #: 10 ms between tokens: a reader mostly waits on the worker's socket.
 PACED = attrs.evolve(FAST, inter_token_latency=0.01)
@@ -125,4 +126,35 @@ async def test_a_read_timeout_counts_the_workers_silence_across_receives_cut_sho
                                 break
         assert len(tokens(items)) == 3
         assert items[-1].event == "error" and "ReadTimeout" in (items[-1].error or "")
+        await cluster.settled()
+
+
+async def test_B4_a_crash_reading_the_workers_stream_in_the_readers_task_is_one_error_item(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's reading of the worker's events crashes (a bug) while the stream's
+    reader reads the worker in its own task: the reader gets one error item naming the
+    crash, as from a decode leg that crashed after its worker accepted (G4, B4), never
+    the exception out of ``receive()``; the worker's request is aborted."""
+    feed = SseReader.feed
+    feeds = 0
+
+    def crashing_feed(reader: SseReader, part: bytes) -> str | None:
+        nonlocal feeds
+        feeds += 1
+        if feeds == 3:
+            raise RuntimeError("a bug in the reader")
+        return feed(reader, part)
+
+    monkeypatch.setattr(SseReader, "feed", crashing_feed)
+    async with vllm_cluster(latency=PACED) as cluster:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("bug", max_tokens=50), RequestContext("bug"))
+                with stream.outputs:
+                    items = [item async for item in stream.outputs]
+        assert tokens(items) and all(item.event is None for item in items[:-1])
+        assert items[-1].event == "error" and "a bug in the reader" in (items[-1].error or "")
+        await wait_until(lambda: any(rid == "bug" for rid, _ in cluster.decode.aborts))
         await cluster.settled()

@@ -449,6 +449,8 @@ class HttpEngine(ModelListing):
                 await slot.wait_released()
             finally:
                 slot.withdraw()  # a stop: the reader reads the channel for the rest
+            if source.crash is not None:
+                raise source.crash  # reading crashed in the reader's task: this leg's (B4)
         else:
             while (item := await source.pull()) is not None:
                 try:
