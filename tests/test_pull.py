@@ -10,12 +10,16 @@ import math
 from typing import Any
 
 import attrs
+import httpx  # noqa: ASYNC127 (a caller's own client)
+import pytest
 import trio
 from e2e_support import FAST, wait_until
 from protocol_support import Item, completion, tokens
 from test_vllm import vllm_cluster
 
 from trio_disagg import DeadlineExceeded, Deadlines, FinishKind, RequestContext
+from trio_disagg.engines import vllm_client
+from trio_disagg.engines._reader import SseReader
 
 #: 10 ms between tokens: a reader mostly waits on the worker's socket.
 PACED = attrs.evolve(FAST, inter_token_latency=0.01)
@@ -27,11 +31,14 @@ def finish_of(item: object) -> FinishKind | None:
     return finish.kind if finish is not None else None
 
 
-async def test_G7_a_receive_cut_while_it_reads_the_worker_loses_nothing() -> None:
+@pytest.mark.parametrize("client", ["worker_client", "httpx"])
+async def test_G7_a_receive_cut_while_it_reads_the_worker_loses_nothing(client: str) -> None:
     """A reader whose every receive is cut short by its own timeout while it waits on
     the worker's socket still gets every token once, in order, and the finish (the
-    mock's tokens follow the request id: the same id, the same tokens)."""
-    async with vllm_cluster(latency=PACED) as cluster:
+    mock's tokens follow the request id: the same id, the same tokens); also through a
+    caller's own httpx client, whose reads a cancellation would end."""
+    async with vllm_cluster(latency=PACED, client=None if client == "worker_client"
+                            else httpx.AsyncClient()) as cluster:
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 whole = await cluster.router.stream(
@@ -159,4 +166,56 @@ async def test_B2_the_decode_idle_deadline_is_per_gap_not_per_stream() -> None:
         items, took = await _read_all(cluster, "slow", 8)
         assert took > 0.6  # more than two deadlines
         assert len(tokens(items)) == 8 and finish_of(items[-1]) is FinishKind.LENGTH
+async def test_a_read_timeout_counts_the_workers_silence_across_receives_cut_short() -> None:
+    """A worker that stalls mid-stream, read by a reader whose receives its own timeout
+    cuts short (shorter than the client's ``read_timeout``): the stream still ends with
+    the read timeout's error once the worker was silent that long, not at the decode-idle
+    deadline (60 s) nor never."""
+    async with vllm_cluster(latency=PACED, client=vllm_client(read_timeout=0.2)) as cluster:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("stall", max_tokens=12, fault="decode_stall_at:3"),
+                    RequestContext("stall"))
+                items = []
+                with stream.outputs:
+                    while True:
+                        with trio.move_on_after(0.05):
+                            try:
+                                items.append(await stream.outputs.receive())
+                            except trio.EndOfChannel:
+                                break
+        assert len(tokens(items)) == 3
+        assert items[-1].event == "error" and "ReadTimeout" in (items[-1].error or "")
+        await cluster.settled()
+
+
+async def test_B4_a_crash_reading_the_workers_stream_in_the_readers_task_is_one_error_item(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's reading of the worker's events crashes (a bug) while the stream's
+    reader reads the worker in its own task: the reader gets one error item naming the
+    crash, as from a decode leg that crashed after its worker accepted (G4, B4), never
+    the exception out of ``receive()``; the worker's request is aborted."""
+    feed = SseReader.feed
+    feeds = 0
+
+    def crashing_feed(reader: SseReader, part: bytes) -> str | None:
+        nonlocal feeds
+        feeds += 1
+        if feeds == 3:
+            raise RuntimeError("a bug in the reader")
+        return feed(reader, part)
+
+    monkeypatch.setattr(SseReader, "feed", crashing_feed)
+    async with vllm_cluster(latency=PACED) as cluster:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                stream = await cluster.router.stream(
+                    nursery, completion("bug", max_tokens=50), RequestContext("bug"))
+                with stream.outputs:
+                    items = [item async for item in stream.outputs]
+        assert tokens(items) and all(item.event is None for item in items[:-1])
+        assert items[-1].event == "error" and "a bug in the reader" in (items[-1].error or "")
+        await wait_until(lambda: any(rid == "bug" for rid, _ in cluster.decode.aborts))
         await cluster.settled()

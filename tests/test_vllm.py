@@ -93,6 +93,7 @@ async def vllm_cluster(
     wrap_decode: Callable[[VllmEngine], Any] | None = None,
     cancel_window: CancelWindow | None = None,
     block_id_groups: bool = False,
+    client: Client | None = None,
 ) -> AsyncIterator[Cluster[MockVllmWorker]]:
     prefill = MockVllmWorker("prefill", fault_injection=True, latency=latency, kv_ttl=KV_TTL,
                              model=prefill_model, block_id_groups=block_id_groups)
@@ -103,7 +104,8 @@ async def vllm_cluster(
         return vllm_engines([prefill_url], [decode_url], client=client,
                             cancel_window=cancel_window)
 
-    async with open_cluster(prefill, decode, vllm_client(), engines, deadlines=deadlines,
+    async with open_cluster(prefill, decode, client or vllm_client(), engines,
+                            deadlines=deadlines,
                             prefill_url=prefill_url, wrap_decode=wrap_decode) as cluster:
         yield cluster
 

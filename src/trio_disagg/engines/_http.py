@@ -160,6 +160,10 @@ class HttpEngine(ModelListing):
         self.client = client
         self._transport = (client if isinstance(client, WorkerClient)
                            else HttpxWorkerClient(client))
+        #: A decode stream's reader may read the worker in its own task (_pull.py): not
+        #: through httpx, whose body iterator a cancelled read (the reader's own timeout)
+        #: ends, and whose response it closes.
+        self._reader_pulls = self._transport is client
         self.name = name if name is not None else self.url
         self.handoff_style = (self.prefill_handoff_style if role == "prefill"
                               else HandoffStyle.SEQUENTIAL)
@@ -237,7 +241,8 @@ class HttpEngine(ModelListing):
             # bootstrap prefill's KV goes to the decode in its room, not to the answer.)
             stopper.disarm()
         if body.get("stream") is True:
-            await self._relay_any(response, request, body, parser, send, stopper.pull)
+            await self._relay_any(response, request, body, parser, send,
+                                  stopper.pull if self._reader_pulls else None)
         else:
             await self._relay_json(response, request, body, parser, send)
 
@@ -444,6 +449,8 @@ class HttpEngine(ModelListing):
                 await slot.wait_released()
             finally:
                 slot.withdraw()  # a stop: the reader reads the channel for the rest
+            if source.crash is not None:
+                raise source.crash  # reading crashed in the reader's task: this leg's (B4)
         else:
             while (item := await source.pull()) is not None:
                 try:

@@ -40,7 +40,8 @@ class SseSource:
             given), else None.
     """
 
-    __slots__ = ("_body", "_describe", "_error", "_next", "_slot", "finished", "reader")
+    __slots__ = ("_body", "_describe", "_error", "_next", "_slot", "crash", "finished",
+                 "reader")
 
     def __init__(self, body: _Body, reader: SseReader, error: Callable[[str], Item],
                  describe: Callable[[BaseException], str], slot: PullSlot | None) -> None:
@@ -52,6 +53,8 @@ class SseSource:
         self._next: Item | None = None  # the stream's last item, after the burst before it
         #: The last item was given.
         self.finished = False
+        #: What the reading raised in the reader's task, for the leg to raise (B4).
+        self.crash: Exception | None = None
 
     async def pull(self) -> Item | None:
         """The next item: what the next read brought, or the stream's last item.
@@ -81,7 +84,15 @@ class SseSource:
                 return None  # the leg closed the response (it is stopping)
             if not part:
                 return self._last(self._end())
-            problem = reader.feed(part)
+            try:
+                problem = reader.feed(part)
+            except Exception as exc:
+                if self._slot is None:
+                    raise  # the leg's own read: its crash (B4)
+                # The reader's: the leg raises it (a decode crash, B4), its channel ends.
+                self.crash = exc
+                self._last(None)
+                return None
             output = reader.burst.take()
             last = (self._error(problem) if problem is not None
                     else self._end() if reader.done else None)
@@ -103,7 +114,7 @@ class SseSource:
             return self._error(f"{how} without a finish_reason (the worker died mid-stream?)")
         return Annotated(data=reader.final)
 
-    def _last(self, item: Item) -> Item:
+    def _last(self, item: Item | None) -> Item | None:
         self.finished = True
         if self._slot is not None:
             self._slot.release()

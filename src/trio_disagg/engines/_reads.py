@@ -23,14 +23,20 @@ async def receive_some(
     takes no bytes.
 
     Raises:
+        trio.ClosedResourceError: another task closed the socket during the wait.
         OSError: the connection broke (as ``receive_some`` would, via
             :exc:`trio.BrokenResourceError` for a TLS stream).
     """
     if socket is None:
         return await stream.receive_some(max_bytes)
-    fileno = socket.fileno()
     while True:
         await trio.lowlevel.wait_readable(socket)
+        # Its number now, not before the wait: another task may have closed the socket
+        # once the wait was over (a stopping decode leg, while its stream's reader reads
+        # it), and the number may already be another file's.
+        fileno = socket.fileno()
+        if fileno < 0:
+            raise trio.ClosedResourceError("another task closed this socket")
         try:
             return os.read(fileno, max_bytes)
         except BlockingIOError:  # woken with nothing to read after all

@@ -51,7 +51,7 @@ class WorkerResponse:
     """
 
     __slots__ = ("_body", "_client", "_complete", "_connection", "_headers_done",
-                 "_keep_alive", "_parser", "_pool", "_raw_headers",
+                 "_keep_alive", "_parser", "_pool", "_raw_headers", "_read_by",
                  "headers", "status_code")
 
     def __init__(self, client: WorkerClient, pool: Pool, connection: Connection) -> None:
@@ -64,6 +64,8 @@ class WorkerResponse:
         self._headers_done = False
         self._complete = False
         self._keep_alive = False
+        #: When the wait for the next bytes times out (with a read timeout), once begun.
+        self._read_by: float | None = None
         #: The status code, once the headers are in.
         self.status_code = 0
         #: Header names (lower case) to values, as ``str``.
@@ -98,11 +100,14 @@ class WorkerResponse:
             data: bytes | bytearray
             if timeout is None:  # no cancel scope per read: the caller's deadlines bound it
                 data = await receive_some(connection.stream, connection.socket, READ_SIZE)
-            else:
-                with trio.move_on_after(timeout) as waited:
+            else:  # absolute: a read cut short (a reader's own timeout) does not restart it
+                if self._read_by is None:
+                    self._read_by = trio.current_time() + timeout
+                with trio.move_on_at(self._read_by) as waited:
                     data = await connection.stream.receive_some(READ_SIZE)
                 if waited.cancelled_caught:
                     raise ReadTimeout(f"no data for {timeout:g} s")
+                self._read_by = None
         except (trio.BrokenResourceError, OSError) as exc:
             raise RemoteProtocolError(f"connection lost: {exc}") from exc
         if not data:
@@ -203,12 +208,8 @@ class _Exchange:
 
     def __init__(self, client: WorkerClient, pool: Pool, method: str, path: str,
                  headers: Mapping[bytes, bytes], content: bytes) -> None:
-        self._client = client
-        self._method = method
-        self._pool = pool
-        self._path = path
-        self._headers = headers
-        self._content = content
+        self._client, self._method, self._pool = client, method, pool
+        self._path, self._headers, self._content = path, headers, content
         self._response: WorkerResponse | None = None
 
     async def __aenter__(self) -> WorkerResponse:
