@@ -18,7 +18,10 @@ from protocol_support import Item, completion, tokens
 from test_vllm import vllm_cluster
 
 from trio_disagg import DeadlineExceeded, Deadlines, FinishKind, RequestContext
-from trio_disagg.engines import vllm_client
+from trio_disagg._pull import PullSlot, pull_ready
+from trio_disagg.engines import VllmEngine, vllm_client
+from trio_disagg.engines._chunks import ChunkParser
+from trio_disagg.engines._pulled import SseSource
 from trio_disagg.engines._reader import SseReader
 
 #: 10 ms between tokens: a reader mostly waits on the worker's socket.
@@ -166,6 +169,9 @@ async def test_B2_the_decode_idle_deadline_is_per_gap_not_per_stream() -> None:
         items, took = await _read_all(cluster, "slow", 8)
         assert took > 0.6  # more than two deadlines
         assert len(tokens(items)) == 8 and finish_of(items[-1]) is FinishKind.LENGTH
+        await cluster.settled()
+
+
 async def test_a_read_timeout_counts_the_workers_silence_across_receives_cut_short() -> None:
     """A worker that stalls mid-stream, read by a reader whose receives its own timeout
     cuts short (shorter than the client's ``read_timeout``): the stream still ends with
@@ -219,3 +225,86 @@ async def test_B4_a_crash_reading_the_workers_stream_in_the_readers_task_is_one_
         assert items[-1].event == "error" and "a bug in the reader" in (items[-1].error or "")
         await wait_until(lambda: any(rid == "bug" for rid, _ in cluster.decode.aborts))
         await cluster.settled()
+
+
+class _OneRead:
+    """A worker's answer whose whole event stream comes in one socket read."""
+
+    def __init__(self, stream: bytes) -> None:
+        self.parts = [stream]
+        self.status_code = 200
+        self.headers = {"content-type": "text/event-stream"}
+
+    @property
+    def at_end(self) -> bool:
+        return not self.parts
+
+    async def read(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return self.parts.pop() if self.parts else b""
+
+    async def aread(self, limit: int | None = None) -> bytes:
+        return await self.read()
+
+    async def aclose(self) -> None:
+        self.parts.clear()
+        await trio.lowlevel.checkpoint()
+
+
+def _events(*chunks: bytes) -> bytes:
+    return b"".join(b"data: " + chunk + b"\n\n" for chunk in chunks)
+
+
+_TOKENS = [b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":'
+           b'[{"index":0,"text":"%s","logprobs":null,"finish_reason":null}]}' % text
+           for text in (b" a", b" b")]
+_FINISH = (b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":'
+           b'[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}]}')
+_USAGE = (b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[],'
+          b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}')
+
+
+async def test_G8_a_finish_read_with_the_last_tokens_is_ready_with_them() -> None:
+    """One read brings the last tokens, the finish, the usage and ``[DONE]``: the reader
+    gets the tokens, and the finish at once after them without a wait or another read
+    (``receive_nowait`` serves it: the server writes both in one write), then nothing."""
+    slot = PullSlot()
+    source = SseSource(_OneRead(_events(*_TOKENS, _FINISH, _USAGE, b"[DONE]")),
+                       SseReader(ChunkParser()), _no_error, repr, slot)
+    assert slot.offer(source)
+    burst = await source.pull()
+    assert burst is not None and burst.data is not None and burst.data.text == " a b"
+    final = pull_ready(slot)
+    assert final is not None and finish_of(final) is FinishKind.LENGTH
+    assert final.data is not None and final.data.completion_usage is not None
+    assert slot.released and source.finished
+    assert pull_ready(slot) is None and await source.pull() is None
+
+
+def _no_error(message: str) -> Item:
+    raise AssertionError(f"no error expected, got {message!r}")
+
+
+async def test_C3_a_finish_already_read_when_the_leg_stops_still_reaches_the_reader() -> None:
+    """The read that brought the last tokens brought the finish too, and the leg stops
+    before the reader took it: the reader gets that finish from the leg's channel, as it
+    would have had the leg sent each item there, not only the stop's ``cancelled``."""
+    engine = VllmEngine("http://127.0.0.1:9", role="decode", client=vllm_client())
+    send, receive = trio.open_memory_channel[Item](4)
+    slot = PullSlot()
+    body = _OneRead(_events(*_TOKENS, _FINISH, _USAGE, b"[DONE]"))
+    async with trio.open_nursery() as nursery:
+        leg = trio.CancelScope()
+
+        async def run_leg() -> None:
+            with leg:
+                await engine._relay_stream(body, ChunkParser(), send, slot)
+
+        nursery.start_soon(run_leg)
+        await trio.testing.wait_all_tasks_blocked()
+        source = slot.source
+        assert source is not None
+        burst = await source.pull()
+        assert burst is not None and burst.data is not None and burst.data.text == " a b"
+        leg.cancel()  # the leg's stop, before the reader takes the finish
+    assert finish_of(receive.receive_nowait()) is FinishKind.LENGTH

@@ -15,7 +15,7 @@ from ._engine import decode_output as _engine_output
 from ._engine import is_decode_failure, is_terminal
 from ._errors import DeadlineExceeded, WorkerError
 from ._protocols import Annotated, FinishReason, LLMEngineOutput
-from ._pull import pull_slot, pulling, receive_decode
+from ._pull import pull_ready, pull_slot, pulling, receive_decode
 
 if TYPE_CHECKING:
     from ._gate import Gatekeeper
@@ -171,10 +171,11 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             return self._final
         if self._reading:
             raise trio.BusyResourceError("another task is reading this stream")
-        if not self._passing or pulling(self._slot):
+        if not self._passing or ((pulled := pull_ready(self._slot)) is None
+                                 and pulling(self._slot)):
             raise trio.WouldBlock
         try:
-            item = _engine_output(self._decode.receive_nowait())
+            item = pulled or _engine_output(self._decode.receive_nowait())
         except trio.EndOfChannel:
             if self._leg_running:
                 raise trio.WouldBlock from None  # receive() waits for the leg's exit
@@ -274,9 +275,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     def decode_crashed(self, error: Exception) -> None:
         """The decode engine raised after its worker accepted (G4): the stream ends with
-        ``error`` as its last item, not with an end that reads as a success (B4). A
-        reader that saw the channel's end waits for the leg's exit (:meth:`follow_leg`)
-        and gets it; one that already ended the stream, or was stopped, does not."""
+        ``error``, not an end that reads as a success (B4), for a reader that saw the
+        channel's end (it waits for the leg's exit, :meth:`follow_leg`) too."""
         if self._state == _OPEN and not self._stopped:
             self._fail(error)
 
@@ -329,8 +329,8 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     async def _pass(self) -> Item | None:
         """G7, the hot path: the next decode output; None at the stream's end."""
-        if pulling(self._slot):
-            return await self._wait()
+        if pulling(self._slot):  # (an item the last read brought after the one given)
+            return pull_ready(self._slot) or await self._wait()
         try:
             item = _engine_output(self._decode.receive_nowait())
         except trio.WouldBlock:

@@ -41,6 +41,11 @@ class PulledSource(Protocol):
         """
         ...
 
+    def pull_nowait(self) -> Item | None:
+        """The next item if a read already brought it (the stream's last item, read with
+        the burst :meth:`pull` gave), else None; no wait, no read."""
+        ...
+
 
 class PullSlot:
     """Where a decode leg hands its stream's reader the reading of its worker.
@@ -132,6 +137,13 @@ def open_pull_slot(context: RequestContext, idle_timeout: float) -> PullSlot:
 def pull_slot(context: RequestContext) -> PullSlot | None:
     """The slot the router gave the leg of ``context``, or None: send every output."""
     return context._pull
+
+
+def pull_ready(slot: PullSlot | None) -> Item | None:
+    """The item the offered source already read (:meth:`PulledSource.pull_nowait`), if
+    it is offered and has one, else None."""
+    source = slot.source if slot is not None else None
+    return source.pull_nowait() if source is not None else None
 
 
 def pulling(slot: PullSlot | None) -> bool:

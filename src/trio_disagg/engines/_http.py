@@ -14,6 +14,7 @@ its connection closes).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import suppress
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -449,6 +450,9 @@ class HttpEngine(ModelListing):
                 await slot.wait_released()
             finally:
                 slot.withdraw()  # a stop: the reader reads the channel for the rest
+                if (read := source.pull_nowait()) is not None:  # (read before the stop)
+                    with suppress(trio.WouldBlock, trio.BrokenResourceError):
+                        send.send_nowait(read)
             if source.crash is not None:
                 raise source.crash  # reading crashed in the reader's task: this leg's (B4)
         else:

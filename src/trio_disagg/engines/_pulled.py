@@ -66,8 +66,7 @@ class SseSource:
         Cancelled, it loses nothing (a cancelled read takes no bytes).
         """
         if self._next is not None:
-            item, self._next = self._next, None
-            return self._last(item)
+            return self.pull_nowait()
         if self.finished:
             return None
         reader = self.reader
@@ -101,6 +100,12 @@ class SseSource:
                 return Annotated(data=output)
             if last is not None:
                 return self._last(last)
+
+    def pull_nowait(self) -> Item | None:
+        """The stream's last item if the read that brought the burst :meth:`pull` gave
+        brought it too, else None (no read)."""
+        item, self._next = self._next, None
+        return None if item is None else self._last(item)
 
     def _withdrawn(self) -> bool:
         return self._slot is not None and self._slot.source is not self
