@@ -5,7 +5,9 @@ flight.
 
 Two rounds of the same mix on one keeper and one router per handoff style: after each,
 once every lease and timeout has run out, nothing is in flight, held or open, and the
-second round leaves no more objects behind than the first.
+second round leaves no more objects behind than the first. The same over HTTP: mock vLLM
+workers, whose decode streams their readers read themselves (a pulled leg), behind the
+router's own server, and the library router over those engines.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import logging
 import math
 import random
 from collections.abc import Iterator
+from typing import Any
 
+import httpx  # noqa: ASYNC127 (the clients of the router's server)
 import pytest
 import trio
+from e2e_support import MODEL, PROMPT, served
 
 from trio_disagg import (
     Deadlines,
@@ -46,9 +51,10 @@ ACTIONS = ["read", "read", "leave", "close", "stop", "kill"]
 REQUESTS = 60  # per router and round
 
 
-async def client(router: DisaggRouter, rng: random.Random, n: int) -> None:
+async def client(router: DisaggRouter, rng: random.Random, n: int,
+                 faults: list[str | None] = FAULTS) -> None:
     body = {"model": "m", "prompt": f"prompt {n} " + "w " * rng.randint(1, 40),
-            "max_tokens": 3, "fault": rng.choice(FAULTS)}
+            "max_tokens": 3, "fault": rng.choice(faults)}
     request = PreprocessedRequest(request_id=f"r{n}", model="m", body=body, max_tokens=3,
                                   stream=True, routing=RoutingHints(session_id=f"s{n}"))
     context = RequestContext(request.request_id)
@@ -125,3 +131,90 @@ async def test_nothing_grows_with_the_requests_served(autojump_clock: trio.abc.C
                 counts.append(len(gc.get_objects()))  # (containers: what tables are made of)
     # 180 requests a round: one object per request left behind would show 180.
     assert counts[1] - counts[0] < 18, counts
+
+
+# --- over HTTP: the pulled decode path ------------------------------------------------------
+
+#: The request's objects, none of which may outlive it.
+PER_REQUEST = {"RequestContext", "PullSlot", "SseSource", "WorkerResponse", "GatedOutputs",
+               "Gatekeeper", "SseReader"}
+#: What an HTTP client does (read to the end, leave mid-stream, or ask for no stream), the
+#: decode worker's fault (a stall runs into the decode-idle deadline), and what the client
+#: sees: its events (4 tokens and [DONE]), its completion tokens, or an error event.
+HTTP_MIX = [("read", None, "5"), ("read", None, "5"), ("leave", None, "left"),
+            ("json", None, "4"), ("read", "decode_stall_at:1", "error"),
+            ("read", "decode_reset_at:1", "error"), ("read", "decode_error_at:1", "error")]
+#: The library's clients' faults over HTTP (none that waits for a deadline).
+LIBRARY_FAULTS: list[str | None] = [None, None, "decode_reset_at:1", "decode_error_at:1",
+                                    "prefill_reset"]
+
+
+async def http_client(client: httpx.AsyncClient, url: str, n: int) -> None:
+    """One request of the mix; its client sees what it should."""
+    action, fault, expected = HTTP_MIX[n % len(HTTP_MIX)]
+    assert await http_request(client, url, n, action, fault) == expected, (action, fault)
+
+
+async def http_request(client: httpx.AsyncClient, url: str, n: int, action: str,
+                       fault: str | None) -> str:
+    body: dict[str, object] = {"model": MODEL, "prompt": f"{PROMPT} {n}", "max_tokens": 4,
+                               "stream": action != "json"}
+    if fault is not None:
+        body["fault"] = fault
+    if action == "json":
+        return str((await client.post(url, json=body)).json()["usage"]["completion_tokens"])
+    async with client.stream("POST", url, json=body) as response:
+        events = []
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                if action == "leave":
+                    return "left"
+    return "error" if any('"error"' in event for event in events) else str(len(events))
+
+
+def request_objects() -> dict[str, int]:
+    gc.collect()
+    found = [type(o).__name__ for o in gc.get_objects() if type(o).__name__ in PER_REQUEST]
+    return {name: found.count(name) for name in set(found)}
+
+
+def task_names() -> list[str]:
+    """The tasks running, but the servers' connections' (a keep-alive connection's is
+    left to its server: the router's pool is checked on its own) and the mock workers'
+    token pacer (started with the first request)."""
+    names: list[str] = []
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    tasks = [root]
+    while tasks:
+        task = tasks.pop()
+        if not task.name.endswith(("Server.handle", "mock pacer")):
+            names.append(task.name)
+        tasks += [child for nursery in task.child_nurseries for child in nursery.child_tasks]
+    return sorted(names)
+
+
+@pytest.mark.usefixtures("quiet")
+async def test_nothing_grows_with_the_requests_served_over_http() -> None:
+    """B5 with the decode worker read by the stream's reader: completed, left mid-stream,
+    stalled into the decode-idle deadline, reset, failed, stopped, killed and closed
+    requests leave no request object, task or half-read connection behind."""
+    deadlines = Deadlines(prefill=2, handoff=2, decode_idle=0.25, terminal_hold=2, transfer=5)
+    with trio.fail_after(20):
+        async with served("vllm", deadlines=deadlines) as server:
+            cluster: Any = server.cluster  # test_vllm's, with its router and worker client
+            tasks = task_names()
+            async with httpx.AsyncClient(timeout=10) as http, trio.open_nursery() as nursery:
+                for n in range(35):
+                    nursery.start_soon(http_client, http, server.url + "/v1/completions", n)
+            rng = random.Random(14)
+            async with trio.open_nursery() as nursery:  # the library's, stop and kill too
+                for n in range(30):
+                    nursery.start_soon(client, cluster.router, rng, n, LIBRARY_FAULTS)
+            await cluster.settled()
+            assert request_objects() == {}
+            # Every connection back in the pool is idle: none kept half-read.
+            assert cluster.client.connections_open == cluster.client.connections_idle
+            assert task_names() == tasks
+
