@@ -11,9 +11,10 @@ from typing import Any
 
 import attrs
 import httpx  # noqa: ASYNC127 (a caller's own client)
+import orjson
 import pytest
 import trio
-from e2e_support import FAST, wait_until
+from e2e_support import FAST, MODEL, PROMPT, served, wait_until
 from protocol_support import Item, completion, tokens
 from test_vllm import vllm_cluster
 
@@ -261,7 +262,7 @@ _TOKENS = [b'{"id":"c","object":"text_completion","created":1,"model":"m","choic
 _FINISH = (b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":'
            b'[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}]}')
 _USAGE = (b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[],'
-          b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}')
+          b'"usage":{"prompt_tokens":3,"completion_tokens":3000,"total_tokens":5}}')
 
 
 async def test_G8_a_finish_read_with_the_last_tokens_is_ready_with_them() -> None:
@@ -308,3 +309,39 @@ async def test_C3_a_finish_already_read_when_the_leg_stops_still_reaches_the_rea
         assert burst is not None and burst.data is not None and burst.data.text == " a b"
         leg.cancel()  # the leg's stop, before the reader takes the finish
     assert finish_of(receive.receive_nowait()) is FinishKind.LENGTH
+
+
+async def test_B2_an_http_client_that_stops_reading_is_not_an_idle_decode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client of the router's server that stops reading its stream for longer than the
+    decode-idle deadline, while its reader (the server's writer) reads the worker: the
+    worker is read no further than the sockets' buffers take, the deadline does not
+    fire, and the stream ends whole once the client reads again."""
+    pulls: list[tuple[float, SseSource]] = []
+    pull = SseSource.pull
+
+    async def counted(source: SseSource) -> Item | None:
+        pulls.append((trio.current_time(), source))
+        return await pull(source)
+
+    monkeypatch.setattr(SseSource, "pull", counted)
+    fast = attrs.evolve(FAST, inter_token_latency=0.00001)  # past the sockets' buffers
+    body = orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3000,
+                         "stream": True, "stream_options": {"include_usage": True}})
+    with trio.fail_after(10):
+        async with served("vllm", latency=fast, deadlines=Deadlines(decode_idle=0.1)) as server:
+            stream = await trio.open_tcp_stream("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+            await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                                  b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                                  % (len(body), body))
+            data = bytearray(await stream.receive_some(4096))
+            await trio.sleep(0.3)  # the client reads nothing for 3 deadlines
+            # The reader waits for the client, the worker is not read to its end meanwhile.
+            last, source = pulls[-1]
+            assert last < trio.current_time() - 0.1 and not source.finished
+            while b"data: [DONE]" not in data[-64:] and (part := await stream.receive_some()):
+                data += part
+    events = [line for line in bytes(data).split(b"\n") if line.startswith(b"data: {")]
+    assert b'"error"' not in data
+    assert len(events) == 3001  # every token, then the usage chunk
+    assert b'"completion_tokens":3000' in events[-1]
