@@ -334,6 +334,9 @@ async def _write_response(
                 continue
             tally.add(data)
             choices = data.choices
+            if type(choices) is RawChoices and data.finish_reason is None:
+                on_choices(choices)  # a run of common chunks, the usual burst: never empty
+                continue
             choice = None
             if choices:
                 if data.finish_reason is not None:
@@ -382,9 +385,12 @@ class _Tally:
         if data.completion_usage is not None:
             self.usage = data.completion_usage
         choices = data.choices
-        if choices and not data.token_ids:
-            self.tokens += (len(choices) if type(choices) is RawChoices
-                            else sum(map(counted_tokens, choices)))
+        if data.token_ids:
+            return
+        if type(choices) is RawChoices:  # (no call of its __len__: the usual burst)
+            self.tokens += len(choices.texts)
+        elif choices:
+            self.tokens += sum(map(counted_tokens, choices))
 
 
 async def _fail(sink: SseSink | JsonSink, failure: ApiError) -> str:
