@@ -22,10 +22,10 @@ from trio_disagg import Deadlines, DisaggRouter, RequestContext, TrioDisaggError
 #: Tokens paced as a small model's: a stream that waits longer than IDLE for its next
 #: token (its first included) is an idle decode, and fails.
 LATENCY = attrs.evolve(FAST, inter_token_latency=0.005)
-#: The decode-idle deadline: some 40 token times; generous next to a pull of 45 tokens'
-#: KV on loopback (under 5 ms unloaded).
-IDLE = 0.2
-CROWD = 64  # requests at once, every other one cancelled by its client
+#: The decode-idle deadline: 100 token times; generous next to a pull of 45 tokens' KV on
+#: loopback (under 5 ms unloaded).
+IDLE = 0.5
+CROWD = 96  # requests at once, every other one cancelled by its client
 
 
 async def healthy(router: DisaggRouter, n: str, gaps: list[float]) -> None:
@@ -66,14 +66,16 @@ async def cancelled(router: DisaggRouter, n: str, rng: random.Random) -> None:
 
 
 async def test_healthy_streams_keep_their_pace_while_other_clients_cancel() -> None:
-    """64 requests at once on a warm decode worker, every other one stopped, killed or
-    left by its client within 30 ms: every healthy stream ends whole, and none waits
-    for its first token or a next one anywhere near the decode-idle deadline (the
-    worker's KV pulls do not queue behind each other)."""
+    """96 requests at once, every other one stopped, killed or left by its client within
+    30 ms, twice: every healthy stream ends whole, and the second crowd, whose KV pulls
+    find the decode worker's connections to the prefill worker kept, waits no longer for
+    its outputs (TTFT included) than the first, which opened them (before, the pulls of
+    the second queued behind each other into the decode-idle deadline)."""
     rng = random.Random(14)
+    worst: list[float] = []
     with trio.fail_after(10):
         async with vllm_cluster(latency=LATENCY, deadlines=Deadlines(decode_idle=IDLE)) as cluster:
-            for round_ in range(2):  # the first round opens the connections the second keeps
+            for round_ in range(2):
                 gaps: list[float] = []
                 async with trio.open_nursery() as nursery:
                     for n in range(CROWD):
@@ -82,6 +84,7 @@ async def test_healthy_streams_keep_their_pace_while_other_clients_cancel() -> N
                         else:
                             nursery.start_soon(healthy, cluster.router, f"{round_}-{n}", gaps)
                 assert len(gaps) == CROWD // 2
-                # The worst wait of any healthy stream, TTFT included: well inside the
-                # deadline (before, the last pulls of the crowd queued into it).
-                assert max(gaps) < IDLE * 0.75, sorted(gaps)[-5:]
+                worst.append(max(gaps))
+    # (compared with the first crowd's, under the same load: a loaded machine slows both)
+    cold, warm = worst
+    assert warm < 1.5 * cold, worst
