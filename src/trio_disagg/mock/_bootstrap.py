@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
 import trio
 
@@ -19,7 +18,7 @@ from .._asgi import Receive, Scope, Send, header, query_param
 from .._protocols import DEFAULT_BOOTSTRAP_PORT
 from ._asgi import Exchange, run_until_disconnect, send_octets, url_host
 from ._kv import BootstrapRoom, KVTransferError
-from ._kvwire import PULL_TIMEOUT, KVSource, kv_bytes
+from ._kvwire import PULL_TIMEOUT, KVAnswer, KVSource, kv_bytes
 
 if TYPE_CHECKING:
     from ._sglang import MockSglangWorker
@@ -75,22 +74,22 @@ class BootstrapJoin(KVSource):
     def params(self) -> dict[str, str]:
         return {"timeout": f"{self.timeout:g}"}
 
-    def pull_timeout(self) -> httpx.Timeout:
+    def pull_timeout(self) -> float:
         # the GET waits up to ``timeout`` for the prefill's KV, then transfers it
-        read = None if math.isinf(self.timeout) else self.timeout + PULL_TIMEOUT
-        return httpx.Timeout(PULL_TIMEOUT, read=read)
+        return self.timeout + PULL_TIMEOUT  # (inf: no bound)
 
-    def check(self, response: httpx.Response, size: int) -> str | None:
-        engine = unquote(response.headers.get("x-kv-engine-id", ""))
-        key = unquote(response.headers.get("x-kv-key", ""))
+    def check(self, answer: KVAnswer, size: int) -> str | None:
+        headers = answer.headers
+        engine = unquote(headers.get("x-kv-engine-id", ""))
+        key = unquote(headers.get("x-kv-key", ""))
         try:
-            blocks = [int(b) for b in response.headers.get("x-kv-block-ids", "").split(",") if b]
+            blocks = [int(b) for b in headers.get("x-kv-block-ids", "").split(",") if b]
         except ValueError:
             blocks = []
         expected = kv_bytes(engine, key, blocks, size)
-        if not blocks or response.content != expected:
+        if not blocks or answer.content != expected:
             return (f"the KV of bootstrap room {self.room} from {self.where} was corrupt: "
-                    f"{len(response.content)} bytes, expected {len(expected)}")
+                    f"{len(answer.content)} bytes, expected {len(expected)}")
         return None
 
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
-from urllib.parse import quote, unquote_to_bytes
+from urllib.parse import quote, unquote_to_bytes, urlencode
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
 import trio
 
 from .._asgi import Receive, Scope, Send, header
+from ..engines import TransportError, WorkerClient
 from ._asgi import run_until_disconnect, send_octets, url_host
-from ._core import RELEASE_TIMEOUT
 from ._kv import KVTransferError
 
 if TYPE_CHECKING:
@@ -28,6 +28,17 @@ logger = logging.getLogger("trio_disagg.workers")
 DEFAULT_KV_BYTES_PER_TOKEN = 16
 #: Seconds a decode worker's KV pull may take before it fails.
 PULL_TIMEOUT = 30.0
+
+
+def kv_client() -> WorkerClient:
+    """A new HTTP client for a mock worker's KV pulls and releases: the project's own
+    worker client (no environment proxies), whose pool gives each request a connection of
+    its own: a crowd of pulls sent at once on kept connections goes out at once. (httpx
+    1.0's pool hands one idle connection to every request queued in the same pass and
+    lets all but one retry, one scheduling round each: the last of N pulls waits N
+    rounds.)"""
+    return WorkerClient(max_connections=512, max_idle_per_worker=64, keepalive_expiry=4.0,
+                        connect_timeout=PULL_TIMEOUT, pool_timeout=PULL_TIMEOUT)
 
 
 def kv_block_bytes(engine_id: str, key: str, block_id: int, size: int) -> bytes:
@@ -76,11 +87,11 @@ class KVSource:
         """The GET's query parameters."""
         return {}
 
-    def pull_timeout(self) -> httpx.Timeout:
-        """How long the GET may take."""
-        return httpx.Timeout(PULL_TIMEOUT)
+    def pull_timeout(self) -> float:
+        """Seconds the whole GET may take (connecting, waiting, reading)."""
+        return PULL_TIMEOUT
 
-    def check(self, response: httpx.Response, size: int) -> str | None:
+    def check(self, answer: KVAnswer, size: int) -> str | None:
         """Why the answered bytes are not the KV (``size`` bytes per block), or None."""
         raise NotImplementedError
 
@@ -91,19 +102,25 @@ class KVSource:
             None once pulled, else why it failed. Cancellation closes the pull's
             connection: the prefill side then releases the KV.
         """
-        try:
-            response = await worker.client().get(
-                self.url(), params=self.params(),
-                headers={b"x-request-id": request_id.encode("latin-1")},
-                timeout=self.pull_timeout())
-        except httpx.HTTPError as exc:
-            problem: str | None = self.describe(f"failed: {type(exc).__name__}: {exc}")
-        else:
-            if response.status_code != 200:
-                problem = self.describe(f"answered {response.status_code}: "
-                                        f"{answer_message(response)}")
+        url = self.url()
+        if params := self.params():
+            url += "?" + urlencode(params)
+        problem: str | None = None
+        with trio.move_on_after(self.pull_timeout()) as scope:
+            try:
+                answer = await _fetch(worker, "GET", url, request_id)
+            except (TransportError, ValueError) as exc:  # (ValueError: no http URL)
+                problem = self.describe(f"failed: {type(exc).__name__}: {exc}")
             else:
-                problem = self.check(response, worker.kv.block_size * worker.kv_bytes_per_token)
+                if answer.status_code != 200:
+                    problem = self.describe(f"answered {answer.status_code}: "
+                                            f"{answer_message(answer.content)}")
+                else:
+                    problem = self.check(answer, worker.kv.block_size
+                                         * worker.kv_bytes_per_token)
+        if scope.cancelled_caught:
+            problem = self.describe(f"failed: ReadTimeout: no KV within "
+                                    f"{self.pull_timeout():g} s")
         if problem is not None:
             worker.stats.kv_pull_failures += 1
             return problem
@@ -115,13 +132,33 @@ class KVSource:
         caller's shielded scope)."""
         worker.stats.kv_releases += 1
         try:
-            await worker.client().post(
-                self.url(self.release_suffix),
-                headers={b"x-request-id": request_id.encode("latin-1")},
-                timeout=RELEASE_TIMEOUT)
-        except httpx.HTTPError as exc:
+            await _fetch(worker, "POST", self.url(self.release_suffix), request_id)
+        except (TransportError, ValueError) as exc:
             logger.warning("%s could not let go of the KV at %s: %r", worker.name,
                            self.url(), exc)
+
+
+@attrs.frozen
+class KVAnswer:
+    """A KV pull's (or release's) whole answer: its status, headers and body."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+
+async def _fetch(worker: MockWorker, method: str, url: str, request_id: str) -> KVAnswer:
+    """``method url`` on the worker's KV client (:meth:`MockWorker.client`), its answer
+    read whole.
+
+    Raises:
+        TransportError: the prefill side could not be reached, or broke the exchange.
+        ValueError: ``url`` is no http URL.
+    """
+    headers = {b"x-request-id": request_id.encode("latin-1")}
+    async with worker.client().stream(method, url, content=b"", headers=headers) as response:
+        content = await response.aread()
+        return KVAnswer(response.status_code, response.headers, content)
 
 
 @attrs.frozen(kw_only=True)
@@ -139,27 +176,28 @@ class RemoteKV(KVSource):
     def url(self, suffix: str = "") -> str:
         return f"http://{url_host(self.host)}:{self.port}/kv/{quote(self.key, safe='')}{suffix}"
 
-    def check(self, response: httpx.Response, size: int) -> str | None:
+    def check(self, answer: KVAnswer, size: int) -> str | None:
         expected = kv_bytes(self.engine_id, self.key, self.block_ids, size)
-        if response.content != expected:
-            return self.describe(f"was corrupt: {len(response.content)} bytes, "
+        if answer.content != expected:
+            return self.describe(f"was corrupt: {len(answer.content)} bytes, "
                                  f"expected {len(expected)}")
         return None
 
 
-def answer_message(response: httpx.Response) -> str:
-    """The error message of a worker's error answer."""
+def answer_message(content: bytes) -> str:
+    """The error message of a worker's error answer (its body)."""
+    text = content[:200].decode("utf-8", "replace")
     try:
-        answer = orjson.loads(response.content)
+        answer = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return response.text[:200]
+        return text
     if isinstance(answer, dict):
         error = answer.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
             return str(error["message"])
         if isinstance(answer.get("message"), str):
             return str(answer["message"])
-    return response.text[:200]
+    return text
 
 
 async def serve_kv(worker: MockWorker, scope: Scope, receive: Receive, send: Send) -> None:

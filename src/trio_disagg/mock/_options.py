@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 
+from ..engines import Client
 from ._faults import FaultPlan
 from ._latency import LatencyModel
 
@@ -27,7 +27,7 @@ class WorkerOptions(TypedDict, total=False):
     default_max_tokens: int
     fault_plan: FaultPlan | None
     fault_injection: bool
-    http_client: httpx.AsyncClient | None
+    http_client: Client | None
     max_body_bytes: int
     history: int
     prefix_cache_blocks: int

@@ -7,12 +7,11 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal, Unpack, overload
 
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import trio
 
 from .. import _http11
 from .._http11 import serve_http
-from ._kvwire import PULL_TIMEOUT
+from ._kvwire import kv_client
 from ._options import WorkerOptions
 from ._sglang import MockSglangWorker
 from ._trtllm import MockTrtllmWorker
@@ -27,14 +26,6 @@ KEEP_ALIVE_TIMEOUT = _http11.KEEP_ALIVE_TIMEOUT
 
 def _advertised(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host.strip("[]")
-
-
-def _kv_client() -> httpx.AsyncClient:
-    """The HTTP client of a served worker's KV pulls and releases."""
-    return httpx.AsyncClient(
-        timeout=PULL_TIMEOUT, trust_env=False,
-        limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
-                            keepalive_expiry=4.0))
 
 
 class MockWorkerOptions(WorkerOptions, total=False):
@@ -141,7 +132,7 @@ async def serve_worker(
     extra = app.extra_listen_port
     owned = app.http_client is None
     if owned:
-        app.http_client = _kv_client()
+        app.http_client = kv_client()
     try:
         async with trio.open_nursery() as nursery:
             bound, extra_bound = await _listen(nursery, app, host, port, extra,

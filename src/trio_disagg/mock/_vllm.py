@@ -159,8 +159,11 @@ class MockVllmWorker(MockWorker):
         fault_plan: faults for requests whose body names none.
         fault_injection: honour a request body's ``"fault"`` (a test tool: off, a client
             cannot break the worker).
-        http_client: the client for KV pulls and releases; :func:`serve_worker` provides
-            one; else one is made on first use.
+        http_client: the client for KV pulls and releases: a
+            :class:`~trio_disagg.engines.WorkerClient`, or an :class:`httpx.AsyncClient`
+            of the caller's own (its pool makes a crowd of pulls sent at once wait for
+            each other); :func:`serve_worker` provides a ``WorkerClient``; else one is
+            made on first use.
         max_body_bytes: the largest request body accepted (413 above).
         history: how many recent generation requests :attr:`seen` keeps, and how many
             recent aborts :attr:`aborts` keeps.

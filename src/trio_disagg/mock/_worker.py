@@ -17,20 +17,20 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
 import attrs
-import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client, on trio natively)
 import orjson
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from .._asgi import JSON_TYPE, BodyTooLarge, Receive, Scope, Send, header, lifespan, read_body
+from ..engines import Client, HttpxWorkerClient, WorkerClient
 from ._answers import REASONING_HOOK, AnswerFormat, OpenAIFormat, choice_shape
 from ._asgi import Exchange, Refusal, run_until_disconnect
 from ._auth import UNAUTHORIZED, api_key_of
 from ._core import RELEASE_TIMEOUT, Decode, Prefill, PrefillSink
 from ._faults import Fault, FaultKind, FaultPlan, fault_for
 from ._kv import DEFAULT_BLOCK_SIZE, DEFAULT_KV_TTL, KVBlockPool
-from ._kvwire import DEFAULT_KV_BYTES_PER_TOKEN, PULL_TIMEOUT, KVSource, serve_kv
+from ._kvwire import DEFAULT_KV_BYTES_PER_TOKEN, KVSource, kv_client, serve_kv
 from ._latency import LatencyModel
 from ._metrics import WorkerCollector
 from ._options import SeenRequest, WorkerStats
@@ -121,7 +121,7 @@ class MockWorker:
         default_max_tokens: int = 16,
         fault_plan: FaultPlan | None = None,
         fault_injection: bool = False,
-        http_client: httpx.AsyncClient | None = None,
+        http_client: Client | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
         history: int = 256,
         prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
@@ -193,14 +193,15 @@ class MockWorker:
             self.name = f"{self.role}@{host}:{port}"
             self.kv.name = self.name
 
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> WorkerClient | HttpxWorkerClient:
         """The HTTP client of the worker's KV pulls and releases: ``http_client``, else
-        one made on first use (no proxies from the environment), which is then the
-        caller's to close (``app.http_client``). :func:`serve_worker` provides one and
-        closes it, so an app it serves never makes its own."""
-        if self.http_client is None:
-            self.http_client = httpx.AsyncClient(timeout=PULL_TIMEOUT, trust_env=False)
-        return self.http_client
+        a :class:`~trio_disagg.engines.WorkerClient` made on first use, which is then the
+        caller's to close (``await app.http_client.aclose()``). :func:`serve_worker`
+        provides one and closes it, so an app it serves never makes its own."""
+        client = self.http_client
+        if client is None:
+            client = self.http_client = kv_client()
+        return client if isinstance(client, WorkerClient) else HttpxWorkerClient(client)
 
     def extra_gauges(self) -> list[tuple[str, str, float]]:
         """More ``(name, doc, value)`` gauges for ``/metrics``."""
