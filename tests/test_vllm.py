@@ -12,6 +12,7 @@ Everything runs on 127.0.0.1 with port 0 and the real clock; every wait is bound
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,6 +20,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
+import attrs
 import httpx  # noqa: ASYNC127 (httpx is the project's HTTP client)
 import pytest
 import trio
@@ -60,6 +62,7 @@ from trio_disagg import (
     WorkerError,
     cancel_window_of,
 )
+from trio_disagg._cleanup import start_cleanup
 from trio_disagg.engines import (
     PREFILL_KV_TRANSFER_PARAMS,
     Client,
@@ -472,6 +475,31 @@ async def test_B1_a_cleanup_no_decode_worker_took_is_one_clear_log_line(
         f"B1 cleanup decode for gone: no decode worker took the staged KV within 0.6 s "
         f"(the handoff and decode idle deadlines; tried: {cluster.decode_url}); the "
         f"prefill worker's own lease frees it"], lines
+
+
+async def test_B1_a_cleanup_that_finds_the_kv_gone_already_is_not_a_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A B1 cleanup decode whose worker finds no KV to take (a decode aborted before its
+    pull let go of it, or its lease ran out: here a decode already took it): the KV is
+    gone, which is what the cleanup is for. One info line says so; no failure is counted
+    and nothing is logged as a warning."""
+    caplog.set_level(logging.INFO, logger="trio_disagg.router")
+    async with vllm_cluster() as cluster:
+        await run(cluster, completion("taken"))  # its decode pulls the KV
+        (seen,) = [seen for seen in cluster.decode.seen if seen.request_id == "taken"]
+        handoff = PrefillResult(disaggregated_params=seen.body["kv_transfer_params"])
+        start_cleanup(cluster.router, attrs.evolve(completion("taken"),
+                                                   prefill_result=handoff))
+        with trio.fail_after(5):
+            await cluster.keeper.wait_idle()
+        await cluster.settled()
+    counters = cluster.router.counters
+    assert counters.staged_kv_cleanups == 1 and counters.staged_kv_cleanup_failures == 0
+    lines = [record for record in caplog.records
+             if record.getMessage().startswith("B1 cleanup decode for taken")]
+    assert [record.levelno for record in lines] == [logging.INFO], lines
+    assert "the KV was gone already" in lines[0].getMessage()
 
 
 # stop_generating and the client disconnects (G4, G9, B1) are in test_protocol_router.py.

@@ -57,7 +57,10 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
     worker that comes back while the KV is staged still consumes it. A 4xx, a refusal that
     reports the KV lost, or a failure after the worker accepted ends the cleanup. (An
     engine that crashed before it accepted took no KV: it counts as a worker that could
-    not be reached.)
+    not be reached.) A worker that says the KV was not there to take (a
+    :class:`~trio_disagg.WorkerError` with ``handoff_lost``: a decode aborted before its
+    pull let go of it, or its lease ran out) ends it too, as done: logged at info, not
+    counted as a failure.
     """
     router.counters.staged_kv_cleanups += 1
     # An id of its own: the aborted decode leg may still run the request's id at the
@@ -94,10 +97,21 @@ async def consume_staged_kv(router: DisaggRouter, request: PreprocessedRequest) 
             "lease frees it", request.request_id, deadline,
             ", ".join(names) or "none, every decode worker failed its health probe")
     except Exception as exc:  # logged, never raised into the keeper (T2)
-        router.counters.staged_kv_cleanup_failures += 1
-        if isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]  # the leg's own failure, as the log should name it
-        logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
+        _ended_by(router, request, exc)
+
+
+def _ended_by(router: DisaggRouter, request: PreprocessedRequest, exc: Exception) -> None:
+    """Log (and count) what ended a cleanup decode that did not take the KV."""
+    if isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # the leg's own failure, as the log should name it
+    if isinstance(exc, WorkerError) and exc.handoff_lost:
+        # The worker found no KV to take: it is gone already (a decode that was aborted
+        # let go of it, its lease ran out), which is what the cleanup is for.
+        logger.info("B1 cleanup decode for %s: the KV was gone already (%s)",
+                    request.request_id, exc)
+        return
+    router.counters.staged_kv_cleanup_failures += 1
+    logger.warning("B1 cleanup decode for %s failed: %r", request.request_id, exc)
 
 
 def _any_worker(router: DisaggRouter, request: PreprocessedRequest
@@ -124,6 +138,7 @@ async def _cleanup_decode(
     """
     refusal: WorkerError | None = None
     failed: str | None = None
+    lost = False  # the worker said the KV was not there to take
     send, receive = trio.open_memory_channel[Annotated[LLMEngineOutput]](1)
     with router.decode.lease(worker):
         async with trio.open_nursery() as nursery:
@@ -139,11 +154,13 @@ async def _cleanup_decode(
                 with receive:
                     async for item in receive:
                         failed = _failure_of(item) or failed
+                        lost = lost or (isinstance(item.exception, WorkerError)
+                                        and item.exception.handoff_lost)
     if refusal is not None:
         router.decode.record_failure(worker, refusal)
     if failed is not None:
         raise WorkerError(f"decode worker {worker.name} failed the cleanup decode: {failed}",
-                          worker=worker.name)
+                          worker=worker.name, handoff_lost=lost)
     return refusal
 
 

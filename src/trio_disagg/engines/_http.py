@@ -38,7 +38,14 @@ from ._requests import check_worker_url, request_headers
 from ._stopper import SendChannel, Stopper, send_quietly
 from ._transport import TransportError
 from ._wire import WorkerClient
-from ._worker_errors import error_message, error_text, excerpt, is_error_object
+from ._worker_errors import (
+    REPORTED_ERROR,
+    error_message,
+    error_text,
+    excerpt,
+    is_error_object,
+    reports_lost_kv,
+)
 
 Item = Annotated[LLMEngineOutput]
 Role = Literal["prefill", "decode"]
@@ -368,9 +375,12 @@ class HttpEngine(ModelListing):
 
         It carries a :class:`~trio_disagg.WorkerError` (status 502, this worker) so that
         the server can map the failure by its type; on the wire only the message goes.
-        """
+        A decode worker's own error saying its handoff's KV could not be used is
+        ``handoff_lost`` (the KV is gone: a B1 cleanup has nothing left to consume)."""
+        lost = self.role == "decode" and reports_lost_kv(what, reported=True)
         return Annotated.from_exception(WorkerError(
-            f"{self.role} worker {self.url} {what}", status=502, worker=self.name))
+            f"{self.role} worker {self.url} {what}", status=502, worker=self.name,
+            handoff_lost=lost))
 
     async def _read_answer(self, response: Response) -> tuple[dict[str, Any] | Item, bytes]:
         """A whole JSON answer (or the error item saying what is wrong with it), and its
@@ -385,7 +395,7 @@ class HttpEngine(ModelListing):
         if not isinstance(answer, dict):
             return self._error(f"answered {type(answer).__name__}, not an object"), data
         if is_error_object(answer):
-            return self._error(f"reported an error: {error_text(answer)}"), data
+            return self._error(f"{REPORTED_ERROR}{error_text(answer)}"), data
         return answer, data
 
     async def _relay_json(
@@ -436,14 +446,11 @@ class HttpEngine(ModelListing):
         self, response: Response, parser: ChunkParser, send: SendChannel,
         slot: PullSlot | None,
     ) -> None:
-        """Server-sent events -> outputs; the finish is held until the usage chunk.
-
-        The hot path of the relay (docs/performance.md): the outputs of what one socket
-        read brought go to the channel as one item (a :class:`~._burst.Burst`), so a burst
-        of tokens costs one channel send, one trip through the gatekeeper and one write to
-        the client. With a ``slot`` the stream's reader reads the worker itself, in its
-        own task (:class:`~._pulled.SseSource`), while this leg waits: one task a token.
-        """
+        """Server-sent events -> outputs, the finish held until the usage chunk: what one
+        socket read brought is one item (a :class:`~._burst.Burst`: one trip through the
+        gate and one write, docs/performance.md). With a ``slot`` the stream's reader
+        reads the worker in its own task (:class:`~._pulled.SseSource`) while this leg
+        waits: one task a token."""
         source = SseSource(response, SseReader(parser), self._error, describe, slot)
         if slot is not None and slot.offer(source):
             try:
@@ -469,9 +476,8 @@ class HttpEngine(ModelListing):
 
 
 async def _read_body_end(response: Response) -> None:
-    """Read the end of a streamed body that sent ``[DONE]`` (it follows at once), so that
-    the connection goes back to the pool instead of being closed. The answer is complete
-    already: a failure here changes nothing."""
+    """Read the end of a streamed body that sent ``[DONE]`` (it follows at once), for its
+    connection to go back to the pool; the answer is complete: a failure changes nothing."""
     if response.at_end:  # it came with the [DONE]: no wait, no cancel scope
         return
     with trio.move_on_after(BODY_END_GRACE):
@@ -483,12 +489,6 @@ async def _read_body_end(response: Response) -> None:
 
 
 # --- wire helpers ----------------------------------------------------------------------------
-
-
-def reports_lost_kv(message: str) -> bool:
-    """Whether a decode worker's error message says the handoff's KV could not be used:
-    the KV transfer failed (vLLM's and the mock workers' "KV transfer failed: ...")."""
-    return message.lstrip().lower().startswith("kv transfer failed")
 
 
 def describe(exc: BaseException) -> str:

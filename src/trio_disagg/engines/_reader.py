@@ -13,7 +13,7 @@ from ._burst import Burst
 from ._chunks import ChunkParser, choices_beyond_one
 from ._raw import NOT_PLAIN, Run, RunReader, Template, learn_template, utf8_text
 from ._sse import normalise_line_ends, sse_data, stream_start
-from ._worker_errors import error_text
+from ._worker_errors import REPORTED_ERROR, error_text
 
 #: Templates learned in a row that carry nothing (but the chunk that taught each) after
 #: which a stream is parsed: its chunks differ from each other outside their text.
@@ -28,7 +28,7 @@ def chunk_problem(chunk: dict[str, Any]) -> str | None:
     """What is wrong with a parsed chunk, in words for an error naming the worker: an
     error object, or more than one choice (:func:`._chunks.choices_beyond_one`)."""
     if "error" in chunk or chunk.get("object") == "error":  # is_error_object, inline
-        return f"reported an error: {error_text(chunk)}"
+        return f"{REPORTED_ERROR}{error_text(chunk)}"
     return choices_beyond_one(chunk)
 
 

@@ -51,3 +51,19 @@ def error_message(data: bytes, status: int) -> str:
     if isinstance(answer, Mapping):
         return error_text(answer)
     return f"HTTP {status}"
+
+
+#: How an error item's message says the worker itself reported the error (its error
+#: object or event), before the worker's own message.
+REPORTED_ERROR = "reported an error: "
+
+
+def reports_lost_kv(message: str, *, reported: bool = False) -> bool:
+    """Whether a decode worker's error message says the handoff's KV could not be used:
+    the KV transfer failed (vLLM's and the mock workers' "KV transfer failed: ...").
+    ``reported``: ``message`` is an error item's, :data:`REPORTED_ERROR` and the worker's."""
+    if reported:
+        if not message.startswith(REPORTED_ERROR):
+            return False
+        message = message[len(REPORTED_ERROR):]
+    return message.lstrip().lower().startswith("kv transfer failed")

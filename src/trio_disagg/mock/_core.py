@@ -213,8 +213,8 @@ class Decode:
             if source is not None:
                 error = await source.pull()
                 pending = False
-                if error is not None:
-                    await sink.fail(f"{self.worker}: {error}")
+                if error is not None:  # (worded as the adapters read a lost handoff)
+                    await sink.fail(f"KV transfer failed: {self.worker}: {error}")
                     return
                 self.cached = self.prompt_tokens  # the decode sees the whole prompt cached
                 eos_first = self.eos_with_handoff and kind is FaultKind.EOS_FIRST_TOKEN
