@@ -127,6 +127,13 @@ class PullSlot:
                 await released.wait()
 
 
+def reader_may_pull(engine: object) -> bool:
+    """Whether a decode engine may hand its stream's reader its worker's answer (its
+    ``reader_pulls`` attribute; the HTTP adapters with the project's worker client): the
+    router opens a slot only for those (P2: nothing per request for the others)."""
+    return getattr(engine, "reader_pulls", False) is True
+
+
 def open_pull_slot(context: RequestContext, idle_timeout: float) -> PullSlot:
     """Give the leg of ``context`` a :class:`PullSlot` (the router, before a dispatch),
     with the decode-idle deadline (seconds) its reader's waits keep."""

@@ -39,7 +39,7 @@ from ._protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
 )
-from ._pull import open_pull_slot
+from ._pull import open_pull_slot, reader_may_pull
 from ._router_types import DECODE_ONLY as DECODE_ONLY
 from ._router_types import DISAGGREGATED as DISAGGREGATED
 from ._router_types import Deadlines as Deadlines
@@ -387,8 +387,9 @@ class DisaggRouter:
         slot = None
         if not owner.holds_transfer:
             owner.context.link_child(decode_context)  # C4
-            # Its reader may read its worker in its own task (one task a token, _pull.py).
-            slot = open_pull_slot(decode_context, self.deadlines.decode_idle)
+            if reader_may_pull(owner.decode_worker.engine):
+                # Its reader may read its worker in its own task (one task a token).
+                slot = open_pull_slot(decode_context, self.deadlines.decode_idle)
         handoff_deadline = trio.current_time() + self.deadlines.handoff
         with trio.move_on_at(handoff_deadline) as handoff_scope:
             decode_receive = await accepted_decode(

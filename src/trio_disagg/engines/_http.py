@@ -171,7 +171,7 @@ class HttpEngine(ModelListing):
         #: A decode stream's reader may read the worker in its own task (_pull.py): not
         #: through httpx, whose body iterator a cancelled read (the reader's own timeout)
         #: ends, and whose response it closes.
-        self._reader_pulls = self._transport is client
+        self.reader_pulls = self._transport is client
         self.name = name if name is not None else self.url
         self.handoff_style = (self.prefill_handoff_style if role == "prefill"
                               else HandoffStyle.SEQUENTIAL)
@@ -250,7 +250,7 @@ class HttpEngine(ModelListing):
             stopper.disarm()
         if body.get("stream") is True:
             await self._relay_any(response, request, body, parser, send,
-                                  stopper.pull if self._reader_pulls else None)
+                                  stopper.pull if self.reader_pulls else None)
         else:
             await self._relay_json(response, request, body, parser, send)
 
