@@ -179,19 +179,7 @@ async def test_a_read_timeout_counts_the_workers_silence_across_receives_cut_sho
     the read timeout's error once the worker was silent that long, not at the decode-idle
     deadline (60 s) nor never."""
     async with vllm_cluster(latency=PACED, client=vllm_client(read_timeout=0.2)) as cluster:
-        with trio.fail_after(5):
-            async with trio.open_nursery() as nursery:
-                stream = await cluster.router.stream(
-                    nursery, completion("stall", max_tokens=12, fault="decode_stall_at:3"),
-                    RequestContext("stall"))
-                items = []
-                with stream.outputs:
-                    while True:
-                        with trio.move_on_after(0.05):
-                            try:
-                                items.append(await stream.outputs.receive())
-                            except trio.EndOfChannel:
-                                break
+        items, _ = await _read_all(cluster, "stall", 12, cut=0.05, fault="decode_stall_at:3")
         assert len(tokens(items)) == 3
         assert items[-1].event == "error" and "ReadTimeout" in (items[-1].error or "")
         await cluster.settled()
@@ -216,12 +204,7 @@ async def test_B4_a_crash_reading_the_workers_stream_in_the_readers_task_is_one_
 
     monkeypatch.setattr(SseReader, "feed", crashing_feed)
     async with vllm_cluster(latency=PACED) as cluster:
-        with trio.fail_after(5):
-            async with trio.open_nursery() as nursery:
-                stream = await cluster.router.stream(
-                    nursery, completion("bug", max_tokens=50), RequestContext("bug"))
-                with stream.outputs:
-                    items = [item async for item in stream.outputs]
+        items, _ = await _read_all(cluster, "bug", 50)
         assert tokens(items) and all(item.event is None for item in items[:-1])
         assert items[-1].event == "error" and "a bug in the reader" in (items[-1].error or "")
         await wait_until(lambda: any(rid == "bug" for rid, _ in cluster.decode.aborts))
