@@ -19,7 +19,7 @@ from protocol_support import Item, completion, tokens
 from test_vllm import vllm_cluster
 
 from trio_disagg import DeadlineExceeded, Deadlines, FinishKind, RequestContext
-from trio_disagg._pull import PullSlot, pull_ready
+from trio_disagg._pull import PullSlot
 from trio_disagg.engines import VllmEngine, vllm_client
 from trio_disagg.engines._chunks import ChunkParser
 from trio_disagg.engines._pulled import SseSource
@@ -258,11 +258,11 @@ async def test_G8_a_finish_read_with_the_last_tokens_is_ready_with_them() -> Non
     assert slot.offer(source)
     burst = await source.pull()
     assert burst is not None and burst.data is not None and burst.data.text == " a b"
-    final = pull_ready(slot)
+    final = source.pull_nowait()
     assert final is not None and finish_of(final) is FinishKind.LENGTH
     assert final.data is not None and final.data.completion_usage is not None
     assert slot.released and source.finished
-    assert pull_ready(slot) is None and await source.pull() is None
+    assert source.pull_nowait() is None and await source.pull() is None
 
 
 def _no_error(message: str) -> Item:

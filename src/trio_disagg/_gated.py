@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import trio
@@ -15,7 +14,8 @@ from ._engine import decode_output as _engine_output
 from ._engine import is_decode_failure, is_terminal
 from ._errors import DeadlineExceeded, WorkerError
 from ._protocols import Annotated, FinishReason, LLMEngineOutput
-from ._pull import pull_ready, pull_slot, pulling, receive_decode
+from ._pull import pull_slot, receive_decode
+from ._sync_close import SyncCloseReceiveChannel
 
 if TYPE_CHECKING:
     from ._gate import Gatekeeper
@@ -32,7 +32,7 @@ _AGAIN: Final = Annotated[LLMEngineOutput](comment=["the prefill ended"])
 _END: Final = Annotated[LLMEngineOutput](comment=["the decode stream ended"])
 
 
-class GatedOutputs(trio.abc.ReceiveChannel[Item]):
+class GatedOutputs(SyncCloseReceiveChannel[Item]):
     """A request's decode outputs, read through its :class:`Gatekeeper` (G3-G8).
 
     Each :meth:`receive` pulls the next decode output through the gate in the reader's
@@ -163,6 +163,14 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             trio.EndOfChannel: the stream ended.
             trio.ClosedResourceError: this channel was closed.
         """
+        if (item := self.receive_ready()) is None:
+            raise trio.WouldBlock
+        return item
+
+    def receive_ready(self) -> Item | None:
+        """:meth:`receive_nowait`, with None where it raises ``trio.WouldBlock``: the
+        relay's poll after each output, with no exception raised per output
+        (docs/performance.md)."""
         if self._state:
             raise trio.ClosedResourceError if self._state == _CLOSED else trio.EndOfChannel
         if self._final is not None:
@@ -171,14 +179,19 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
             return self._final
         if self._reading:
             raise trio.BusyResourceError("another task is reading this stream")
-        if not self._passing or ((pulled := pull_ready(self._slot)) is None
-                                 and pulling(self._slot)):
-            raise trio.WouldBlock
+        if not self._passing:
+            return None
+        slot = self._slot
+        if slot is not None and (source := slot.source) is not None:
+            pulled = source.pull_nowait()  # (the reader reads the worker: no channel)
+            return None if pulled is None else self._deliver(pulled)
         try:
-            item = pulled or _engine_output(self._decode.receive_nowait())
+            item = _engine_output(self._decode.receive_nowait())
+        except trio.WouldBlock:
+            return None
         except trio.EndOfChannel:
             if self._leg_running:
-                raise trio.WouldBlock from None  # receive() waits for the leg's exit
+                return None  # receive() waits for the leg's exit
             item = None
         except WorkerError as exc:  # G4: not an engine output
             item = self._fail(exc)
@@ -204,33 +217,12 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
     def close(self) -> None:
         """Close the channel; before its end, the decode leg's context is stopped (the
         reader left) and ``receive`` raises ``ClosedResourceError``. Idempotent."""
-        self._close(stop=True)
-
-    async def aclose(self) -> None:
-        """:meth:`close`, then a checkpoint."""
-        self._close(stop=True)
-        await trio.lowlevel.checkpoint()
-
-    def __enter__(self) -> GatedOutputs:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._close()
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        # No checkpoint: closing is synchronous, and a block left on Cancelled must not
-        # raise a second one.
-        self._close()
-
-    def _close(self, *, stop: bool = True) -> None:
         if self._state == _CLOSED:
             return
         early = self._state == _OPEN
         self._state = _CLOSED
         self._decode.close()
-        if early and stop and self._decode_context is not None:
+        if early and self._decode_context is not None:
             # Nobody reads the decode leg any more, whyever the reader left (its own
             # timeout too: a stalled leg would otherwise hold the request's nursery).
             self._decode_context.stop_generating()
@@ -293,7 +285,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
         self._gate._first_output()
         return True
 
-    def _abandoned(self) -> bool:
+    def _abandoned(self) -> bool:  # (a method: mypy narrows self._state in receive())
         return self._state == _ENDED
 
     async def wait_ended(self) -> None:
@@ -329,8 +321,10 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
 
     async def _pass(self) -> Item | None:
         """G7, the hot path: the next decode output; None at the stream's end."""
-        if pulling(self._slot):  # (an item the last read brought after the one given)
-            return pull_ready(self._slot) or await self._wait()
+        slot = self._slot
+        if slot is not None and (source := slot.source) is not None:
+            # (an item the last read brought after the one given, else a read)
+            return source.pull_nowait() or await self._wait()
         try:
             item = _engine_output(self._decode.receive_nowait())
         except trio.WouldBlock:
@@ -397,7 +391,7 @@ class GatedOutputs(trio.abc.ReceiveChannel[Item]):
                     return await self._pass()
             item: Item | None
             try:
-                item = (_AGAIN if pulling(self._slot)
+                item = (_AGAIN if self._slot is not None and self._slot.source is not None
                         else _engine_output(self._decode.receive_nowait()))
             except trio.WouldBlock:
                 item = _AGAIN

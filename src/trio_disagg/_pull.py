@@ -146,18 +146,6 @@ def pull_slot(context: RequestContext) -> PullSlot | None:
     return context._pull
 
 
-def pull_ready(slot: PullSlot | None) -> Item | None:
-    """The item the offered source already read (:meth:`PulledSource.pull_nowait`), if
-    it is offered and has one, else None."""
-    source = slot.source if slot is not None else None
-    return source.pull_nowait() if source is not None else None
-
-
-def pulling(slot: PullSlot | None) -> bool:
-    """The leg's source is offered: its reader reads the worker (the channel is empty)."""
-    return slot is not None and slot.source is not None
-
-
 async def receive_decode(slot: PullSlot | None,
                          channel: trio.MemoryReceiveChannel[Item]) -> Item | None:
     """The next decode output, waited for: read from the worker in this task while the

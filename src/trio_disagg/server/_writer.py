@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import trio
 
+from .._gate import GatedOutputs
 from .._protocols import (
     Annotated,
     ChunkChoice,
@@ -311,18 +312,19 @@ async def _write_response(
     observe_itl: Callable[[float], None] | None,
 ) -> str:
     """:func:`write_response`, but for a choice or field it cannot write."""
-    parts, batched, on_text, on_choices = sink.parts, sink.batched, sink.text, sink.choices
+    parts, on_text, on_choices = sink.parts, sink.text, sink.choices
     tally = _Tally(first_token, observe_itl)
     if type(sink) is ContinuousSseSink:
         sink.tally = tally
     with stream.outputs as outputs:
+        # Read what is already waiting without a checkpoint, to write it at once.
+        ready = _poll(outputs) if sink.batched else None
         while True:
             try:
-                next_item = _next_item(outputs) if batched else await outputs.receive()
+                next_item = ready() if ready is not None else None
                 if next_item is None:  # nothing waiting: awaited outside an except clause
                     if parts:  # what was already waiting goes out in one write
                         await sink.flush()
-                        continue
                     next_item = await outputs.receive()
             except trio.EndOfChannel:  # no terminal at all
                 return await _fail(sink, failure_of(None))
@@ -433,13 +435,19 @@ def _cached(stream: RequestStream) -> int | None:
     return details.cached_tokens if details is not None else None
 
 
-def _next_item(outputs: StreamOutputs) -> Item | None:
-    """The next item if one is waiting, else None (without a schedule point).
+def _poll(outputs: StreamOutputs) -> Callable[[], Item | None]:
+    """What returns the next item if one is waiting, else None, without a schedule point
+    (and, from a gatekeeper's stream, without an exception: once per output).
 
-    Raises:
-        trio.EndOfChannel: the channel ended.
+    The function it returns raises ``trio.EndOfChannel`` once the channel ended.
     """
-    try:
-        return outputs.receive_nowait()
-    except trio.WouldBlock:
-        return None
+    if type(outputs) is GatedOutputs:
+        return outputs.receive_ready
+
+    def ready() -> Item | None:
+        try:
+            return outputs.receive_nowait()
+        except trio.WouldBlock:
+            return None
+
+    return ready
