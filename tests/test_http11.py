@@ -539,3 +539,39 @@ async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
         nursery.cancel_scope.cancel()
     with pytest.raises(ValueError, match="keep_alive_timeout"):
         await _http11.serve_http(EchoApp(), host="127.0.0.1", port=0, keep_alive_timeout=0)
+
+
+async def test_a_stream_sent_through_the_whole_sends_body_is_the_bytes_of_its_messages(
+) -> None:
+    """The ``WHOLE_SENDS`` extension's ``body`` (the relay's per-output write) frames each
+    part as ``send()`` does: the same bytes on the wire, an empty part writing nothing,
+    the head with the first part, and a HEAD request's parts never written."""
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                  send: Callable[[Message], Awaitable[None]]) -> None:
+        await receive()
+        body = scope["extensions"][_http11.WHOLE_SENDS]["body"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        parts = [b"data: 1\n\n", b"", b"data: 2\n\n"]
+        for part in parts:
+            if scope["path"] == "/direct":
+                await body(part)
+            else:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: 3\n\n", "more_body": False})
+
+    answers = {}
+    with trio.fail_after(10):
+        async with serving(app) as port:
+            for path in (b"/direct", b"/messages"):
+                async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                    await s.send_all(post(path, b"", b"connection: close\r\n"))
+                    answers[path] = await read_all(s)
+            async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                await s.send_all(b"HEAD /direct HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                head_answer = await read_all(s)
+    assert answers[b"/direct"] == answers[b"/messages"]
+    head, _, body = answers[b"/direct"].partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head
+    assert body == b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n9\r\ndata: 3\n\n\r\n0\r\n\r\n"
+    assert head_answer.endswith(b"\r\n\r\n") and b"data:" not in head_answer

@@ -95,8 +95,8 @@ class Exchange:
             if not self.conn.head_with_body:
                 head, self.head = self.head, None
                 await self._write(head)  # at once, as uvicorn does: the client sees 2xx
-            else:
-                await trio.lowlevel.cancel_shielded_checkpoint()  # recorded: not undone
+            # Else only recorded, with no schedule point: the first body's send, which
+            # writes the head with it, is the checkpoint (one per response saved).
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -121,6 +121,17 @@ class Exchange:
             await self._write(parts[0] if len(parts) == 1 else b"".join(parts))
         if self.done:
             self.conn._wake()  # a receive() waiting for the disconnect returns
+
+    async def send_body(self, data: bytes) -> None:
+        """``send({"type": "http.response.body", "body": data, "more_body": True})``
+        (the :data:`~._server.WHOLE_SENDS` extension's ``body``)."""
+        if (data and self.head is None and self.chunked and self.started
+                and not (self.done or self.head_only)):
+            # A part of a streamed body, the head gone: one chunk (an empty one, which
+            # would end the body, takes the general path: it writes nothing).
+            await self._write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     def _head(self, status: int, headers: Any) -> bytes:
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]

@@ -25,7 +25,9 @@ App = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awa
                Awaitable[None]]
 
 #: The ASGI scope extension saying that this server's sends are whole or break the
-#: connection, each bounded by the write timeout (so an app need not shield them).
+#: connection, each bounded by the write timeout (so an app need not shield them). Its
+#: ``"body"`` sends ``{"type": "http.response.body", "body": data, "more_body": True}``
+#: as ``await body(data)``: no message made and read for each part of a stream.
 WHOLE_SENDS = "trio_disagg.whole_sends"
 #: The ASGI scope extension with which an app hears of its client's disconnect without a
 #: task of its own: ``scope["extensions"][ON_DISCONNECT]["register"](callback)`` has the
@@ -119,12 +121,18 @@ class Server:
                 else:
                     handed = counted = False
                     try:
-                        # One listener at a time waits for room: two (a host's two
-                        # addresses) would each wait on an event the other replaced.
-                        async with self.room:
-                            self.accepted += 1
+                        if not self.room.locked() and (
+                                self.max_connections is None
+                                or self.accepted < self.max_connections):
+                            self.accepted += 1  # room for it: no wait, no schedule point
                             counted = True
-                            await self._make_room()
+                        else:
+                            # One listener at a time waits for room: two (a host's two
+                            # addresses) would each wait on an event the other replaced.
+                            async with self.room:
+                                self.accepted += 1
+                                counted = True
+                                await self._make_room()
                         nursery.start_soon(self.handle, stream)
                         handed = True
                     finally:
@@ -212,7 +220,8 @@ class Server:
             "client": conn.client, "server": conn.local,
             # Each send goes out whole or breaks the connection, bounded by WRITE_TIMEOUT,
             # whatever becomes of the app's task: the app needs no shield of its own.
-            "extensions": {WHOLE_SENDS: {}, ON_DISCONNECT: {"register": conn.on_disconnect}},
+            "extensions": {WHOLE_SENDS: {"body": exchange.send_body},
+                           ON_DISCONNECT: {"register": conn.on_disconnect}},
         }
         try:
             await self.app(scope, exchange.receive, exchange.send)

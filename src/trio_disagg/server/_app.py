@@ -160,7 +160,9 @@ class OpenAIApp:
         error event and ``[DONE]``. A request the server cancels from outside (its graceful
         timeout over, a hard stop) still gets its ending, shielded and bounded.
         """
-        responder = Responder(send, whole_sends=WHOLE_SENDS in scope.get("extensions", ()))
+        whole_sends = scope.get("extensions", {}).get(WHOLE_SENDS)
+        responder = Responder(send, whole_sends=whole_sends is not None,
+                              send_body=whole_sends.get("body") if whole_sends else None)
         handled = False
         try:
             await self._http(scope, receive, responder)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -50,14 +50,18 @@ class Responder:
     reports the end of a response to the app as an ``http.disconnect`` too.
     """
 
-    __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_deadline",
-                 "started", "whole_sends")
+    __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_body",
+                 "send_deadline", "started", "whole_sends")
 
-    def __init__(self, send: Send, *, whole_sends: bool = False) -> None:
+    def __init__(self, send: Send, *, whole_sends: bool = False,
+                 send_body: Callable[[bytes], Awaitable[None]] | None = None) -> None:
         self.send = send
         #: The server sends each message whole or breaks the connection, bounded in time
         #: (the project's own server): no shielded scope per send is needed.
         self.whole_sends = whole_sends
+        #: The server's own send of a part of a streamed body, if it has one (its
+        #: ``whole_sends`` extension's ``body``): no ASGI message per part.
+        self.send_body = send_body if whole_sends else None
         self.request_id: bytes | None = None
         self.started = False
         self.finished = False
@@ -112,6 +116,14 @@ class Responder:
         self.started = True
 
     async def body(self, data: bytes) -> None:
+        send_body = self.send_body
+        if send_body is not None and self.send_deadline == math.inf and not self.done:
+            try:
+                await send_body(data)  # the relay's hot path: one call, no message
+            except BaseException:
+                self.broken = True
+                raise
+            return
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def finish(self, data: bytes) -> None:
