@@ -341,13 +341,15 @@ class GatedOutputs(SyncCloseReceiveChannel[Item]):
         or the prefill's end interrupts the wait (None, or :data:`_AGAIN`)."""
         timeout = self._gate.idle_timeout
         slot = self._slot
-        if (slot is not None and slot.source is not None
+        if (slot is not None and (source := slot.source) is not None
                 and (self._passing or self._prefill.done)):
             # No scope: the leg keeps the idle deadline, and a stop reaches the leg.
             if self._idle_at is None:
                 self._idle_at = trio.current_time() + timeout
             slot.idle_at = self._idle_at
-            item = await receive_decode(self._slot, self._decode)
+            item = await source.pull()  # (receive_decode's first step, one call less)
+            if item is None and not slot.released:  # the leg took the reading back
+                item = await receive_decode(slot, self._decode)
             if self._final is not None:  # the idle deadline passed meanwhile
                 return _AGAIN
             self._idle_at = slot.idle_at = None
