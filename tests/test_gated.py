@@ -177,14 +177,18 @@ async def test_receive_nowait_waits_for_the_gate_while_the_prefill_is_pending(
         request.decode_send.send_nowait(token(2))
         with pytest.raises(trio.WouldBlock):
             request.outputs.receive_nowait()  # the gate may have to wait: receive()
+        assert request.outputs.receive_ready() is None  # (the same, without the exception)
         assert (await request.outputs.receive()).data == token(1).data
         prefill.succeed()
         await request.gate.prefill.wait_done()
         assert (await request.outputs.receive()).data == token(2).data
+        assert request.outputs.receive_ready() is None  # nothing waiting
         request.decode_send.send_nowait(finished(3))
         assert request.outputs.receive_nowait().data == finished(3).data  # G7, no wait
         with pytest.raises(trio.EndOfChannel):
             request.outputs.receive_nowait()  # G8
+        with pytest.raises(trio.EndOfChannel):
+            request.outputs.receive_ready()
         assert request.ends == 1
 
 
