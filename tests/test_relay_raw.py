@@ -1146,3 +1146,39 @@ def test_the_encoder_writes_a_run_as_its_choices(chat: bool) -> None:
         expected = b"".join(one_by_one.choices(list(run)))
         assert b"".join(as_run.choices(run)) == expected
         assert expected.count(b'"role":"assistant"') == (chat and first)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("escaped", [False, True])
+def test_a_first_read_is_one_run_after_the_chunk_that_taught_it(
+    monkeypatch: pytest.MonkeyPatch, chat: bool, escaped: bool
+) -> None:
+    """A stream's first read (a fast decode's, hundreds of tokens) learns its template
+    from its first common chunk, then reads the rest as a later read is read: one split
+    and one comparison, not each chunk's ends looked at (``RunReader.leading``). A read
+    whose rest is not all common chunks (an escaped text, a finish) goes the chunk by
+    chunk way; both read what the parser reads, and the event the read cut in half waits
+    for the next read."""
+    ends_looked_at = 0
+    real = RunReader.leading
+
+    def counted(runs: RunReader, chunks: list[bytes], begin: int = 0) -> int:
+        nonlocal ends_looked_at
+        ends_looked_at += 1
+        return real(runs, chunks, begin)
+
+    monkeypatch.setattr(RunReader, "leading", counted)
+    words = [f" w{i}" for i in range(300)]
+    if escaped:
+        words[150] = ' "quoted"'
+    tokens = [chunk(chat, delta_choice({"content": w}) if chat else text_choice(w))
+              for w in words]
+    first = chunk(chat, delta_choice({"role": "assistant", "content": ""})) if chat else b""
+    stream = first + b"".join(tokens) + finish(chat) + DONE
+    cut = len(first) + sum(map(len, tokens[:200])) + 40  # in the middle of an event
+    reader = SseReader(ChunkParser())
+    assert reader.feed(stream[:cut]) is None
+    burst = reader.burst.take()
+    assert burst is not None and burst.text == "".join(words[:200])
+    assert (ends_looked_at > 0) is escaped
+    assert_same_as_parsed(stream, Read([stream[:cut], stream[cut:]], raw=True))

@@ -130,6 +130,7 @@ class SseReader:
         # of a run that failed are read one by one with no other try: a read costs time
         # linear in its chunks, whatever they are (docs/performance.md).
         begin, end = 0, len(chunks)
+        tried = False  # the rest of the read tried as a whole once a template was learned
         while begin < end:
             runs = self._runs
             if (runs is not None and (count := runs.leading(chunks, begin))
@@ -140,10 +141,33 @@ class SseReader:
                 if problem is not None:
                     return problem
                 continue
+            learned = self._runs
             problem, begin = self._one_by_one(chunks, begin, end)
             if problem is not None:
                 return problem
+            if begin < end and self._runs is not learned and not tried:
+                tried = True  # once a read: a read that teaches again and again stays linear
+                if self._rest_whole(part, chunks, begin):
+                    return None
         return None
+
+    def _rest_whole(self, part: bytes, chunks: list[bytes], begin: int) -> bool:
+        """After a chunk that taught the stream its template (a stream's first read,
+        often a long one): if the rest of ``part``, from ``chunks[begin]`` on, is common
+        chunks only, read it as :meth:`RunReader.whole` reads a later read (one split
+        and one comparison, not each chunk's ends looked at) and return True."""
+        runs = self._runs
+        if runs is None or part[:6] != b"data: " or b"\r" in part:
+            return False  # (not the one-line events _data_of splits at their boundary)
+        # Where chunk ``begin``'s event starts: each chunk before it, and its "data: "
+        # and blank line.
+        whole = runs.whole(part[sum(map(len, chunks[:begin])) + 8 * begin:])
+        if whole is None:
+            return False
+        texts, text, _ = whole  # (what is left of the read is already pending)
+        self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
+        self._unused = 0
+        return True
 
     def _ends_an_event(self, part: bytes) -> bool:
         """Whether ``part`` may end the pending event: a blank line in it, or one its
