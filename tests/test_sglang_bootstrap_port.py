@@ -62,6 +62,9 @@ async def test_serve_takes_an_sglang_prefill_with_or_without_its_port() -> None:
             with pytest.raises(StartupError, match=says):
                 engines_for(build_parser().parse_args(
                     [*argv[:4], bad, "--prefill", "http://h:2,8998", *argv[-2:]]), client)
+        vllm = [*argv[:2], "vllm", "--prefill", "http://h:1", "8100", *argv[-2:]]
+        with pytest.raises(StartupError, match="a bootstrap port is SGLang's"):
+            engines_for(build_parser().parse_args(vllm), client)
     for words in (["http://h:1", "8998", "9000"], ["http://h:1,8998", "9000"], []):
         with pytest.raises(SystemExit):  # one URL, and at most one port
             build_parser().parse_args([*argv[:3], "--prefill", *words])

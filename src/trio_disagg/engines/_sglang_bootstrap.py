@@ -11,6 +11,7 @@ own router learns a prefill worker's bootstrap port there when it is not given; 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ from ._transport import TransportError
 from ._wire import WorkerClient
 
 __all__ = ["SERVER_INFO_PATHS", "fetch_bootstrap_port", "parse_prefill_spec"]
+
+logger = logging.getLogger("trio_disagg.engines")
 
 #: Where SGLang tells its server arguments, newest first: an older SGLang answers 404 to
 #: the first.
@@ -69,7 +72,7 @@ async def _get(transport: WorkerClient | HttpxWorkerClient, url: str, path: str
         return response.status_code, await response.aread(SERVER_INFO_LIMIT)
 
 
-def port_of(info: Mapping[str, Any], url: str, name: str, path: str) -> int:
+def _port_of(info: Mapping[str, Any], url: str, name: str, path: str) -> int:
     """The bootstrap port a server information answer gives.
 
     Raises:
@@ -124,4 +127,6 @@ async def fetch_bootstrap_port(transport: WorkerClient | HttpxWorkerClient, url:
         info = None
     if not isinstance(info, dict):
         raise _unknown(url, name, f"GET {path} answered no JSON object")
-    return port_of(info, url, name, path)
+    port = _port_of(info, url, name, path)
+    logger.info("SGLang prefill worker %s bootstraps at port %d (its %s)", url, port, path)
+    return port
