@@ -20,7 +20,7 @@ import pytest
 import trio
 from e2e_support import MODEL, PROMPT, banner_port
 
-from trio_disagg import DisaggRouter, HealthMonitor, TransferKeeper, WorkerPool
+from trio_disagg import DisaggRouter, HealthMonitor, TransferKeeper, WorkerError, WorkerPool
 from trio_disagg._cli import StartupError, build_parser, cancel_windows
 from trio_disagg._cli._serve_options import engines_for
 from trio_disagg.engines import SglangEngine, parse_prefill_spec, sglang_engines, worker_client
@@ -148,6 +148,38 @@ async def test_learn_bootstrap_port_asks_server_info_then_get_server_info(
             assert engine.bootstrap_port == prefill.bootstrap_port
     assert [path for path in seen if "server_info" in path] == (
         ["/server_info", "/get_server_info"] if old_sglang else ["/server_info"])
+
+
+async def test_a_learned_port_is_asked_again_after_the_worker_failed_its_probe() -> None:
+    """A prefill worker that fails its health probe may come back restarted on another
+    bootstrap port: the port it told is forgotten, and asked again; a port given is kept."""
+    prefill, decode = sglang_pair()
+    down = False
+    real_route = prefill._route
+
+    async def route(scope: Any, receive: Any, send: Any) -> None:
+        if down and scope["path"] == "/health":
+            scope = {**scope, "path": "/nowhere"}  # 404
+        await real_route(scope, receive, send)
+
+    prefill._route = route  # type: ignore[method-assign]
+    with trio.fail_after(10):
+        async with workers(prefill, decode) as (prefill_url, _), worker_client() as client:
+            learned = SglangEngine(prefill_url, "prefill", client=client)
+            given = SglangEngine(prefill_url, "prefill", client=client, bootstrap_port=9000)
+            await learned.check_health()
+            assert prefill.bootstrap_port is not None
+            assert learned.bootstrap_port == prefill.bootstrap_port
+            down = True
+            for engine in (learned, given):
+                with pytest.raises(WorkerError, match="answered 404"):
+                    await engine.check_health()
+            assert repr(learned).endswith("bootstrap port unknown>")  # forgotten
+            assert given.bootstrap_port == 9000
+            down = False
+            prefill.bootstrap_port += 1  # what its /server_info now says: restarted
+            await learned.check_health()
+            assert learned.bootstrap_port == prefill.bootstrap_port
 
 
 # --- a port that cannot be learned: the operator's to fix, never a client's 400 -----------

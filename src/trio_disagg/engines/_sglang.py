@@ -349,7 +349,8 @@ class SglangEngine(HttpEngine):
             host = urlsplit(self.url).hostname or ""
             self.bootstrap_host = f"[{host}]" if ":" in host else host
             self.bootstrap_port = port
-        elif bootstrap_port is not None:
+        self._learns_port = role == "prefill" and bootstrap_port is None
+        if role != "prefill" and bootstrap_port is not None:
             raise ValueError("only a prefill worker has a bootstrap port")
 
     def __repr__(self) -> str:
@@ -383,13 +384,20 @@ class SglangEngine(HttpEngine):
     async def check_health(self) -> None:
         """Probe the worker's health endpoint once, as every HTTP engine does; a prefill
         worker whose bootstrap port is still unknown is then asked for it
-        (:meth:`learn_bootstrap_port`), and passes only once it is known.
+        (:meth:`learn_bootstrap_port`), and passes only once it is known. A port learned
+        is forgotten when the health endpoint fails: the worker may come back restarted
+        with another, and is asked again.
 
         Raises:
             WorkerError: the worker could not be reached or answered anything but 2xx
                 (``worker_status``), or its bootstrap port could not be learned (503).
         """
-        await super().check_health()
+        try:
+            await super().check_health()
+        except WorkerError:
+            if self._learns_port:
+                self.bootstrap_port = None
+            raise
         if self.role == "prefill" and self.bootstrap_port is None:
             await self.learn_bootstrap_port()
 
