@@ -90,10 +90,12 @@ class WorkerHealth:
         probes_total, probe_failures_total: probes run, and those that failed.
         probe_seconds_total: their summed latency, in seconds.
         last_probe_seconds: the last probe's latency in seconds (None before one).
+        probe_failure: why the last probe failed, as its probe said; None if it passed
+            (or said nothing).
     """
 
     __slots__ = ("consecutive_faults", "ejected", "ejected_until", "ejections",
-                 "last_probe_seconds", "probe_failures_total", "probe_ok",
+                 "last_probe_seconds", "probe_failure", "probe_failures_total", "probe_ok",
                  "probe_seconds_total", "probed", "probes_total", "trial_until")
 
     def __init__(self, *, probed: bool = False) -> None:
@@ -108,6 +110,7 @@ class WorkerHealth:
         self.probe_failures_total = 0
         self.probe_seconds_total = 0.0
         self.last_probe_seconds: float | None = None
+        self.probe_failure: str | None = None
 
     def state(self, now: float) -> HealthState:
         """The breaker's state at ``now`` (``trio.current_time()``): ``DOWN`` while the
@@ -160,10 +163,12 @@ class WorkerHealth:
             self.trial_until = -math.inf
             self.ejections["passive"] += 1
 
-    def probe_result(self, ok: bool, seconds: float) -> None:
-        """A probe ended: ``ok`` or not, after ``seconds``. A failed probe takes the worker
-        out of selection until a probe succeeds; a successful one does not end a passive
-        ejection (a worker whose health endpoint answers may still fail its requests)."""
+    def probe_result(self, ok: bool, seconds: float, failure: str | None = None) -> None:
+        """A probe ended: ``ok`` or not (``failure`` says why), after ``seconds``. A failed
+        probe takes the worker out of selection until a probe succeeds; a successful one
+        does not end a passive ejection (a worker whose health endpoint answers may still
+        fail its requests)."""
+        self.probe_failure = None if ok else failure
         self.probes_total += 1
         self.probe_seconds_total += seconds
         self.last_probe_seconds = seconds
@@ -338,4 +343,4 @@ class HealthMonitor:
                            "succeeds", worker.name, reason)
         elif ok and not health.probe_ok:
             logger.warning("worker %s passed its health probe: selected again", worker.name)
-        health.probe_result(ok, trio.current_time() - start)
+        health.probe_result(ok, trio.current_time() - start, reason)

@@ -411,8 +411,10 @@ class WorkerPool(Generic[E]):
         """What the policy chooses among (panic routing included); never empty."""
         candidates = self._choosable() or [
             worker for worker in self.workers if worker.health.probe_ok]
-        if not candidates:
-            raise NoWorkerAvailable("every worker failed its health probe")
+        if not candidates:  # the first failure's reason: the operator's fix, often
+            why = next((f" ({worker.name}: {worker.health.probe_failure})" for worker in
+                        self.workers if worker.health.probe_failure is not None), "")
+            raise NoWorkerAvailable(f"every worker failed its health probe{why}")
         return candidates
 
     def alternative(

@@ -213,7 +213,7 @@ class DisaggRouter:
                 failed validation (B7); a :class:`PrefillDeadlineExceeded` if it ran out
                 of time.
             DeadlineExceeded: the decode worker did not accept within ``handoff`` seconds.
-            WorkerError: the decode worker refused the request.
+            WorkerError: the decode worker refused, or (503) the prefill has no bootstrap port.
             TypeError: an argument of another type than its own, before any work.
             ValueError: ``request`` has a ``prefill_result`` or ``bootstrap_info`` (ours).
             RuntimeError: the keeper is not open (B3: close the router first); ``nursery``
@@ -296,7 +296,7 @@ class DisaggRouter:
         info = request.bootstrap_info
         if strategy is BootstrapOwner:
             if engine.bootstrap_host is None or engine.bootstrap_port is None:
-                raise WorkerError(f"prefill worker {engine.name} has no bootstrap address")
+                raise WorkerError(f"prefill worker {engine.name} has no bootstrap port", status=503)
             while (room := secrets.randbits(63)) in self._rooms:
                 pass
             info = BootstrapInfo(host=engine.bootstrap_host, port=engine.bootstrap_port,

@@ -32,6 +32,19 @@ from ._serve_options import (
 #: What ``add_subparsers`` returns: where each command adds its parser.
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
+
+class PrefillSpec(argparse.Action):
+    """``--prefill URL``, ``--prefill URL,BOOTSTRAP_PORT`` or, as SGLang's router takes
+    it, ``--prefill URL BOOTSTRAP_PORT``: appended as one spec, ``URL[,BOOTSTRAP_PORT]``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        words = [str(word) for word in values] if isinstance(values, list) else [str(values)]
+        if len(words) > 2 or (len(words) == 2 and "," in words[0]):
+            parser.error(f"{option_string} takes a URL and at most one bootstrap port, got "
+                         f"{' '.join(words)!r}")
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest), ",".join(words)])
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``trio-disagg`` and its commands: ``serve``, ``mock-worker``, ``demo``."""
     parser = argparse.ArgumentParser(
@@ -86,9 +99,12 @@ def _add_serve_routing_options(serve_cmd: argparse.ArgumentParser) -> None:
     serve_cmd.add_argument("--backend", default="mock",
                            choices=["mock", "vllm", "sglang", "trtllm"],
                            help="the workers' protocol; mock: in-process mock engines")
-    serve_cmd.add_argument("--prefill", action="append", default=[], metavar="URL",
+    serve_cmd.add_argument("--prefill", action=PrefillSpec, nargs="+", default=[],
+                           metavar=("URL", "BOOTSTRAP_PORT"),
                            help="a prefill worker, http(s)://host[:port] (repeat for "
-                                "several); for sglang URL or URL,BOOTSTRAP_PORT (default: "
+                                "several); for sglang URL,BOOTSTRAP_PORT, or URL "
+                                "BOOTSTRAP_PORT as SGLang's router takes it: without a port "
+                                "(or with none) the worker's own is asked of it (default: "
                                 "none; required with --backend vllm, sglang or trtllm)")
     serve_cmd.add_argument("--decode", action="append", default=[], metavar="URL",
                            help="a decode worker (repeat for several) (default: none; "

@@ -178,8 +178,9 @@ def engines_for(
     counters ``/metrics`` then shows), or adapters over HTTP.
 
     Raises:
-        StartupError: workers given for the mocks, a pool missing for a real backend, or
-            a worker URL the adapter refuses.
+        StartupError: workers given for the mocks, a pool missing for a real backend, a
+            bootstrap port for another backend than SGLang, or a worker URL (or SGLang
+            bootstrap port) the adapter refuses.
     """
     if args.backend == "mock":
         if args.prefill or args.decode:
@@ -195,6 +196,10 @@ def engines_for(
                            "--decode")
     if args.backend not in BACKENDS:
         raise StartupError(f"--backend {args.backend} is not available yet")
+    ported = [spec for spec in args.prefill if "," in spec]
+    if ported and args.backend != "sglang":
+        raise StartupError(f"--prefill {ported[0]!r}: a bootstrap port is SGLang's; "
+                           f"--backend {args.backend} takes a worker's URL alone")
     try:
         prefill, decode = adapter(args.backend)(args.prefill, args.decode, client=client)
     except ValueError as exc:

@@ -29,7 +29,6 @@ from .._context import RequestContext
 from .._engine import CancelWindow, HandoffStyle
 from .._errors import WorkerError
 from .._protocols import (
-    DEFAULT_BOOTSTRAP_PORT,
     Annotated,
     BootstrapInfo,
     CompletionUsage,
@@ -62,6 +61,7 @@ from ._requests import (
     streaming_body,
     worker_client,
 )
+from ._sglang_bootstrap import fetch_bootstrap_port, parse_prefill_spec
 from ._stopper import (
     SendChannel,
     Stopper,
@@ -82,28 +82,6 @@ GENERATE_PATH = "/generate"
 #: ``cached_tokens`` would, S4) and its ``routed_experts`` covers only the tokens it
 #: computed.
 SGLANG_WITHHELD = PLUMBING | {"sglext"}
-
-
-def parse_prefill_spec(spec: str) -> tuple[str, int]:
-    """Parse a prefill worker given as ``URL`` or ``URL,BOOTSTRAP_PORT``.
-
-    Returns:
-        ``(url, bootstrap_port)``; the port is 8998 (SGLang's default) if not given.
-
-    Raises:
-        ValueError: the port is not an integer in 1-65535, or the URL is empty.
-    """
-    url, sep, port_text = spec.partition(",")
-    url = url.strip()
-    if not url:
-        raise ValueError(f"an SGLang prefill worker is URL or URL,BOOTSTRAP_PORT; got {spec!r}")
-    if not sep:
-        return url, DEFAULT_BOOTSTRAP_PORT
-    port_text = port_text.strip()
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"the bootstrap port of {url} must be an integer in 1-65535, got "
-                         f"{port_text!r}")
-    return url, int(port_text)
 
 
 @attrs.frozen(kw_only=True)
@@ -334,8 +312,11 @@ class SglangEngine(HttpEngine):
         client: the shared client (see :func:`~trio_disagg.engines.worker_client`), or
             an :class:`httpx.AsyncClient` of the caller's own; the engine never closes it.
         name: unique within its pool; default ``url``.
-        bootstrap_port: a prefill worker's bootstrap port (default 8998, SGLang's); its
-            :attr:`bootstrap_host` is the URL's host.
+        bootstrap_port: a prefill worker's bootstrap port; its :attr:`bootstrap_host` is
+            the URL's host. None (the default): asked of the worker, as SGLang's router
+            does, by :meth:`check_health` (a :class:`~trio_disagg.HealthMonitor`'s probe)
+            or :meth:`learn_bootstrap_port`; until then :attr:`bootstrap_port` is None,
+            its probe fails, and the router routes no request to it (503).
         cancel_window: overrides ``BEFORE_HANDOFF`` for this engine.
 
     Raises:
@@ -362,19 +343,63 @@ class SglangEngine(HttpEngine):
         super().__init__(url, role, client=client, name=name, cancel_window=cancel_window)
         self.handoff_style = HandoffStyle.BOOTSTRAP
         if role == "prefill":
-            port = DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else bootstrap_port
-            if type(port) is not int or not 0 < port < 65536:
+            port = bootstrap_port
+            if port is not None and (type(port) is not int or not 0 < port < 65536):
                 raise ValueError(f"bootstrap_port must be in 1-65535, got {port!r}")
             host = urlsplit(self.url).hostname or ""
             self.bootstrap_host = f"[{host}]" if ":" in host else host
             self.bootstrap_port = port
-        elif bootstrap_port is not None:
+        self._learns_port = role == "prefill" and bootstrap_port is None
+        if role != "prefill" and bootstrap_port is not None:
             raise ValueError("only a prefill worker has a bootstrap port")
 
     def __repr__(self) -> str:
         if self.role == "prefill":
-            return f"<SglangEngine prefill {self.url} bootstrap port {self.bootstrap_port}>"
+            port = "unknown" if self.bootstrap_port is None else self.bootstrap_port
+            return f"<SglangEngine prefill {self.url} bootstrap port {port}>"
         return f"<SglangEngine decode {self.url}>"
+
+    async def learn_bootstrap_port(self) -> int:
+        """Ask the prefill worker for its bootstrap port, as SGLang's router does when it
+        is not given: ``GET /server_info`` (``/get_server_info`` from an SGLang without
+        it), whose ``disaggregation_mode`` must be ``prefill`` and whose
+        ``disaggregation_bootstrap_port`` becomes :attr:`bootstrap_port`. It need not
+        bound itself: the caller cancels it (the connection is then closed).
+
+        Returns:
+            The port, now :attr:`bootstrap_port`.
+
+        Raises:
+            WorkerError: status 503, naming the worker and what to do: it could not be
+                reached, did not answer with its server information, is not a prefill
+                worker, or gave no port in 1-65535. :attr:`bootstrap_port` is unchanged.
+            ValueError: this is a decode engine.
+        """
+        if self.role != "prefill":
+            raise ValueError("only a prefill worker has a bootstrap port")
+        self.bootstrap_port = await fetch_bootstrap_port(self._transport, self.url,
+                                                         self.name)
+        return self.bootstrap_port
+
+    async def check_health(self) -> None:
+        """Probe the worker's health endpoint once, as every HTTP engine does; a prefill
+        worker whose bootstrap port is still unknown is then asked for it
+        (:meth:`learn_bootstrap_port`), and passes only once it is known. A port learned
+        is forgotten when the health endpoint fails: the worker may come back restarted
+        with another, and is asked again.
+
+        Raises:
+            WorkerError: the worker could not be reached or answered anything but 2xx
+                (``worker_status``), or its bootstrap port could not be learned (503).
+        """
+        try:
+            await super().check_health()
+        except WorkerError:
+            if self._learns_port:
+                self.bootstrap_port = None
+            raise
+        if self.role == "prefill" and self.bootstrap_port is None:
+            await self.learn_bootstrap_port()
 
     async def generate(  # noqa: ASYNC114 (started by the router)
         self,
@@ -437,7 +462,8 @@ def sglang_engines(
 
     Args:
         prefill_specs: the prefill workers, each ``URL`` or ``URL,BOOTSTRAP_PORT``
-            (``http://10.0.0.5:30000,8998``); the bootstrap port defaults to 8998.
+            (``http://10.0.0.5:30000,8998``): a port not given (or ``none``) is asked of
+            the worker by its engine's health probe (:meth:`SglangEngine.check_health`).
         decode_urls: the decode workers' base URLs.
         client: the client to share; default a new
             :func:`~trio_disagg.engines.worker_client`, reachable as ``engine.client`` of
@@ -458,7 +484,7 @@ def sglang_engines(
     check_unique("decode", list(decode_urls))
     for url in [url for url, _ in parsed] + list(decode_urls):
         check_worker_url(url, SglangEngine.protocol)  # before a client is made
-    addresses = [(urlsplit(url).hostname, port) for url, port in parsed]
+    addresses = [(urlsplit(url).hostname, port) for url, port in parsed if port is not None]
     if len(set(addresses)) != len(addresses):
         raise ValueError(f"two prefill workers bootstrap at the same host and port: "
                          f"{list(prefill_specs)}")

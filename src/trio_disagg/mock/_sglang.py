@@ -112,13 +112,15 @@ class MockSglangWorker(MockWorker):
     (OpenAI answers and chunks) and ``POST /generate`` (native: ``text`` or ``input_ids``,
     ``sampling_params.max_new_tokens``, answers ``{"text", "output_ids", "meta_info"}``,
     streamed as cumulative events, or incremental ones with
-    ``incremental_streaming_output``), streamed or not; ``GET /get_server_info``
-    (``disaggregation_mode``, ``disaggregation_bootstrap_port``); ``GET /v1/models``,
+    ``incremental_streaming_output``), streamed or not; ``GET /server_info`` and ``GET
+    /get_server_info`` (``disaggregation_mode``, ``disaggregation_bootstrap_port``: a
+    prefill worker's own, 8998 for a decode worker, as SGLang's); ``GET /v1/models``,
     ``GET /health``, ``GET /metrics`` (with ``trio_disagg_mock_bootstrap_rooms_open``),
     ``GET /stats``. Errors are SGLang's ``{"object": "error", "message", ...}``.
 
     **Prefill** (``role="prefill"``): a request must carry ``bootstrap_host``,
-    ``bootstrap_port`` (this worker's) and ``bootstrap_room`` (else 400); ``n > 1`` and
+    ``bootstrap_port`` and ``bootstrap_room`` (else 400; a port not this worker's is the
+    router's mistake: 500, where SGLang's decode would fail to join); ``n > 1`` and
     batched rooms are refused (400: every request and every sample needs its own room),
     and so is a room that already has a prefill request. The worker enters the room,
     starts a streamed answer at once, computes the prefill
@@ -233,9 +235,11 @@ class MockSglangWorker(MockWorker):
             await self.rooms.route(scope, receive, send)
             return
         if scope["path"] in ("/get_server_info", "/server_info") and scope["method"] == "GET":
+            # as SGLang's: its server arguments, the bootstrap port given whatever the role
             await self.exchange(send).respond(200, orjson.dumps({
                 "disaggregation_mode": self.role,
-                "disaggregation_bootstrap_port": self.bootstrap_port,
+                "disaggregation_bootstrap_port": self.bootstrap_port if self.role == "prefill"
+                else DEFAULT_BOOTSTRAP_PORT,
                 "model_path": self.model if self.model is not None else "mock-model",
                 "version": "trio-disagg-mock",
             }))
@@ -286,9 +290,9 @@ class MockSglangWorker(MockWorker):
             if triple is None:
                 raise Refusal(400, f"{self.name} is a prefill worker: the request needs "
                                    f"{', '.join(BOOTSTRAP_KEYS)}")
-            if triple[1] != self.bootstrap_port:
-                raise Refusal(400, f"{self.name} bootstraps at port {self.bootstrap_port}, "
-                                   f"not {triple[1]}")
+            if triple[1] != self.bootstrap_port:  # the router's mistake, not the client's
+                raise Refusal(500, f"{self.name} bootstraps at port {self.bootstrap_port}, "
+                                   f"not {triple[1]}: no decode could join its rooms")
             return partial(self._prefill, exchange, body, fmt, include_usage, fault, triple[2])
         source = None
         if triple is not None:
