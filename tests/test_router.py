@@ -1842,3 +1842,22 @@ async def test_B3_stream_over_a_keeper_that_is_not_open_raises_runtime_error_bar
 def buggy_callback(killed: bool) -> None:
     """An ``on_stop`` callback that raises (a bug: it must not)."""
     raise ZeroDivisionError("the bug")
+
+
+async def test_B1_a_cleanup_the_in_process_mock_finds_without_kv_is_not_a_failure(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The client leaves while its prefill computes; the prefill then stages its KV,
+    answers the handoff and fails, letting go of the KV (prefill_fail_after_handoff). The
+    B1 cleanup decode the handoff calls for finds no KV to take, which is what it is for:
+    the in-process mock decode says so as the HTTP workers do (a ``handoff_lost``
+    WorkerError), and no cleanup failure is counted."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper)
+        with trio.move_on_after(0.05):  # the prefill takes 10 x 0.01 s
+            await h.run(make_request(words=10, fault="prefill_fail_after_handoff"))
+        await h.settle()
+        h.assert_clean()
+    counters = h.router.counters
+    assert counters.staged_kv_cleanups == 1
+    assert counters.staged_kv_cleanup_failures == 0
