@@ -384,3 +384,26 @@ async def test_G4_B4_an_output_that_is_not_an_engine_output_ends_the_stream_with
             assert await request.rest() == []  # G8: nothing after it
             assert request.ends == 1
             prefill.succeed()
+
+
+async def test_B2_the_decode_idle_clock_of_a_wait_on_a_pending_prefill_starts_at_its_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A decode waiting for its first output while its prefill is pending (a bootstrap
+    decode waits on the prefill's KV) is not idle: the prefill succeeds after 5 s, and
+    the decode that still sends nothing fails at the decode-idle deadline from then."""
+    async with TransferKeeper() as keeper:
+        prefill = Prefill(keeper)
+        request = Request(prefill.task, idle_timeout=3)
+
+        async def succeed_later() -> None:
+            await trio.sleep(5)
+            prefill.succeed()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(succeed_later)
+            items = await request.rest()
+        assert trio.current_time() == 8.0
+        assert len(items) == 1
+        assert isinstance(items[0].exception, DeadlineExceeded)
+        assert items[0].exception.what == "decode idle"

@@ -1842,3 +1842,42 @@ async def test_B3_stream_over_a_keeper_that_is_not_open_raises_runtime_error_bar
 def buggy_callback(killed: bool) -> None:
     """An ``on_stop`` callback that raises (a bug: it must not)."""
     raise ZeroDivisionError("the bug")
+
+
+async def test_B1_a_cleanup_the_in_process_mock_finds_without_kv_is_not_a_failure(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The client leaves while its prefill computes; the prefill then stages its KV,
+    answers the handoff and fails, letting go of the KV (prefill_fail_after_handoff). The
+    B1 cleanup decode the handoff calls for finds no KV to take, which is what it is for:
+    the in-process mock decode says so as the HTTP workers do (a ``handoff_lost``
+    WorkerError), and no cleanup failure is counted."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper)
+        with trio.move_on_after(0.05):  # the prefill takes 10 x 0.01 s
+            await h.run(make_request(words=10, fault="prefill_fail_after_handoff"))
+        await h.settle()
+        h.assert_clean()
+    counters = h.router.counters
+    assert counters.staged_kv_cleanups == 1
+    assert counters.staged_kv_cleanup_failures == 0
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_B2_a_prefill_longer_than_the_decode_idle_deadline_is_bounded_by_its_own(
+    autojump_clock: trio.abc.Clock, style: HandoffStyle,
+) -> None:
+    """A prefill that computes for 3 s, well inside its 30 s deadline, with a decode-idle
+    deadline of 1 s. The decode's first output needs the prefill's KV: however early the
+    decode was dispatched (bootstrap: at once, into the room), it is not idle while the
+    prefill it waits for runs within its own deadline. The request succeeds."""
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, style, deadlines=Deadlines(
+            prefill=30, handoff=30, decode_idle=1, terminal_hold=30, transfer=60))
+        _, items = await h.run(make_request(words=300, max_tokens=3))  # 300 x 0.01 s
+        assert not any(item.is_error for item in items), items[-1]
+        last = items[-1].data
+        assert last is not None and last.finish_reason is not None
+        assert last.finish_reason.kind is FinishKind.LENGTH
+        await h.settle()
+        h.assert_clean()

@@ -575,6 +575,16 @@ BAD_INPUTS: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("POST", CHAT, _with(CHAT_GOOD, model="nope"), 404, "model", "model_not_found"),
     ("POST", CHAT, _with(CHAT_GOOD, tools=5), 400, "tools", "invalid_type"),
     ("POST", CHAT, _with(CHAT_GOOD, tools=[{"type": "x"}]), 400, "tools[0]", "invalid_value"),
+    # A tool_choice that forces a call with no tool to call: a prefill would fail once
+    # its KV is staged (vLLM's "required"), leaving it to its lease (B8).
+    ("POST", CHAT, _with(CHAT_GOOD, tool_choice="required"), 400, "tool_choice",
+     "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, tools=[], tool_choice="required"), 400, "tool_choice",
+     "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, tool_choice={"type": "function",
+                                                 "function": {"name": "f"}}), 400,
+     "tool_choice", "invalid_value"),
+    ("POST", CHAT, _with(CHAT_GOOD, tool_choice=5), 400, "tool_choice", "invalid_type"),
     ("POST", CHAT, _with(CHAT_GOOD, top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     ("POST", CHAT, _with(CHAT_GOOD, logprobs=True, top_logprobs=21), 400, "top_logprobs",
      "invalid_value"),

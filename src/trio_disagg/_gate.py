@@ -48,7 +48,9 @@ class Gatekeeper:
             :class:`Terminal`.
         client_context: stopped when a prefill failure ends the request (G1, G5, G6).
         idle_timeout: seconds to wait for each decode output before failing the stream
-            with a "decode idle" error (B2).
+            with a "decode idle" error (B2). Before the first output, the wait counts from
+            the prefill's end: a decode dispatched alongside its prefill (bootstrap) waits
+            on that prefill, which its own deadline bounds.
         terminal_hold_timeout: seconds to hold a success terminal for the prefill outcome
             before failing the stream with a "terminal hold" error (B2).
         on_first_output: called once, synchronously, when the first decode output (or
@@ -86,6 +88,7 @@ class Gatekeeper:
         self._answer_only = isinstance(prefill, Terminal)
         self.prefill: PrefillTask[Any] = _as_task(prefill, client_context.id)
         self._on_first_output = on_first_output
+        self._output_seen = False  # the first decode output (or the stream's end) came
         self.client_context = client_context
         self.idle_timeout = idle_timeout
         self.terminal_hold_timeout = terminal_hold_timeout
@@ -191,6 +194,7 @@ class Gatekeeper:
     def _first_output(self) -> None:
         """The first decode output (or the decode stream's end) arrived: call
         ``on_first_output``, once."""
+        self._output_seen = True
         first, self._on_first_output = self._on_first_output, None
         if first is not None:
             first()

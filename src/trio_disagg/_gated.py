@@ -358,10 +358,11 @@ class GatedOutputs(SyncCloseReceiveChannel[Item]):
             # Nothing of ours interrupts it (or a forwarder's one race does): no scope.
             return await receive_decode(self._slot, self._decode)
         # The deadline is absolute and outlives a wait the reader's own timeout cut: the
-        # decode is idle since the first wait for this output, not since the last (B2).
-        if self._idle_at is None:
+        # decode is idle since the first wait for this output, not since the last (B2), and
+        # not before its first while it waits on a pending prefill (see _prefill_ended).
+        if self._idle_at is None and (self._prefill.done or self._gate._output_seen):
             self._idle_at = trio.current_time() + timeout
-        with trio.CancelScope(deadline=self._idle_at) as wait:
+        with trio.CancelScope(deadline=self._idle_at or math.inf) as wait:
             self._waiting = wait
             try:
                 item = await receive_decode(self._slot, self._decode)
@@ -450,6 +451,9 @@ class GatedOutputs(SyncCloseReceiveChannel[Item]):
                 if self._waiting is not None:
                     self._waiting.cancel()
             else:
+                if self._waiting is not None and self._idle_at is None:  # see _wait (B2)
+                    self._idle_at = trio.current_time() + self._gate.idle_timeout
+                    self._waiting.deadline = self._idle_at
                 self._complete_if_whole()
 
     def _conclude(self) -> Item:

@@ -138,8 +138,9 @@ class DecodeSink(TokenSink, Protocol):
     async def accept(self) -> None:
         """The request is accepted (a streamed answer's headers may go out)."""
 
-    async def fail(self, message: str) -> None:
-        """The decode fails with ``message``."""
+    async def fail(self, message: str, *, lost_kv: bool = False) -> None:
+        """The decode fails with ``message``; ``lost_kv``: its handoff's KV could not be
+        pulled (gone, or never staged), as a worker reports a lost handoff."""
 
 
 async def let_go(source: KVSource) -> None:
@@ -214,7 +215,8 @@ class Decode:
                 error = await source.pull()
                 pending = False
                 if error is not None:  # (worded as the adapters read a lost handoff)
-                    await sink.fail(f"KV transfer failed: {self.worker}: {error}")
+                    await sink.fail(f"KV transfer failed: {self.worker}: {error}",
+                                    lost_kv=True)
                     return
                 self.cached = self.prompt_tokens  # the decode sees the whole prompt cached
                 eos_first = self.eos_with_handoff and kind is FaultKind.EOS_FIRST_TOKEN

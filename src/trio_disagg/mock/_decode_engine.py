@@ -10,6 +10,7 @@ import trio
 
 from .._context import RequestContext
 from .._engine import HandoffStyle
+from .._errors import WorkerError
 from .._protocols import (
     Annotated,
     BootstrapInfo,
@@ -182,7 +183,11 @@ class _DecodeSink:
     async def accept(self) -> None:
         pass
 
-    async def fail(self, message: str) -> None:
+    async def fail(self, message: str, *, lost_kv: bool = False) -> None:
+        if lost_kv:  # typed, as an HTTP adapter reads a worker's lost handoff (B1)
+            await self.send(Annotated.from_exception(WorkerError(
+                message, worker=self.run.worker, handoff_lost=True)))
+            return
         await self.send(Annotated.from_error(message))
 
     async def token(self, token: int, finish: str | None, count: int) -> None:

@@ -74,7 +74,8 @@ class DecodeSink:
         if self.stream:
             await self.exchange.start_stream()  # accepted: headers now, as the workers do
 
-    async def fail(self, message: str) -> None:
+    async def fail(self, message: str, *, lost_kv: bool = False) -> None:
+        # (a lost handoff is told by its wording, "KV transfer failed: ...", on the wire)
         await self.worker._fail(self.exchange, message)
 
     async def token(self, token: int, finish: str | None, count: int) -> None:

@@ -30,6 +30,9 @@ Prompt = NewType("Prompt", object)
 Stop = NewType("Stop", object)
 #: A chat message's ``content``: a string or a list of content parts (objects with a type).
 Content = NewType("Content", object)
+#: A chat's ``tool_choice``: a string (``"none"``, ``"auto"``, ``"required"``) or an object
+#: (a named tool).
+ToolChoice = NewType("ToolChoice", object)
 
 @attrs.define(slots=True, kw_only=True)
 class StreamOptions:
@@ -90,6 +93,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     echo: bool | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 def _is_token_list(value: Any) -> bool:
@@ -138,11 +142,18 @@ def _structure_content(value: Any, _: type) -> Any:
     raise TypeError(f"expected a string or a list of content parts, got {describe_value(value)}")
 
 
+def _structure_tool_choice(value: Any, _: type) -> Any:
+    if isinstance(value, str | Mapping):
+        return value
+    raise TypeError(f"expected a string or an object, got {describe_value(value)}")
+
+
 def _make_converter() -> cattrs.Converter:
     conv = make_strict_converter()
     conv.register_structure_hook(Prompt, _structure_prompt)
     conv.register_structure_hook(Stop, _structure_stop)
     conv.register_structure_hook(Content, _structure_content)
+    conv.register_structure_hook(ToolChoice, _structure_tool_choice)
     return conv
 
 
@@ -269,7 +280,8 @@ def check_max_tokens(name: str, value: int, limit: int) -> None:
 
 def check_chat(request: ChatCompletionRequest) -> None:
     """Chat-only checks: at least one message, ``top_logprobs`` only with ``logprobs``,
-    each tool a function with a name. A message's role is the worker's to judge (any
+    each tool a function with a name, a ``tool_choice`` that calls a tool (``"required"``
+    or a named one) only with tools. A message's role is the worker's to judge (any
     string passes: :class:`ChatMessage`).
 
     Raises:
@@ -293,6 +305,12 @@ def check_chat(request: ChatCompletionRequest) -> None:
             raise ApiError(400, f"tools[{index}] must be {{\"type\": \"function\", "
                            f"\"function\": {{\"name\": ...}}}}", param=f"tools[{index}]",
                            code="invalid_value")
+    choice: object = request.tool_choice
+    if not request.tools and (choice == "required" or isinstance(choice, Mapping)):
+        # (As OpenAI. A prefill asked to call a tool it does not have fails once its KV
+        # is staged, leaving the KV to its worker's lease: refused before any worker.)
+        raise ApiError(400, "tool_choice that calls a tool needs tools: none was given",
+                       param="tool_choice", code="invalid_value")
 
 
 #: Request fields about the prompt, which only the prefill computed: a decode never sees
