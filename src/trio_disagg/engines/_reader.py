@@ -124,7 +124,10 @@ class SseReader:
             self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
             self._unused = 0
             return None
-        chunks = self._data_of(part)
+        return self._read_chunks(part, self._data_of(part))
+
+    def _read_chunks(self, part: bytes, chunks: list[bytes]) -> str | None:
+        """Read ``chunks``, the data of the events of ``part``, as :meth:`feed` says."""
         # Each turn reads one chunk or more from ``begin`` (no copy of what is left). A run
         # is tried at the start and after a chunk that taught a new template; the chunks
         # of a run that failed are read one by one with no other try: a read costs time
