@@ -1182,3 +1182,46 @@ def test_a_first_read_is_one_run_after_the_chunk_that_taught_it(
     assert burst is not None and burst.text == "".join(words[:200])
     assert (ends_looked_at > 0) is escaped
     assert_same_as_parsed(stream, Read([stream[:cut], stream[cut:]], raw=True))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("tail", ["finish", "finish usage done", "comment", "five", "cr"])
+def test_a_last_read_is_one_run_then_its_finish(
+    monkeypatch: pytest.MonkeyPatch, chat: bool, tail: str
+) -> None:
+    """A stream's last read (common chunks, then its finish, a usage chunk and
+    ``[DONE]``) is read as one run, found as a later read is (no chunk's ends looked at,
+    ``RunReader.leading``), and the events after it one by one; a tail that is not a few
+    one-line events (a comment line, five events of another kind, CR line ends) goes the
+    chunk by chunk way. Both read what the parser reads."""
+    ends_looked_at = 0
+    real = RunReader.leading
+
+    def counted(runs: RunReader, chunks: list[bytes], begin: int = 0) -> int:
+        nonlocal ends_looked_at
+        ends_looked_at += len(chunks) - begin
+        return real(runs, chunks, begin)
+
+    monkeypatch.setattr(RunReader, "leading", counted)
+    words = [f" w{i}" for i in range(120)]
+    tokens = [chunk(chat, delta_choice({"content": w}) if chat else text_choice(w))
+              for w in words]
+    ending = {"finish": finish(chat), "finish usage done": finish(chat) + usage(chat, 120)
+              + DONE, "comment": finish(chat)[:-2] + b"\n: a comment\n\n" + DONE,
+              "five": b"".join([chunk(chat, delta_choice({"content": ""}) if chat
+                                      else text_choice(""))] * 4) + finish(chat) + DONE,
+              "cr": finish(chat).replace(b"\n", b"\r\n") + DONE}[tail]
+    if tail == "finish":
+        ending += DONE
+    first = b"".join(tokens[:20])
+    last = b"".join(tokens[20:]) + ending
+    reader = SseReader(ChunkParser())
+    assert reader.feed(first) is None
+    reader.burst.take()
+    ends_looked_at = 0
+    assert reader.feed(last) is None
+    burst = reader.burst.take()
+    assert burst is not None and burst.text == "".join(words[20:])
+    assert reader.done and reader.final is not None
+    assert (ends_looked_at > 10) is (tail in ("comment", "five", "cr"))
+    assert_same_as_parsed(first + last, Read([first, last], raw=True))

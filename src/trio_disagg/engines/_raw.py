@@ -159,26 +159,43 @@ class RunReader:
         self._text_of = itemgetter(slice(at, -after))
         self._suffix_of = itemgetter(slice(-after, None))
 
-    def whole(self, part: bytes) -> tuple[list[bytes], str, int] | None:
-        """If the events of ``part`` (a read, with what the read before left) are all
-        common chunks, each one ``data:`` line and a blank line: their texts' bytes,
-        their text, and where the event the read left unfinished starts. Else None.
+    def whole(self, part: bytes) -> Whole | None:
+        """If the events of ``part`` (a read, with what the read before left) are common
+        chunks, each one ``data:`` line and a blank line, and then at most
+        :data:`_TAIL` events of another kind (the stream's finish, its usage chunk,
+        ``[DONE]``): the common chunks as a :class:`Whole`. Else None.
 
         Each event's text is taken at the template's offsets, and the read checked at
         once against the events those texts make (one join, one comparison); then the
         texts as :meth:`texts` checks them. C calls only, none per event but a slice (the
-        relay's common read: docs/performance.md)."""
+        relay's common read: docs/performance.md). The events after them are the
+        caller's to read one by one.
+        """
         end = part.rfind(b"\n\n") + 2
         if end < 2 or not part.startswith(self._event_start) or b"\r" in part[end:]:
             return None  # (an event ended by CR line ends is for the general path)
-        texts = list(map(self._text_of, part[6:end - 2].split(b"\n\ndata: ")))
+        pieces = part[6:end - 2].split(b"\n\ndata: ")
+        # The events after the common ones: those at the end without the template's ends.
+        count = last = len(pieces)
+        prefix, suffix = self.prefix, self.suffix
+        while last and count - last < _TAIL and not (
+                pieces[last - 1].startswith(prefix) and pieces[last - 1].endswith(suffix)):
+            last -= 1
+        tail: list[bytes] = []
+        if last < count:
+            if not last:
+                return None
+            tail, pieces = pieces[last:], pieces[:last]
+        texts = list(map(self._text_of, pieces))
         rebuilt = self._event_start + self._between.join(texts) + self._event_end
-        if len(rebuilt) != end or not part.startswith(rebuilt):
-            return None
+        run_end = len(rebuilt)
+        if not part.startswith(rebuilt) or (run_end != end if not tail else (
+                b"\r" in part[run_end:] or part.count(b"\n", run_end, end) != 2 * len(tail))):
+            return None  # (an event of the tail has a line of its own: a comment, ...)
         joined = b"\n".join(texts)
         if not _all_plain(texts, joined) or (text := _decoded(texts, joined)) is None:
             return None
-        return texts, text, end
+        return Whole(texts, text, run_end, tail, end)
 
     def leading(self, chunks: list[bytes], begin: int = 0) -> int:
         """How many chunks, from ``chunks[begin]`` on, have the template's prefix and
@@ -237,6 +254,19 @@ class RunReader:
         return runs
 
 
+class Whole(NamedTuple):
+    """What :meth:`RunReader.whole` found in a read."""
+
+    #: The common chunks' text bytes, and all of them as one string.
+    texts: list[bytes]
+    text: str
+    #: Where the common chunks' events end, and the data of the events after them.
+    run_end: int
+    tail: list[bytes]
+    #: Where the read's complete events end (the rest waits for the next read).
+    end: int
+
+
 class Run(NamedTuple):
     """Chunks ``start`` to ``stop`` (not included) of those given to
     :meth:`RunReader.texts`: their text bytes and all of them as one string."""
@@ -247,6 +277,8 @@ class Run(NamedTuple):
     text: str
 
 
+#: Events of another kind :meth:`RunReader.whole` takes after a read's common chunks.
+_TAIL = 4
 #: Chunks :meth:`RunReader.leading` looks at at once (a read's burst is most often fewer).
 _BLOCK = 64
 #: Control characters: none may be in a JSON string as it is.

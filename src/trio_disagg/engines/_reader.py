@@ -11,7 +11,7 @@ import orjson
 from .._protocols import LLMEngineOutput, RawChoice, RawChoices
 from ._burst import Burst
 from ._chunks import ChunkParser, choices_beyond_one
-from ._raw import NOT_PLAIN, Run, RunReader, Template, learn_template, utf8_text
+from ._raw import NOT_PLAIN, Run, RunReader, Template, Whole, learn_template, utf8_text
 from ._sse import normalise_line_ends, sse_data, stream_start
 from ._worker_errors import REPORTED_ERROR, error_text
 
@@ -117,13 +117,10 @@ class SseReader:
                 part = self._pending + part
         runs = self._runs
         if runs is not None and (whole := runs.whole(part)) is not None:
-            # The common read: common chunks only, found with one split (no list of
-            # events, no slices of each).
-            texts, text, end = whole
-            self._pending = part[end:]
-            self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
-            self._unused = 0
-            return None
+            # The common read: common chunks (and at its end a finish, a usage chunk,
+            # [DONE]), found with one split (no list of events, no slices of each).
+            self._pending = part[whole.end:]
+            return self._take_whole(runs, part, whole)
         return self._read_chunks(part, self._data_of(part))
 
     def _read_chunks(self, part: bytes, chunks: list[bytes]) -> str | None:
@@ -148,29 +145,27 @@ class SseReader:
             problem, begin = self._one_by_one(chunks, begin, end)
             if problem is not None:
                 return problem
-            if begin < end and self._runs is not learned and not tried:
-                tried = True  # once a read: a read that teaches again and again stays linear
-                if self._rest_whole(part, chunks, begin):
-                    return None
+            runs = self._runs
+            if (begin < end and runs is not learned and runs is not None and not tried
+                    and part[:6] == b"data: " and b"\r" not in part):
+                # A chunk taught the stream its template (a stream's first read, often a
+                # long one): the rest of the read as a later read is read (one split and
+                # one comparison, not each chunk's ends), once a read, so that a read
+                # that teaches again and again stays linear. (Where chunk ``begin``'s
+                # event starts: each chunk before it, its "data: " and blank line; what
+                # is left of the read is already pending.)
+                tried = True
+                rest = part[sum(map(len, chunks[:begin])) + 8 * begin:]
+                if (whole := runs.whole(rest)) is not None:
+                    return self._take_whole(runs, rest, whole)
         return None
 
-    def _rest_whole(self, part: bytes, chunks: list[bytes], begin: int) -> bool:
-        """After a chunk that taught the stream its template (a stream's first read,
-        often a long one): if the rest of ``part``, from ``chunks[begin]`` on, is common
-        chunks only, read it as :meth:`RunReader.whole` reads a later read (one split
-        and one comparison, not each chunk's ends looked at) and return True."""
-        runs = self._runs
-        if runs is None or part[:6] != b"data: " or b"\r" in part:
-            return False  # (not the one-line events _data_of splits at their boundary)
-        # Where chunk ``begin``'s event starts: each chunk before it, and its "data: "
-        # and blank line.
-        whole = runs.whole(part[sum(map(len, chunks[:begin])) + 8 * begin:])
-        if whole is None:
-            return False
-        texts, text, _ = whole  # (what is left of the read is already pending)
-        self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
+    def _take_whole(self, runs: RunReader, part: bytes, whole: Whole) -> str | None:
+        """Take what :meth:`RunReader.whole` found in ``part``: its common chunks as one
+        run, then the events after them one by one (as :meth:`feed` says)."""
+        self.burst.add_run(RawChoices(runs.head, whole.texts, runs.tail), whole.text)
         self._unused = 0
-        return True
+        return self._read_chunks(part[whole.run_end:], whole.tail) if whole.tail else None
 
     def _ends_an_event(self, part: bytes) -> bool:
         """Whether ``part`` may end the pending event: a blank line in it, or one its
