@@ -175,27 +175,39 @@ class RunReader:
         if end < 2 or not part.startswith(self._event_start) or b"\r" in part[end:]:
             return None  # (an event ended by CR line ends is for the general path)
         pieces = part[6:end - 2].split(b"\n\ndata: ")
-        # The events after the common ones: those at the end without the template's ends.
-        count = last = len(pieces)
-        prefix, suffix = self.prefix, self.suffix
-        while last and count - last < _TAIL and not (
-                pieces[last - 1].startswith(prefix) and pieces[last - 1].endswith(suffix)):
-            last -= 1
-        tail: list[bytes] = []
-        if last < count:
-            if not last:
-                return None
-            tail, pieces = pieces[last:], pieces[:last]
         texts = list(map(self._text_of, pieces))
         rebuilt = self._event_start + self._between.join(texts) + self._event_end
-        run_end = len(rebuilt)
-        if not part.startswith(rebuilt) or (run_end != end if not tail else (
-                b"\r" in part[run_end:] or part.count(b"\n", run_end, end) != 2 * len(tail))):
-            return None  # (an event of the tail has a line of its own: a comment, ...)
+        if len(rebuilt) == end and part.startswith(rebuilt):
+            run_end, tail = end, _NO_TAIL  # (the common read: common chunks only)
+        elif (found := self._before_tail(part, pieces, end)) is not None:
+            texts, run_end, tail = found
+        else:
+            return None
         joined = b"\n".join(texts)
         if not _all_plain(texts, joined) or (text := _decoded(texts, joined)) is None:
             return None
-        return Whole(texts, text, run_end, tail, end)
+        return texts, text, run_end, tail, end
+
+    def _before_tail(self, part: bytes, pieces: list[bytes], end: int
+                     ) -> tuple[list[bytes], int, list[bytes]] | None:
+        """For :meth:`whole`, a read whose last events (at most :data:`_TAIL`, each one
+        ``data:`` line) lack the template's ends: the texts of the common chunks before
+        them, where those end, and the data of the events after. None if it is not that."""
+        prefix, suffix = self.prefix, self.suffix
+        tail: list[bytes] = []
+        while len(pieces) > 1 and len(tail) < _TAIL and not (
+                pieces[-1].startswith(prefix) and pieces[-1].endswith(suffix)):
+            tail.append(pieces.pop())
+        if not tail or not (pieces[-1].startswith(prefix) and pieces[-1].endswith(suffix)):
+            return None
+        tail.reverse()
+        texts = list(map(self._text_of, pieces))
+        rebuilt = self._event_start + self._between.join(texts) + self._event_end
+        run_end = len(rebuilt)
+        if (not part.startswith(rebuilt) or b"\r" in part[run_end:]
+                or part.count(b"\n", run_end, end) != 2 * len(tail)):
+            return None  # (an event of the tail has a line of its own: a comment, ...)
+        return texts, run_end, tail
 
     def leading(self, chunks: list[bytes], begin: int = 0) -> int:
         """How many chunks, from ``chunks[begin]`` on, have the template's prefix and
@@ -254,17 +266,10 @@ class RunReader:
         return runs
 
 
-class Whole(NamedTuple):
-    """What :meth:`RunReader.whole` found in a read."""
-
-    #: The common chunks' text bytes, and all of them as one string.
-    texts: list[bytes]
-    text: str
-    #: Where the common chunks' events end, and the data of the events after them.
-    run_end: int
-    tail: list[bytes]
-    #: Where the read's complete events end (the rest waits for the next read).
-    end: int
+#: What :meth:`RunReader.whole` finds in a read (a plain tuple: one a read): the common
+#: chunks' text bytes and all of them as one string, where their events end, the data of
+#: the events after them, and where the read's complete events end.
+Whole = tuple[list[bytes], str, int, list[bytes], int]
 
 
 class Run(NamedTuple):
@@ -279,6 +284,8 @@ class Run(NamedTuple):
 
 #: Events of another kind :meth:`RunReader.whole` takes after a read's common chunks.
 _TAIL = 4
+#: The events after a read's common chunks when there are none (never changed).
+_NO_TAIL: list[bytes] = []
 #: Chunks :meth:`RunReader.leading` looks at at once (a read's burst is most often fewer).
 _BLOCK = 64
 #: Control characters: none may be in a JSON string as it is.

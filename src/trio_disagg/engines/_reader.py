@@ -119,8 +119,11 @@ class SseReader:
         if runs is not None and (whole := runs.whole(part)) is not None:
             # The common read: common chunks (and at its end a finish, a usage chunk,
             # [DONE]), found with one split (no list of events, no slices of each).
-            self._pending = part[whole.end:]
-            return self._take_whole(runs, part, whole)
+            texts, text, run_end, tail, end = whole
+            self._pending = part[end:]
+            self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
+            self._unused = 0
+            return self._read_chunks(part[run_end:], tail) if tail else None
         return self._read_chunks(part, self._data_of(part))
 
     def _read_chunks(self, part: bytes, chunks: list[bytes]) -> str | None:
@@ -163,9 +166,10 @@ class SseReader:
     def _take_whole(self, runs: RunReader, part: bytes, whole: Whole) -> str | None:
         """Take what :meth:`RunReader.whole` found in ``part``: its common chunks as one
         run, then the events after them one by one (as :meth:`feed` says)."""
-        self.burst.add_run(RawChoices(runs.head, whole.texts, runs.tail), whole.text)
+        texts, text, run_end, tail, _ = whole
+        self.burst.add_run(RawChoices(runs.head, texts, runs.tail), text)
         self._unused = 0
-        return self._read_chunks(part[whole.run_end:], whole.tail) if whole.tail else None
+        return self._read_chunks(part[run_end:], tail) if tail else None
 
     def _ends_an_event(self, part: bytes) -> bool:
         """Whether ``part`` may end the pending event: a blank line in it, or one its
