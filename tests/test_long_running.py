@@ -17,12 +17,13 @@ import logging
 import math
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx  # noqa: ASYNC127 (the clients of the router's server)
 import pytest
 import trio
-from e2e_support import MODEL, PROMPT, served
+from e2e_support import MODEL, PROMPT, PROTOCOLS, ProtocolName, served
 
 from trio_disagg import (
     Deadlines,
@@ -218,3 +219,70 @@ async def test_nothing_grows_with_the_requests_served_over_http() -> None:
             assert cluster.client.connections_open == cluster.client.connections_idle
             assert task_names() == tasks
 
+
+
+@contextmanager
+def cyclic_garbage() -> Iterator[list[str]]:
+    """The project's objects a garbage collection finds unreachable (in a reference cycle,
+    or held by one) among those made in the block, by type; the collector is off in it."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept to look at
+    found: list[str] = []
+    try:
+        yield found
+        gc.collect()
+        found += sorted({type(o).__qualname__ for o in gc.garbage
+                         if type(o).__module__.startswith("trio_disagg.")})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.usefixtures("quiet")
+async def test_a_served_request_is_freed_at_once_not_by_the_garbage_collector(
+        protocol: ProtocolName) -> None:
+    """P3, P4a: a request streamed to its end, or answered whole, over HTTP leaves no
+    reference cycle behind: its objects (the server's connection and its parser, the
+    worker responses and theirs, the contexts, the gate, the handoff owner) are freed by
+    their reference counts as it ends, not kept until a garbage collection walks them."""
+    with trio.fail_after(20):
+        async with served(protocol) as server:
+            cluster: Any = server.cluster
+            url = server.url + "/v1/completions"
+            async with httpx.AsyncClient(timeout=10) as http:
+                for n in range(2):  # warm-up: imports, caches, the pacer
+                    await http_request(http, url, n, "read", None)
+                with cyclic_garbage() as cyclic:
+                    for n in range(6):
+                        await http_request(http, url, n, ("read", "json")[n % 2], None)
+                    await cluster.settled()
+    assert cyclic == []
+
+
+@pytest.mark.parametrize("style", list(HandoffStyle))
+async def test_a_library_request_is_freed_at_once_not_by_the_garbage_collector(
+        style: HandoffStyle) -> None:
+    """The same for the library's router over the in-process mock engines, in each
+    handoff style (a decode leg kept in the keeper too, G9)."""
+    async with TransferKeeper() as keeper:
+        cluster = mock_cluster(1, 1, style=style)
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
+        for n in range(2):  # warm-up
+            await read_to_the_end(router, n)
+        with cyclic_garbage() as cyclic:
+            for n in range(6):
+                await read_to_the_end(router, n)
+            await keeper.wait_idle()
+    assert cyclic == []
+
+
+async def read_to_the_end(router: DisaggRouter, n: int) -> None:
+    request = PreprocessedRequest(request_id=f"r{n}", model="m", max_tokens=3, stream=True,
+                                  body={"model": "m", "prompt": f"{PROMPT} {n}", "max_tokens": 3})
+    async with trio.open_nursery() as nursery:
+        stream = await router.stream(nursery, request, RequestContext(request.request_id))
+        async with stream.outputs:
+            assert [item async for item in stream.outputs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -15,7 +16,7 @@ from ._context import RequestContext
 from ._crash import crash_message, leaves, worker_refusal
 from ._engine import DecodeEngine
 from ._errors import RouterClosed, WorkerError
-from ._gate import Gatekeeper
+from ._gate import GatedOutputs, Gatekeeper
 from ._handoff import HandoffOwner, HandoffState
 from ._health import retry_reason
 from ._pool import Worker
@@ -308,3 +309,18 @@ class StreamHooks:
         router._release()
         owner.forward_ended(router.deadlines.decode_idle,
                             failed=gate is not None and gate.failure is not None)
+
+
+async def abandon_when_cancelled(outputs: GatedOutputs, context: RequestContext,
+                                 on_stop: Callable[[bool], None]) -> None:
+    """The request nursery's hand on a decode leg kept in the keeper (G9): wait for the
+    stream's end; if the request's nursery is cancelled first (the client
+    went away), end the stream even if its reader never closes it. Then the client's stop
+    has no stream to end: ``on_stop`` goes (it holds the request: a reference cycle)."""
+    try:
+        await outputs.wait_ended()
+    except BaseException:
+        outputs.abandon()
+        raise
+    finally:
+        context._forget_on_stop(on_stop)

@@ -100,6 +100,9 @@ class PullSlot:
         """The reader needs nothing more: the leg's wait ends. Idempotent."""
         if not self.released:
             self.released = True
+            # The reader's callback holds the reader, which holds the leg's context, which
+            # holds this slot: a reference cycle, kept for the garbage collector if kept.
+            self.on_idle = None
             if self._released_event is not None:
                 self._released_event.set()
 

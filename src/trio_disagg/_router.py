@@ -20,7 +20,7 @@ from trio_util import AsyncValue
 from ._arguments import check_router_arguments, check_stream_arguments
 from ._context import RequestContext
 from ._copy import routed_copy
-from ._decode_leg import StreamHooks, accepted_decode
+from ._decode_leg import StreamHooks, abandon_when_cancelled, accepted_decode
 from ._engine import DecodeEngine, PrefillEngine
 from ._errors import DeadlineExceeded, NoWorkerAvailable, RouterClosed, WorkerError
 from ._estimate import estimate_prompt_tokens
@@ -417,11 +417,14 @@ class DisaggRouter:
             # The client's stop or kill ends its stream at once (a stop with a cancelled
             # finish, C3); the kept leg goes on to fetch its KV (G9). (Not when the
             # gatekeeper itself stopped the client.)
-            owner.context.on_stop(lambda killed: None if owner.first_output_seen
-                                  or gate.failure is not None else outputs.stop(killed))
+            def on_stop(killed: bool) -> None:
+                if not (owner.first_output_seen or gate.failure is not None):
+                    outputs.stop(killed)
+
+            owner.context.on_stop(on_stop)
             # The leg lives in the keeper: this task is the request nursery's hand on it.
             # (A leg in the nursery abandons the stream itself when cancelled.)
-            nursery.start_soon(_abandon_when_cancelled, outputs)
+            nursery.start_soon(abandon_when_cancelled, outputs, owner.context, on_stop)
         return self._request_stream(owner, outputs, gate)
 
     def _request_stream(
@@ -461,16 +464,6 @@ class DisaggRouter:
             send.send_nowait(completion.output)
         owner.tracker.finish()
         return self._request_stream(owner, receive, None, "terminal")
-
-
-async def _abandon_when_cancelled(outputs: GatedOutputs) -> None:
-    """Wait for the stream's end; if the request's nursery is cancelled first (the client
-    went away), end the stream even if its reader never closes it."""
-    try:
-        await outputs.wait_ended()
-    except BaseException:
-        outputs.abandon()
-        raise
 
 
 def _select(

@@ -81,7 +81,10 @@ class Connection:
         self.head_with_body = head_with_body  # a response's head waits for its first body
         self.keep_alive_timeout = keep_alive_timeout  # seconds an idle connection is kept
         self.stream = stream
-        self.parser = httptools.HttpRequestParser(self)
+        # Its callbacks hold this connection: dropped by the server when the connection
+        # ends, so that the connection and its requests are freed at once, not by the
+        # garbage collector (P4a, P3).
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.requests: deque[Request] = deque()
         self.parsing: Request | None = None
         self.head_bytes = 0
@@ -141,6 +144,7 @@ class Connection:
         assert request is not None
         request.head_done = True
         parser = self.parser
+        assert parser is not None  # (called by it)
         request.method = parser.get_method().decode("ascii")
         request.version = parser.get_http_version()
         request.keep_alive = parser.should_keep_alive()
@@ -233,11 +237,14 @@ class Connection:
     def _take(self, data: bytes) -> bool:
         """Parse what one read brought (``b""``: the client went away); False if the
         connection is done (gone, or owed a refusal: nothing more is read)."""
+        parser = self.parser
+        if parser is None:  # the connection ended (its server let go of it)
+            return False
         if not data:
             self.gone()
             return False
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse_later(400, UPGRADE_REFUSED)
         except httptools.HttpParserError:

@@ -99,6 +99,7 @@ class Server:
             # Closed at once: a socket's close needs no wait (a forced aclose would cost
             # a cancel scope and a raised Cancelled a connection).
             stream.socket.close()
+            conn.parser = None  # (a reference cycle: see Connection)
             self.connections.discard(conn)
             self.accepted -= 1
             self.churn.set()

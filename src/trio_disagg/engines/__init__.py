@@ -49,6 +49,7 @@ if _typing.TYPE_CHECKING:
     from ._requests import endpoint_for as endpoint_for
     from ._requests import streaming_body as streaming_body
     from ._requests import worker_client as worker_client
+    from ._response import WorkerResponse as WorkerResponse
     from ._sglang import GENERATE_PATH as GENERATE_PATH
     from ._sglang import SglangEngine as SglangEngine
     from ._sglang import parse_prefill_spec as parse_prefill_spec
@@ -72,7 +73,6 @@ if _typing.TYPE_CHECKING:
     from ._vllm import vllm_client as vllm_client
     from ._vllm import vllm_engines as vllm_engines
     from ._wire import WorkerClient as WorkerClient
-    from ._wire import WorkerResponse as WorkerResponse
 
 # The HTTP adapters need the 'server' extra (httptools, httpx): imported on first use, so that
 # the core install alone imports this package.
@@ -107,7 +107,7 @@ _LAZY = {
     "DefaultHeaders": "_headers",
     "bearer": "_headers",
     "WorkerClient": "_wire",
-    "WorkerResponse": "_wire",
+    "WorkerResponse": "_response",
     "WriteTimeout": "_transport",
 }
 

@@ -364,6 +364,8 @@ class OpenAIApp:
             else:
                 logger.warning("request %s: a task failed after the answer was complete",
                                request.request_id, exc_info=group)
+        finally:
+            responder.listener = None  # (its guard holds the request's state: a cycle)
         return outcome
 
     async def _answer(self, responder: Responder, request: PreprocessedRequest,
