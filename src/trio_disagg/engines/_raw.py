@@ -179,7 +179,7 @@ class RunReader:
         rebuilt = self._event_start + self._between.join(texts) + self._event_end
         if len(rebuilt) == end and part.startswith(rebuilt):
             run_end, tail = end, _NO_TAIL  # (the common read: common chunks only)
-        elif (found := self._before_tail(part, pieces, end)) is not None:
+        elif (found := self._before_tail(part, pieces, texts, end)) is not None:
             texts, run_end, tail = found
         else:
             return None
@@ -188,11 +188,12 @@ class RunReader:
             return None
         return texts, text, run_end, tail, end
 
-    def _before_tail(self, part: bytes, pieces: list[bytes], end: int
+    def _before_tail(self, part: bytes, pieces: list[bytes], texts: list[bytes], end: int
                      ) -> tuple[list[bytes], int, list[bytes]] | None:
         """For :meth:`whole`, a read whose last events (at most :data:`_TAIL`, each one
         ``data:`` line) lack the template's ends: the texts of the common chunks before
-        them, where those end, and the data of the events after. None if it is not that."""
+        them (of ``texts``, one per piece), where those end, and the data of the events
+        after. None if it is not that."""
         prefix, suffix = self.prefix, self.suffix
         tail: list[bytes] = []
         while len(pieces) > 1 and len(tail) < _TAIL and not (
@@ -201,7 +202,7 @@ class RunReader:
         if not tail or not (pieces[-1].startswith(prefix) and pieces[-1].endswith(suffix)):
             return None
         tail.reverse()
-        texts = list(map(self._text_of, pieces))
+        del texts[len(pieces):]  # (the caller's list, of no more use to it)
         rebuilt = self._event_start + self._between.join(texts) + self._event_end
         run_end = len(rebuilt)
         if (not part.startswith(rebuilt) or b"\r" in part[run_end:]
