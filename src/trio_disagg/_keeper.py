@@ -200,8 +200,9 @@ class TransferKeeper:
         # While exiting: the nursery, open to the follow-ups of its own tasks only (B3).
         self._exiting: trio.Nursery | None = None
         self._in_flight: dict[object, str] = {}  # drains and legs, by identity: their kind
-        # How many are in flight, for the tasks waiting for the keeper to go idle.
-        self._count = AsyncValue(0)
+        # None in flight, for the tasks waiting for the keeper to go idle (flipped only
+        # at none, not on every task).
+        self._idle = AsyncValue(True)
         #: Tasks started, by kind (:data:`PREFILL_DRAIN`, :data:`DECODE_LEG`, ...).
         self.started_by_kind: Counter[str] = Counter()
         self.started_total = 0
@@ -268,7 +269,7 @@ class TransferKeeper:
     async def wait_idle(self) -> None:
         """Return once no drain or leg is in flight (B5); at once if none is. Cancelling
         the wait affects nothing else."""
-        await self._count.wait_value(0)
+        await self._idle.wait_value(True)
 
     def start(
         self,
@@ -378,11 +379,13 @@ class TransferKeeper:
         self._in_flight[key] = kind
         self.started_by_kind[kind] += 1
         self.started_total += 1
-        self._count.value = len(self._in_flight)
+        if len(self._in_flight) == 1:
+            self._idle.value = False
 
     def _leave(self, key: object) -> None:
         del self._in_flight[key]
-        self._count.value = len(self._in_flight)
+        if not self._in_flight:
+            self._idle.value = True
 
     def spawn_leg(
         self,

@@ -138,7 +138,9 @@ class DisaggRouter:
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.retry = retry if retry is not None else RetryPolicy()
         self.counters = RouterCounters()
-        self._in_flight = AsyncValue(0)  # tasks wait for it to be 0 (wait_idle)
+        self._in_flight = 0
+        # Set at 0, for the tasks in wait_idle; flipped only at 0, not on every request.
+        self._idle = AsyncValue(True)
         self._closing = False
         self._rooms: set[int] = set()
 
@@ -149,7 +151,7 @@ class DisaggRouter:
         failed (G5, G6), or its nursery cancelled (at once for a request that failed
         before its decode accepted it, or that needs no decode leg). A prefill the keeper still
         drains after its request ended is the keeper's, not counted here."""
-        return self._in_flight.value
+        return self._in_flight
 
     @property
     def closing(self) -> bool:
@@ -173,16 +175,20 @@ class DisaggRouter:
         wait for prefill legs the keeper still runs (``keeper.wait_idle()`` does).
         Cancelling it leaves nothing behind.
         """
-        await self._in_flight.wait_value(0)
+        await self._idle.wait_value(True)
 
     def _admit(self) -> None:
         if self._closing:
             raise RouterClosed("the router is shutting down")
         self.counters.requests_total += 1
-        self._in_flight.value += 1
+        self._in_flight += 1
+        if self._in_flight == 1:
+            self._idle.value = False
 
     def _release(self) -> None:
-        self._in_flight.value -= 1
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.value = True
 
     async def stream(
         self,

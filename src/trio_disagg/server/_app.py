@@ -93,7 +93,8 @@ class OpenAIApp:
         self._active: set[RequestState] = set()
         self._cancelling = False
         self._generation = frozenset({"/v1/completions", "/v1/chat/completions"})
-        self._handled = AsyncValue(0)  # len(self._active), for the tasks in wait_idle
+        # No request being handled, for the tasks in wait_idle (flipped only then).
+        self._idle = AsyncValue(True)
         self._routes: dict[str, tuple[frozenset[str], Callable[..., Awaitable[None]]]] = {
             "/v1/completions": (frozenset({"POST"}), self._completions),
             "/v1/chat/completions": (frozenset({"POST"}), self._chat_completions),
@@ -112,7 +113,7 @@ class OpenAIApp:
 
     async def wait_idle(self) -> None:
         """Return once no generation request is being handled."""
-        await self._handled.wait_value(0)
+        await self._idle.wait_value(True)
 
     async def shutdown(self, window: float) -> int:
         """End the generation requests in flight (rule B3 in docs/semantics.md), as
@@ -247,7 +248,8 @@ class OpenAIApp:
         endpoint = "chat_completions" if chat else "completions"
         state = RequestState(responder)
         self._active.add(state)
-        self._handled.value = len(self._active)
+        if len(self._active) == 1:
+            self._idle.value = False
         try:
             with state.scope:
                 if self._cancelling:  # arrived after the shutdown window
@@ -261,9 +263,10 @@ class OpenAIApp:
             state.outcome = "internal_error"
             await self._internal_error(responder)
         finally:
-            self.metrics.requests.labels(endpoint, state.outcome).inc()
+            self.metrics.count_request(endpoint, state.outcome)
             self._active.discard(state)
-            self._handled.value = len(self._active)
+            if not self._active:
+                self._idle.value = True
 
     async def _serve_generation(
         self, scope: Scope, receive: Receive, state: RequestState, *, chat: bool

@@ -11,8 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -129,6 +128,9 @@ class Edge:
         #: Of those, the ones the router is handling (:meth:`routing`); the others are
         #: still being read or validated, and each is about to start a prefill drain.
         self.routed = 0
+        # Context managers that are classes, not generators: entered on every request (P4a).
+        self._slot = _InFlight(self)
+        self._routing = _Routed(self)
         #: ``trio_disagg_http_refused_total{reason}`` (:data:`REFUSALS`), unregistered:
         #: the app registers it in its own registry.
         self.refused = Counter(
@@ -207,25 +209,17 @@ class Edge:
                 "flight; retry later"), "max_keeper_tasks")
         return None
 
-    @contextmanager
-    def slot(self) -> Iterator[None]:
-        """Count one admitted generation request for as long as it is handled."""
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+    def slot(self) -> _InFlight:
+        """Count one admitted generation request for as long as it is handled (a
+        context manager)."""
+        return self._slot
 
-    @contextmanager
-    def routing(self) -> Iterator[None]:
-        """Count an admitted request as handed to the router for the block: enter it with
-        no checkpoint before the router starts the request's prefill drain, so that the
-        request is never counted twice, nor not at all, against ``max_keeper_tasks``."""
-        self.routed += 1
-        try:
-            yield
-        finally:
-            self.routed -= 1
+    def routing(self) -> _Routed:
+        """Count an admitted request as handed to the router for the block (a context
+        manager): enter it with no checkpoint before the router starts the request's
+        prefill drain, so that the request is never counted twice, nor not at all,
+        against ``max_keeper_tasks``."""
+        return self._routing
 
     def check_prompt(self, data: bytes, body: Mapping[str, Any], *, chat: bool) -> None:
         """Refuse a prompt over ``max_prompt_bytes`` before any worker is called.
@@ -287,3 +281,33 @@ async def discard_body(receive: Receive, limit: int) -> None:
             size += len(message.get("body", b""))
             if not message.get("more_body", False) or size > limit:
                 return
+
+
+class _InFlight:
+    """:meth:`Edge.slot`'s context manager."""
+
+    __slots__ = ("edge",)
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    def __enter__(self) -> None:
+        self.edge.in_flight += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.edge.in_flight -= 1
+
+
+class _Routed:
+    """:meth:`Edge.routing`'s context manager."""
+
+    __slots__ = ("edge",)
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    def __enter__(self) -> None:
+        self.edge.routed += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.edge.routed -= 1

@@ -77,6 +77,7 @@ class ServerMetrics:
             "trio_disagg_requests", "Generation requests by endpoint and outcome.",
             ["endpoint", "outcome"], registry=registry,
         )
+        self._requests_by: dict[tuple[str, str], Counter] = {}  # its children, once looked up
         self.ttft = Histogram(
             "trio_disagg_time_to_first_token_seconds",
             "Seconds from admission to the first token forwarded to the client.",
@@ -103,6 +104,16 @@ class ServerMetrics:
         #: Set by :meth:`enable_multiprocess`.
         self.multiprocess: MultiprocessMirror | None = None
         self.add_collector(RouterCollector(router, http_in_flight=http_in_flight))
+
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        """One more ``trio_disagg_requests_total{endpoint, outcome}``: the labelled child
+        looked up once per pair, not on every request (its lookup takes a lock, P4a)."""
+        counter = self._requests_by.get((endpoint, outcome))
+        if counter is None:
+            counter = self._requests_by[endpoint, outcome] = self.requests.labels(
+                endpoint, outcome)
+        counter.inc()
 
     def add_collector(self, collector: Collector) -> None:
         """Register a collector read at scrape time (e.g. the embedded mocks'
