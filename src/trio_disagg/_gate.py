@@ -16,6 +16,7 @@ from ._gated import GatedOutputs
 from ._keeper import PrefillTask
 from ._prefill import Handoff, PrefillCompletion, Terminal
 from ._protocols import Annotated, LLMEngineOutput
+from ._start import start_in
 
 T = TypeVar("T")
 Item = Annotated[LLMEngineOutput]
@@ -102,7 +103,8 @@ class Gatekeeper:
         start_decode: Callable[..., Awaitable[Any]],
         *args: Any,
     ) -> Any:
-        """Start the decode leg as ``await nursery.start(start_decode, *args)``, racing the
+        """Start the decode leg as ``await nursery.start(start_decode, *args)`` would (with
+        no nursery of trio's per start: :func:`~trio_disagg._start.start_in`), racing the
         prefill (G1, G2).
 
         The race is a cancel scope that a prefill watcher cancels: a prefill failure while
@@ -113,7 +115,8 @@ class Gatekeeper:
         prefill's answer is all :meth:`forward` sends.
 
         Args:
-            nursery: the request's nursery, where the decode leg runs.
+            nursery: the request's nursery, where the decode leg runs; the caller runs in
+                it (in its ``async with`` block).
             start_decode: an async function that calls ``task_status.started()`` once the
                 decode worker accepted the request (an engine's ``generate``, or a
                 wrapper around it).
@@ -138,7 +141,7 @@ class Gatekeeper:
         started: Any = None
         try:
             if self.prefill.succeeded:
-                return await nursery.start(start_decode, *args)  # G2
+                return await start_in(nursery, start_decode, *args)  # G2
             if not self.prefill.done:
                 started = await self._start_racing_prefill(nursery, start_decode, args)
         except Exception as exc:
@@ -166,7 +169,7 @@ class Gatekeeper:
 
             prefill._on_done(on_prefill_end)
             try:
-                return await nursery.start(start_decode, *args)
+                return await start_in(nursery, start_decode, *args)
             except Exception as exc:
                 if not prefill.failed:
                     raise
