@@ -575,3 +575,35 @@ async def test_a_stream_sent_through_the_whole_sends_body_is_the_bytes_of_its_me
     assert b"transfer-encoding: chunked" in head
     assert body == b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n9\r\ndata: 3\n\n\r\n0\r\n\r\n"
     assert head_answer.endswith(b"\r\n\r\n") and b"data:" not in head_answer
+
+
+async def test_a_send_the_socket_takes_at_once_is_no_schedule_point() -> None:
+    """As uvicorn's send: a part the socket takes at once costs no schedule point (the
+    app's next wait is one, P4a); a part the socket cannot take yet (a full buffer) is
+    waited for, and other tasks run meanwhile."""
+    ran_during: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                  send: Callable[[Message], Awaitable[None]]) -> None:
+        await receive()
+        ran: list[bool] = []
+
+        async def other() -> None:
+            ran.append(True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            big = b"x" * 32 * 1024 * 1024  # more than the sockets' buffers hold
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/plain"), (b"content-length", b"%d" % (5 + len(big)))]})
+            await send({"type": "http.response.body", "body": b"small", "more_body": True})
+            ran_during.append(bool(ran))
+            await send({"type": "http.response.body", "body": big, "more_body": False})
+            ran_during.append(bool(ran))
+
+    with trio.fail_after(10):
+        async with serving(app) as port, await trio.open_tcp_stream("127.0.0.1", port) as s:
+            await s.send_all(post(b"/", b"", b"connection: close\r\n"))
+            answer = await read_all(s)
+    assert answer.endswith(b"\r\n\r\nsmall" + b"x" * 32 * 1024 * 1024)
+    assert ran_during == [False, True]

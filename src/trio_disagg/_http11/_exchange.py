@@ -95,8 +95,7 @@ class Exchange:
             if not self.conn.head_with_body:
                 head, self.head = self.head, None
                 await self._write(head)  # at once, as uvicorn does: the client sees 2xx
-            # Else only recorded, with no schedule point: the first body's send, which
-            # writes the head with it, is the checkpoint (one per response saved).
+            # Else only recorded: the first body's send writes the head with it.
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -164,12 +163,15 @@ class Exchange:
     async def _write(self, data: bytes) -> None:
         """Write ``data`` whole, or break the connection: never half of it and return.
 
-        The common case costs one system call and no cancel scope: the socket takes all
-        of ``data`` at once (it is non-blocking). Only when its buffer is full (a slow
-        client) does the rest go out under a shielded deadline (:data:`WRITE_TIMEOUT`);
-        a client that does not read for that long loses its connection. So a send never
-        stops half-way because the app's request was cancelled (B4: the stream a client
-        sees is whole events or broken, never a torn one)."""
+        The common case costs one system call, no cancel scope and no schedule point: the
+        socket takes all of ``data`` at once (it is non-blocking). The app's next wait,
+        for its next bytes, is its schedule point, as with uvicorn, whose send yields only
+        when the transport's buffer is full (a task step less per write, P4a). Only when
+        the socket's buffer is full (a slow client) does the rest go out under a shielded
+        deadline (:data:`WRITE_TIMEOUT`); a client that does not read for that long loses
+        its connection. So a send never stops half-way because the app's request was
+        cancelled (B4: the stream a client sees is whole events or broken, never a torn
+        one)."""
         conn = self.conn
         if conn.closed:
             await trio.lowlevel.checkpoint()  # the client is gone: the app hears of it
@@ -183,7 +185,6 @@ class Exchange:
             await trio.lowlevel.checkpoint()
             return
         if sent == len(data):
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT, shield=True):
             try:

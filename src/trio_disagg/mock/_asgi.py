@@ -11,7 +11,7 @@ import attrs
 import orjson
 import trio
 
-from .._asgi import JSON_TYPE, SSE_TYPE, Receive, Send, wait_disconnect
+from .._asgi import JSON_TYPE, SSE_TYPE, Message, Receive, Send, wait_disconnect
 
 DONE_EVENT = b"data: [DONE]\n\n"
 OCTETS = b"application/octet-stream"
@@ -75,6 +75,18 @@ class Exchange:
     failed: bool = attrs.field(default=False, init=False)
     disconnected: bool = attrs.field(default=False, init=False)
     listener: trio.CancelScope | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        send = self.send
+
+        async def send_then_yield(message: Message) -> None:
+            await send(message)
+            # Each write is a schedule point, whatever the server's send is (the project's
+            # has none when the socket takes the bytes): at zero latency the streams of a
+            # batch advance together, as an engine's decode steps make them.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+        self.send = send_then_yield
 
     def _headers(self, content_type: bytes, length: int | None = None
                  ) -> list[tuple[bytes, bytes]]:
