@@ -607,3 +607,35 @@ async def test_a_send_the_socket_takes_at_once_is_no_schedule_point() -> None:
             answer = await read_all(s)
     assert answer.endswith(b"\r\n\r\nsmall" + b"x" * 32 * 1024 * 1024)
     assert ran_during == [False, True]
+
+
+async def test_pipelined_requests_the_app_answers_at_once_let_other_tasks_run() -> None:
+    """A send has no schedule point when the socket takes it: a burst of pipelined
+    requests that the app answers without a wait of its own still gives the other tasks
+    a turn between two of them (a schedule point per request that was already there)."""
+    turns = 0
+    seen: list[int] = []
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                  send: Callable[[Message], Awaitable[None]]) -> None:
+        await receive()
+        seen.append(turns)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(10):
+        async with serving(app) as port, trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            async with await trio.open_tcp_stream("127.0.0.1", port) as s:
+                await s.send_all(post(b"/", b"") * 9 + post(b"/", b"", b"connection: close\r\n"))
+                answer = await read_all(s)
+            nursery.cancel_scope.cancel()
+    assert answer.count(b"HTTP/1.1 200") == 10
+    assert seen == sorted(set(seen)), seen  # the other task ran between any two

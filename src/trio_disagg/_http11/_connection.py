@@ -99,6 +99,7 @@ class Connection:
         #: its first byte: a client trickling bytes does not restart it).
         self.head_deadline = math.inf
         self.idle = True  # between requests (or before the first)
+        self.served = 0  # requests handed to the app
         self.idle_since = trio.current_time()
         self.changed = trio.Event()
         #: Called once when the client goes away while a request is served (the app's
@@ -267,6 +268,7 @@ class Connection:
         ``keep_alive_timeout`` seconds for a request to start, a started head at most
         HEADERS_TIMEOUT seconds from its first byte (then 408)."""
         idle_deadline = trio.current_time() + self.keep_alive_timeout
+        waited = False
         while not self.requests:
             if self.closed:
                 return None
@@ -289,11 +291,19 @@ class Connection:
             head_started = self.parsing is not None
             with trio.move_on_at(self.head_deadline if head_started else idle_deadline):
                 await self.read_once()
+                waited = True
                 continue
             if head_started:
                 await self.refuse(408, b"request headers not received in time", linger=True)
             return None
-        await trio.lowlevel.checkpoint_if_cancelled()
+        if waited or not self.served:  # (a first request: this task has just begun)
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            # A request that was there already (pipelined): a schedule point, as the
+            # server's writes have none when the socket takes them, so that a client's
+            # burst of requests the app answers at once does not hold the others up.
+            await trio.lowlevel.checkpoint()
+        self.served += 1
         request = self.requests.popleft()
         self.buffered -= request.queued
         return request
