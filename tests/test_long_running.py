@@ -286,3 +286,38 @@ async def read_to_the_end(router: DisaggRouter, n: int) -> None:
         stream = await router.stream(nursery, request, RequestContext(request.request_id))
         async with stream.outputs:
             assert [item async for item in stream.outputs]
+
+
+@pytest.mark.parametrize("style", list(HandoffStyle))
+@pytest.mark.parametrize("action", ["leave", "stop"])
+async def test_a_request_whose_client_goes_before_its_first_token_is_freed_at_once(
+        autojump_clock: trio.abc.Clock, style: HandoffStyle, action: str) -> None:
+    """The same for a client that leaves (its nursery cancelled) or stops its context once
+    its stream is open, before it read anything: the first-output hook the reader would
+    have called goes with the reader (it holds the request's handoff owner, which holds
+    the stream and its gate)."""
+    async with TransferKeeper() as keeper:
+        cluster = mock_cluster(1, 1, style=style, latency=LATENCY)
+        router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
+        for n in range(2):  # warm-up
+            await go_before_the_first_token(router, n, action)
+        with cyclic_garbage() as cyclic:
+            for n in range(3):
+                await go_before_the_first_token(router, n, action)
+            await keeper.wait_idle()
+            await trio.sleep(10)  # past the kept legs' grace (G9)
+    assert cyclic == []
+
+
+async def go_before_the_first_token(router: DisaggRouter, n: int, action: str) -> None:
+    request = PreprocessedRequest(request_id=f"r{n}", model="m", max_tokens=3, stream=True,
+                                  body={"model": "m", "prompt": f"{PROMPT} {n}", "max_tokens": 3})
+    context = RequestContext(request.request_id)
+    async with trio.open_nursery() as nursery:
+        stream = await router.stream(nursery, request, context)
+        async with stream.outputs:
+            if action == "leave":
+                nursery.cancel_scope.cancel()
+            else:
+                context.stop_generating()
+                assert [item async for item in stream.outputs]

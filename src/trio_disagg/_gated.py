@@ -68,7 +68,6 @@ class GatedOutputs(SyncCloseReceiveChannel[Item]):
     Any task may read it, one at a time (a second concurrent reader gets
     ``trio.BusyResourceError``, as with a trio stream): the gate's state is the stream's.
     A read waiting while the request is abandoned (:meth:`abandon`) ends the channel.
-
     Made by :meth:`Gatekeeper.outputs`.
     """
 
@@ -222,6 +221,7 @@ class GatedOutputs(SyncCloseReceiveChannel[Item]):
         early = self._state == _OPEN
         self._state = _CLOSED
         self._decode.close()
+        self._gate._on_first_output = None  # none is read now (it holds the request: a cycle)
         if early and self._decode_context is not None:
             # Nobody reads the decode leg any more, whyever the reader left (its own
             # timeout too: a stalled leg would otherwise hold the request's nursery).
