@@ -288,16 +288,32 @@ async def read_to_the_end(router: DisaggRouter, n: int) -> None:
             assert [item async for item in stream.outputs]
 
 
+class SlowToAccept:
+    """A decode engine that takes a second to accept a request (then as ``inner``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> None:
+        await trio.sleep(1)
+        await self.inner.generate(*args, **kwargs)
+
+
 @pytest.mark.parametrize("style", list(HandoffStyle))
-@pytest.mark.parametrize("action", ["leave", "stop"])
+@pytest.mark.parametrize("action", ["leave", "stop", "leave at the acceptance"])
 async def test_a_request_whose_client_goes_before_its_first_token_is_freed_at_once(
         autojump_clock: trio.abc.Clock, style: HandoffStyle, action: str) -> None:
     """The same for a client that leaves (its nursery cancelled) or stops its context once
-    its stream is open, before it read anything: the first-output hook the reader would
-    have called goes with the reader (it holds the request's handoff owner, which holds
-    the stream and its gate)."""
+    its stream is open, before it read anything, or leaves while the decode worker has
+    not accepted yet: the gate's first-output hook and the owner's cancelled dispatch
+    (each holds the request) go once they are of no use."""
     async with TransferKeeper() as keeper:
         cluster = mock_cluster(1, 1, style=style, latency=LATENCY)
+        if action == "leave at the acceptance":
+            cluster.decode[0] = SlowToAccept(cluster.decode[0])  # type: ignore[call-overload]
         router = DisaggRouter(WorkerPool(cluster.prefill), WorkerPool(cluster.decode), keeper)
         for n in range(2):  # warm-up
             await go_before_the_first_token(router, n, action)
@@ -314,6 +330,8 @@ async def go_before_the_first_token(router: DisaggRouter, n: int, action: str) -
                                   body={"model": "m", "prompt": f"{PROMPT} {n}", "max_tokens": 3})
     context = RequestContext(request.request_id)
     async with trio.open_nursery() as nursery:
+        if action == "leave at the acceptance":
+            nursery.cancel_scope.deadline = trio.current_time() + 0.5
         stream = await router.stream(nursery, request, context)
         async with stream.outputs:
             if action == "leave":

@@ -52,38 +52,42 @@ async def accepted_decode(
     """
     start = kept_decode_leg if owner.holds_transfer else decode_leg
     tried: list[Worker[DecodeEngine]] = []
-    while True:
-        tried.append(owner.decode_worker)
-        # Annotated, not subscripted: the subscript is a lookup on every request (P4a).
-        decode_send: trio.MemorySendChannel[Item]
-        decode_receive: trio.MemoryReceiveChannel[Item]
-        decode_send, decode_receive = trio.open_memory_channel(router.channel_buffer)
-        try:
-            await gate.dispatch(nursery, start, router, owner, decode_request,
-                                decode_context, decode_send)
-            return decode_receive
-        except WorkerError as exc:
-            decode_receive.close()
-            error, reason = exc, retry_reason(exc)
-            delay = router.retry.delay(len(tried) + 1)
-            if (reason is None or len(tried) >= router.retry.max_attempts
-                    or trio.current_time() + delay >= deadline
-                    or not _may_replace_decode(router, owner, tried)):
+    try:
+        while True:
+            tried.append(owner.decode_worker)
+            # Annotated, not subscripted: the subscript is a lookup per request (P4a).
+            decode_send: trio.MemorySendChannel[Item]
+            decode_receive: trio.MemoryReceiveChannel[Item]
+            decode_send, decode_receive = trio.open_memory_channel(router.channel_buffer)
+            try:
+                await gate.dispatch(nursery, start, router, owner, decode_request,
+                                    decode_context, decode_send)
+                return decode_receive
+            except WorkerError as exc:
+                decode_receive.close()
+                error, reason = exc, retry_reason(exc)
+                delay = router.retry.delay(len(tried) + 1)
+                if (reason is None or len(tried) >= router.retry.max_attempts
+                        or trio.current_time() + delay >= deadline
+                        or not _may_replace_decode(router, owner, tried)):
+                    raise
+            except BaseException:
+                # Nobody will read the decode stream: a decode leg that did start gets
+                # BrokenResourceError on its next send, not blocking on a full channel.
+                decode_receive.close()
                 raise
-        except BaseException:
-            # Nobody will read the decode stream: a decode leg that did start gets
-            # BrokenResourceError on its next send instead of blocking on a full channel.
-            decode_receive.close()
-            raise
-        await trio.sleep(delay)  # backoff with jitter (B9)
-        worker = _decode_replacement(router, owner, tried)  # the pool may have changed
-        if worker is None:
-            raise error
-        router.counters.count_retry("decode", reason)
-        logger.info("decode of %s: %s on %s, trying %s (B9)", owner.request.request_id,
-                    reason, owner.decode_worker.name, worker.name)
-        owner.switch_decode_worker(worker)
-        decode_request = attrs.evolve(decode_request, routing=owner.request.routing)
+            await trio.sleep(delay)  # backoff with jitter (B9)
+            worker = _decode_replacement(router, owner, tried)  # the pool may have changed
+            if worker is None:
+                raise error
+            router.counters.count_retry("decode", reason)
+            logger.info("decode of %s: %s on %s, trying %s (B9)", owner.request.request_id,
+                        reason, owner.decode_worker.name, worker.name)
+            owner.switch_decode_worker(worker)
+            decode_request = attrs.evolve(decode_request, routing=owner.request.routing)
+    except BaseException:
+        gate._on_first_output = None  # no stream: its hook (which holds the gate) goes
+        raise
 
 
 def _decode_replacement(

@@ -311,8 +311,9 @@ class HandoffOwner:
         if not self.request_open:
             return
         self.request_open = False
-        if self.refusal is not None:
-            self.decode_not_accepted(self.refusal)  # now with nobody left to decide
+        refusal, self.refusal = self.refusal, None  # (its traceback holds this owner)
+        if refusal is not None:
+            self.decode_not_accepted(refusal)  # now with nobody left to decide
         if self.state not in _SETTLED and self.state is not HandoffState.DISPATCHED:
             self._abandon(client_left=client_left)
 
