@@ -670,6 +670,50 @@ async def test_B2_handoff_deadline(autojump_clock: trio.abc.Clock) -> None:
         h.assert_clean()
 
 
+class AcceptsThenTheLoopIsBusy(SlowAcceptDecode):
+    """Accepts ``accept_delay`` seconds in, then the event loop is busy for half a
+    second before the router's task runs again."""
+
+    def __init__(self, inner: MockDecodeEngine, accept_delay: float,
+                 clock: trio.testing.MockClock) -> None:
+        super().__init__(inner, accept_delay)
+        self.clock = clock
+
+    async def generate(  # noqa: ASYNC114
+        self,
+        request: PreprocessedRequest,
+        context: RequestContext,
+        send_channel: trio.MemorySendChannel[Item],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        clock = self.clock
+
+        class Busy:
+            def started(self, value: None = None) -> None:
+                task_status.started(value)
+                clock.jump(0.5)  # no task runs meanwhile
+
+        await trio.sleep(self.accept_delay)
+        await self.inner.generate(request, context, send_channel, task_status=Busy())
+
+
+async def test_B2_a_decode_accepted_before_the_handoff_deadline_streams_if_seen_after_it(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The decode accepts just inside the handoff deadline, and the router's task runs
+    again only after it: the request streams to its end (the deadline bounds the
+    acceptance, not when the router gets to see it)."""
+    cluster = mock_cluster(style=SEQ, latency=LATENCY)
+    cluster.decode[0] = AcceptsThenTheLoopIsBusy(  # type: ignore[call-overload]
+        cluster.decode[0], 1.999, autojump_clock)
+    async with TransferKeeper() as keeper:
+        h = harness_for(keeper, cluster=cluster, deadlines=Deadlines(handoff=2, decode_idle=30))
+        _, items = await h.run(make_request())
+        assert finish_of(items[-1]) is FinishKind.LENGTH
+        await h.settle()
+        h.assert_clean()
+
+
 @pytest.mark.parametrize("fault", ["decode_stall", "decode_stall_at:2"])
 async def test_B2_decode_idle_deadline(autojump_clock: trio.abc.Clock, fault: str) -> None:
     async with TransferKeeper() as keeper:

@@ -9,7 +9,6 @@ from here too.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Mapping
 from functools import partial
@@ -358,8 +357,7 @@ class DisaggRouter:
     async def _open(self, nursery: trio.Nursery, owner: HandoffOwner) -> RequestStream:
         """Wait for what the decode needs and dispatch it; a client that stops or kills
         its context meanwhile ends the request at once, as one that left does (B10, B1):
-        the keeper keeps what is part of a KV transfer. The same scope bounds the decode's
-        acceptance by the handoff deadline (B2; one scope less per request, P4a)."""
+        the keeper keeps what is part of a KV transfer."""
         with trio.CancelScope() as wait:
             def on_stop(killed: bool) -> None:
                 wait.cancel()
@@ -369,19 +367,17 @@ class DisaggRouter:
                 decode_request = await owner.decode_request()
                 if isinstance(decode_request, Terminal):  # S7
                     return self._terminal(owner, decode_request)
-                return await self._dispatch(nursery, owner, decode_request, wait)
+                return await self._dispatch(nursery, owner, decode_request)
             finally:
-                # Once dispatched, the stream's own scopes answer a stop (P3: its memory).
+                # Once dispatched, the stream's own scopes answer a stop: the wait's scope
+                # need not live as long as the request (P3: memory per stream).
                 owner.context._forget_on_stop(on_stop)
                 owner.release_decode()  # no decode leg started, if none holds its lease
-        if not owner.context.is_stopped:  # not stopped: the wait's deadline, the handoff's
-            raise DeadlineExceeded("handoff", self.deadlines.handoff)
         owner.close_request(client_left=True)
         return self._stopped(owner)
 
     async def _dispatch(
-        self, nursery: trio.Nursery, owner: HandoffOwner, decode_request: PreprocessedRequest,
-        wait: trio.CancelScope,
+        self, nursery: trio.Nursery, owner: HandoffOwner, decode_request: PreprocessedRequest
     ) -> RequestStream:
         decode_context = RequestContext(decode_request.request_id, owner.context.metadata)
         hooks = StreamHooks(self, owner, decode_context)
@@ -400,10 +396,12 @@ class DisaggRouter:
             if reader_may_pull(owner.decode_worker.engine):
                 # Its reader may read its worker in its own task (one task a token).
                 slot = open_pull_slot(decode_context, self.deadlines.decode_idle)
-        handoff_deadline = wait.deadline = trio.current_time() + self.deadlines.handoff
-        decode_receive = await accepted_decode(
-            self, nursery, owner, gate, decode_request, decode_context, handoff_deadline)
-        wait.deadline = math.inf
+        handoff_deadline = trio.current_time() + self.deadlines.handoff
+        with trio.move_on_at(handoff_deadline) as handoff_scope:
+            decode_receive = await accepted_decode(
+                self, nursery, owner, gate, decode_request, decode_context, handoff_deadline)
+        if handoff_scope.cancelled_caught:
+            raise DeadlineExceeded("handoff", self.deadlines.handoff)
         try:
             await owner.tracker.enter_decode()  # S11: waits for the drain to have started
         except BaseException:
