@@ -123,14 +123,10 @@ class Edge:
         self.max_prompt_bytes = max_prompt_bytes
         self.fault_injection = fault_injection
         self._keeper_in_flight = keeper_in_flight
-        #: Generation requests admitted and not yet finished.
-        self.in_flight = 0
-        #: Of those, the ones the router is handling (:meth:`routing`); the others are
-        #: still being read or validated, and each is about to start a prefill drain.
-        self.routed = 0
-        # Context managers that are classes, not generators: entered on every request (P4a).
-        self._slot = _InFlight(self)
-        self._routing = _Routed(self)
+        # Counting context managers that are classes, not generators: entered on every
+        # request (P4a).
+        self._slot = _Count()
+        self._routing = _Count()
         #: ``trio_disagg_http_refused_total{reason}`` (:data:`REFUSALS`), unregistered:
         #: the app registers it in its own registry.
         self.refused = Counter(
@@ -209,12 +205,23 @@ class Edge:
                 "flight; retry later"), "max_keeper_tasks")
         return None
 
-    def slot(self) -> _InFlight:
+    @property
+    def in_flight(self) -> int:
+        """Generation requests admitted and not yet finished."""
+        return self._slot.count
+
+    @property
+    def routed(self) -> int:
+        """Of those, the ones the router is handling (:meth:`routing`); the others are
+        still being read or validated, and each is about to start a prefill drain."""
+        return self._routing.count
+
+    def slot(self) -> _Count:
         """Count one admitted generation request for as long as it is handled (a
         context manager)."""
         return self._slot
 
-    def routing(self) -> _Routed:
+    def routing(self) -> _Count:
         """Count an admitted request as handed to the router for the block (a context
         manager): enter it with no checkpoint before the router starts the request's
         prefill drain, so that the request is never counted twice, nor not at all,
@@ -283,31 +290,16 @@ async def discard_body(receive: Receive, limit: int) -> None:
                 return
 
 
-class _InFlight:
-    """:meth:`Edge.slot`'s context manager."""
+class _Count:
+    """A count of the blocks it is entered for (:meth:`Edge.slot`, :meth:`Edge.routing`)."""
 
-    __slots__ = ("edge",)
+    __slots__ = ("count",)
 
-    def __init__(self, edge: Edge) -> None:
-        self.edge = edge
-
-    def __enter__(self) -> None:
-        self.edge.in_flight += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.edge.in_flight -= 1
-
-
-class _Routed:
-    """:meth:`Edge.routing`'s context manager."""
-
-    __slots__ = ("edge",)
-
-    def __init__(self, edge: Edge) -> None:
-        self.edge = edge
+    def __init__(self) -> None:
+        self.count = 0
 
     def __enter__(self) -> None:
-        self.edge.routed += 1
+        self.count += 1
 
     def __exit__(self, *exc_info: object) -> None:
-        self.edge.routed -= 1
+        self.count -= 1
