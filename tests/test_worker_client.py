@@ -110,6 +110,38 @@ async def test_closing_a_response_before_its_end_closes_the_connection() -> None
             nursery.cancel_scope.cancel()
 
 
+async def test_reading_a_response_closed_before_its_end_is_a_closed_resource_error() -> None:
+    """A read after ``aclose`` is trio's error for a closed resource, never an assertion;
+    a response read to its end still reads as ended (``b""``) after it."""
+
+    connections = 0
+
+    async def handler(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(stream, bytearray())
+        if connections == 1:  # half an answer: the client closes it before its end
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                                  b"9\r\ndata: 1\n\n\r\n")
+        else:
+            await stream.send_all(chunked(b"data: 2\n\n"))
+        await trio.sleep_forever()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = await start_server(nursery, handler)
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as cut:
+                assert await cut.read() == b"data: 1\n\n"
+            with pytest.raises(trio.ClosedResourceError):
+                await cut.read()
+            with pytest.raises(trio.ClosedResourceError):
+                await cut.aread()
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as whole:
+                assert await whole.aread() == b"data: 2\n\n"
+            assert await whole.read() == b""
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_kept_connection_the_worker_closed_is_replaced() -> None:
     """A worker that closes an idle keep-alive connection: the next request goes out once
     more on a new connection, and succeeds."""

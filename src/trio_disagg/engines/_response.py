@@ -81,7 +81,8 @@ class WorkerResponse:
     async def _feed(self) -> bool:
         """One socket read into the parser; False at the end of the connection."""
         connection = self._connection
-        assert connection is not None
+        if connection is None:
+            raise trio.ClosedResourceError("the response was closed before its end")
         timeout = self._client.read_timeout
         try:
             data: bytes | bytearray
@@ -122,6 +123,8 @@ class WorkerResponse:
                 with one).
             RemoteProtocolError: the connection broke before the body's end, or the
                 answer is not valid HTTP/1.1.
+            trio.ClosedResourceError: the response was closed (:meth:`aclose`) before
+                its end.
 
         Cancelled, it leaves the response open and the rest of the body unread; the
         exchange's ``async with`` (or :meth:`aclose`) then closes the connection.
@@ -156,7 +159,7 @@ class WorkerResponse:
                 the end.
 
         Raises:
-            ReadTimeout, RemoteProtocolError: as :meth:`read`.
+            ReadTimeout, RemoteProtocolError, trio.ClosedResourceError: as :meth:`read`.
         """
         return await read_up_to(self.read, limit)
 
