@@ -215,6 +215,34 @@ async def test_a_port_that_cannot_be_learned_is_a_503_that_says_why(
     assert (prefill.stats.requests, decode.stats.requests) == (0, 0)
 
 
+@pytest.mark.parametrize("listed_as", ["prefill", "decode"])
+async def test_a_worker_in_the_other_role_fails_its_probe_even_with_its_port_given(
+        listed_as: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Once: a decode worker listed as a prefill one with a bootstrap port
+    (``--prefill URL,PORT``) was never asked its mode and passed its probes: every request
+    was sent to it and failed with a KV transfer error (a 200 with nothing generated when
+    a real prefill's bootstrap server listened on that port); a prefill worker listed as
+    a decode one passed too, and every request was a 502. Now the probe reads the mode,
+    whatever the role and the port, and no request reaches either worker."""
+    prefill, decode = sglang_pair(swapped=listed_as == "prefill")
+    if listed_as == "decode":  # the prefill worker listed again, as the decode worker
+        decode = MockSglangWorker("prefill", model=MODEL, bootstrap_port=0)
+    with trio.fail_after(10):
+        async with workers(prefill, decode) as (prefill_url, decode_url):
+            spec = f"{prefill_url},{prefill.bootstrap_port or 9000}"
+            async with routed(spec, decode_url) as (http, _):
+                answer = await http.post("/v1/completions", json=BODY)
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    wrong = "decode" if listed_as == "prefill" else "prefill"
+    says = (f"{listed_as} worker {prefill_url if listed_as == 'prefill' else decode_url} "
+            f"is not an SGLang {listed_as} worker: its /server_info gives "
+            f"disaggregation_mode '{wrong}'")
+    assert (error["code"], says in error["message"]) == ("no_worker_available", True)
+    assert any(says in r.getMessage() for r in caplog.records)
+    assert (prefill.stats.requests, decode.stats.requests) == (0, 0)
+
+
 async def test_without_health_probes_an_unknown_port_is_a_503_not_a_guess() -> None:
     """A router run without a HealthMonitor never learns the port: it says so (503), and
     sends nothing to either worker, rather than guess SGLang's default."""

@@ -61,12 +61,8 @@ from ._requests import (
     streaming_body,
     worker_client,
 )
-from ._sglang_bootstrap import fetch_bootstrap_port, parse_prefill_spec
-from ._stopper import (
-    SendChannel,
-    Stopper,
-    send_quietly,
-)
+from ._sglang_bootstrap import check_mode, fetch_bootstrap_port, parse_prefill_spec
+from ._stopper import SendChannel, Stopper, send_quietly
 
 __all__ = [
     "GENERATE_PATH", "SGLANG_WITHHELD", "SglangEngine", "bootstrap_problem", "native_output",
@@ -350,6 +346,7 @@ class SglangEngine(HttpEngine):
             self.bootstrap_host = f"[{host}]" if ":" in host else host
             self.bootstrap_port = port
         self._learns_port = role == "prefill" and bootstrap_port is None
+        self._mode_checked = False
         if role != "prefill" and bootstrap_port is not None:
             raise ValueError("only a prefill worker has a bootstrap port")
 
@@ -386,20 +383,27 @@ class SglangEngine(HttpEngine):
         worker whose bootstrap port is still unknown is then asked for it
         (:meth:`learn_bootstrap_port`), and passes only once it is known. A port learned
         is forgotten when the health endpoint fails: the worker may come back restarted
-        with another, and is asked again.
+        with another, and is asked again. So is its ``disaggregation_mode``, checked after
+        the first probe that passes, whatever the role: a worker in another role fails.
 
         Raises:
             WorkerError: the worker could not be reached or answered anything but 2xx
-                (``worker_status``), or its bootstrap port could not be learned (503).
+                (``worker_status``), its bootstrap port could not be learned, or it runs
+                in another role (503).
         """
         try:
             await super().check_health()
         except WorkerError:
+            self._mode_checked = False
             if self._learns_port:
                 self.bootstrap_port = None
             raise
         if self.role == "prefill" and self.bootstrap_port is None:
-            await self.learn_bootstrap_port()
+            await self.learn_bootstrap_port()  # checks the mode too
+            self._mode_checked = True
+        elif not self._mode_checked:
+            self._mode_checked = await check_mode(self._transport, self.url, self.name,
+                                                  self.role)
 
     async def generate(  # noqa: ASYNC114 (started by the router)
         self,

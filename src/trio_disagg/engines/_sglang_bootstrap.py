@@ -23,7 +23,7 @@ from ._httpx import HttpxWorkerClient
 from ._transport import TransportError
 from ._wire import WorkerClient
 
-__all__ = ["SERVER_INFO_PATHS", "fetch_bootstrap_port", "parse_prefill_spec"]
+__all__ = ["SERVER_INFO_PATHS", "check_mode", "fetch_bootstrap_port", "parse_prefill_spec"]
 
 logger = logging.getLogger("trio_disagg.engines")
 
@@ -72,6 +72,27 @@ async def _get(transport: WorkerClient | HttpxWorkerClient, url: str, path: str
         return response.status_code, await response.aread(SERVER_INFO_LIMIT)
 
 
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        info = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _check_mode(info: Mapping[str, Any], url: str, name: str, path: str, role: str) -> None:
+    """Raise a 503 :class:`~trio_disagg.WorkerError` if ``info`` (a server information
+    answer) gives a ``disaggregation_mode`` other than ``role``."""
+    mode = info.get("disaggregation_mode")
+    if mode is not None and mode != role:
+        other = "decode" if role == "prefill" else "prefill"
+        fix = f", or list it among the {other} workers" if mode == other else ""
+        raise WorkerError(
+            f"{role} worker {url} is not an SGLang {role} worker: its {path} gives "
+            f"disaggregation_mode {str(mode)[:20]!r} (start it with --disaggregation-mode "
+            f"{role}{fix})", status=503, worker=name)
+
+
 def _port_of(info: Mapping[str, Any], url: str, name: str, path: str) -> int:
     """The bootstrap port a server information answer gives.
 
@@ -79,12 +100,7 @@ def _port_of(info: Mapping[str, Any], url: str, name: str, path: str) -> int:
         WorkerError: status 503: the worker is not a prefill worker (its
             ``disaggregation_mode``), or gives no port in 1-65535.
     """
-    mode = info.get("disaggregation_mode")
-    if mode is not None and mode != "prefill":
-        raise WorkerError(
-            f"prefill worker {url} is not an SGLang prefill worker: its {path} gives "
-            f"disaggregation_mode {str(mode)[:20]!r} (start it with --disaggregation-mode "
-            f"prefill, or list it among the decode workers)", status=503, worker=name)
+    _check_mode(info, url, name, path, "prefill")
     port = info.get("disaggregation_bootstrap_port")
     if type(port) is not int or not 0 < port < 65536:
         raise _unknown(url, name, f"its {path} gives disaggregation_bootstrap_port "
@@ -121,12 +137,46 @@ async def fetch_bootstrap_port(transport: WorkerClient | HttpxWorkerClient, url:
         raise _unknown(url, name, f"GET {path} failed: {describe(exc)}") from exc
     if not 200 <= status < 300:
         raise _unknown(url, name, f"GET {path} answered {status}", status)
-    try:
-        info = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        info = None
-    if not isinstance(info, dict):
+    info = _json_object(data)
+    if info is None:
         raise _unknown(url, name, f"GET {path} answered no JSON object")
     port = _port_of(info, url, name, path)
     logger.info("SGLang prefill worker %s bootstraps at port %d (its %s)", url, port, path)
     return port
+
+
+async def check_mode(transport: WorkerClient | HttpxWorkerClient, url: str, name: str,
+                     role: str) -> bool:
+    """Check that the SGLang worker at ``url`` runs in the ``role`` it was given: the
+    ``disaggregation_mode`` of its ``GET /server_info`` (``/get_server_info`` if that one
+    is not found). A decode worker listed as a prefill one (its bootstrap port given, so
+    never asked of it), or a prefill or non-disaggregated worker listed as a decode one,
+    would otherwise answer requests with nothing generated, or leave the prefill's KV in
+    its room. It need not bound itself: the caller cancels it.
+
+    Args:
+        transport: the engine's client.
+        url: the worker's base URL.
+        name: the worker's name, for the error.
+        role: ``"prefill"`` or ``"decode"``.
+
+    Returns:
+        True once the worker answered (its mode is ``role``, or it does not tell it: an
+        answer that is not 2xx JSON, or has no mode, is taken on trust); False if it could
+        not be reached (ask again later).
+
+    Raises:
+        WorkerError: status 503, naming the worker, its mode and what to do: its
+            ``disaggregation_mode`` is not ``role``.
+    """
+    try:
+        for path in SERVER_INFO_PATHS:
+            status, data = await _get(transport, url, path)
+            if status not in (404, 405):
+                break
+    except TransportError:
+        return False
+    info = _json_object(data) if 200 <= status < 300 else None
+    if info is not None:
+        _check_mode(info, url, name, path, role)
+    return True
