@@ -64,7 +64,8 @@ from trio_disagg.workers import MockVllmWorker, create_mock_worker, serve_worker
 class Scripted:
     """What :func:`scripted_worker` does with a POST, and how many it received."""
 
-    mode: str  # "reset", "refuse" (503), "bad" (400) or "midstream" (a token, then reset)
+    mode: str  # "reset", "refuse" (503), "bad" (400), "busy" (429, Retry-After: 7) or
+    # "midstream" (a token, then reset)
     posts: int = 0
 
 
@@ -98,8 +99,9 @@ async def _answer(script: Scripted, stream: trio.SocketStream) -> None:
 
 
 async def _fail(mode: str, stream: trio.SocketStream) -> None:
-    if mode in ("refuse", "bad"):
-        status = b"503 Service Unavailable" if mode == "refuse" else b"400 Bad Request"
+    if mode in ("refuse", "bad", "busy"):
+        status = {"refuse": b"503 Service Unavailable", "bad": b"400 Bad Request",
+                  "busy": b"429 Too Many Requests\r\nretry-after: 7"}[mode]
         error = b'{"error": {"message": "scripted refusal", "type": "x", "code": null}}'
         await stream.send_all(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json"
                               b"\r\ncontent-length: " + str(len(error)).encode()
@@ -308,6 +310,44 @@ async def test_B9_a_4xx_is_never_retried() -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_B9_a_worker_too_busy_is_retried_elsewhere_and_counts_against_it(
+        leg: str) -> None:
+    """Once: a worker's 429 was taken for a bad request: final for the client although
+    another worker was idle, and a success for the worker's breaker, so a worker behind a
+    rate limiter answered (fast) every request selection gave it and was never ejected."""
+    script = Scripted("busy")
+    async with mock_workers("prefill", "decode") as [(prefill, prefill_url),
+                                                       (decode, decode_url)], \
+            trio.open_nursery() as nursery:
+        busy = f"http://127.0.0.1:{await nursery.start(scripted_worker, script)}"
+        pools = ([busy, prefill_url], [decode_url]) if leg == "prefill" else (
+            [prefill_url], [busy, decode_url])
+        async with fleet(*pools) as router:
+            chunks = await in_thread(lambda: list(complete(router, stream=True)))
+            assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+            assert script.posts == 1 and len(prefill.seen) == 1 and len(decode.seen) == 1
+            assert await router.metric("trio_disagg_retries_total", leg=leg,
+                                       reason="too_many_requests") == 1
+            pool = router.router.prefill if leg == "prefill" else router.router.decode
+            assert pool.workers[0].failures_total == 1
+            await settled(router, prefill, decode)
+        nursery.cancel_scope.cancel()
+
+
+async def test_B9_a_429_with_no_other_worker_reaches_the_client_with_its_retry_after(
+) -> None:
+    script = Scripted("busy")
+    async with mock_workers("decode") as [(decode, decode_url)], trio.open_nursery() as n:
+        busy = f"http://127.0.0.1:{await n.start(scripted_worker, script)}"
+        async with fleet([busy], [decode_url]) as router:
+            with pytest.raises(openai.RateLimitError) as raised:
+                await in_thread(lambda: complete(router))
+            assert raised.value.response.headers["retry-after"] == "7"
+            assert script.posts == 1 and not decode.seen
+        n.cancel_scope.cancel()
+
+
 # --- in process: the breaker, the probes, the policy ------------------------------------
 
 
@@ -442,7 +482,9 @@ def test_only_a_workers_own_faults_count() -> None:
 def test_B9_what_may_be_retried() -> None:
     assert retry_reason(WorkerError("reset", status=502)) == "transport_error"
     assert retry_reason(WorkerError("5xx", status=502, worker_status=503)) == "server_error"
-    assert retry_reason(WorkerError("4xx", status=429, worker_status=429)) is None
+    assert retry_reason(WorkerError("4xx", status=400, worker_status=400)) is None
+    assert retry_reason(WorkerError("busy", status=429, worker_status=429)) == (
+        "too_many_requests")
     assert retry_reason(WorkerError("lost", status=502, worker_status=500,
                                     handoff_lost=True)) is None
     assert retry_reason(WorkerError("an engine's own", status=503)) == "server_error"
@@ -585,12 +627,12 @@ async def cleaned_up(decode: list[Any], cluster: Any, body: dict[str, Any],
 async def test_B1_a_cleanup_decode_refused_by_a_dead_worker_is_retried_elsewhere(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    # The client's decode refuses with a 429 (final: no B9 retry), so a B1 cleanup decode
+    # The client's decode refuses with a 400 (final: no B9 retry), so a B1 cleanup decode
     # must consume the staged KV; round-robin sends it to the dead worker first.
     cluster = mock_cluster(1, 2)
     down = DownDecode(cluster.decode[1])
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "fault": "decode_reject:429"}
-    router = await cleaned_up([cluster.decode[0], down], cluster, body, "429")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "fault": "decode_reject:400"}
+    router = await cleaned_up([cluster.decode[0], down], cluster, body, "400")
     assert down.refused == 1
     assert router.counters.retries == {("cleanup", "transport_error"): 1}
 
@@ -611,8 +653,8 @@ async def test_B1_a_cleanup_decode_waits_for_its_only_decode_worker_to_come_back
 
 async def test_B9_a_decode_4xx_is_final(autojump_clock: trio.abc.Clock) -> None:
     async with TransferKeeper() as keeper:
-        router, error = await routed(keeper, 1, 2, "decode_reject:429")
-    assert isinstance(error, WorkerError) and error.status == 429
+        router, error = await routed(keeper, 1, 2, "decode_reject:400")
+    assert isinstance(error, WorkerError) and error.status == 400
     assert router.counters.retries == {} and failures(router.decode) == [0, 0]
 
 

@@ -170,9 +170,9 @@ async def test_panic_routing_when_every_worker_cools_down() -> None:
 async def test_a_refused_bad_request_is_not_a_worker_failure() -> None:
     workers = pool(1, failure_threshold=1)
     worker = workers.workers[0]
-    workers.record_failure(worker, _refusal(429))
+    workers.record_failure(worker, _refusal(400))
     assert workers.healthy() == [worker]
-    workers.record_failure(worker, _refusal(503))
+    workers.record_failure(worker, _refusal(429))  # too busy: as a 503
     assert workers.healthy() == []
 
 

@@ -47,7 +47,10 @@ class HealthState(enum.Enum):
 #: Why a worker was taken out of selection, for ``trio_disagg_worker_ejections_total``.
 EJECTION_REASONS = ("passive", "probe")
 #: Why a leg was tried again (B9), for ``trio_disagg_retries_total``.
-RETRY_REASONS = ("transport_error", "server_error")
+RETRY_REASONS = ("transport_error", "server_error", "too_many_requests")
+#: A worker too busy for the request (HTTP 429): it refused before doing anything, as with
+#: a 503, and another worker may serve it; not a bad request, which fails everywhere.
+TOO_MANY_REQUESTS = 429
 
 
 @runtime_checkable
@@ -180,9 +183,10 @@ class WorkerHealth:
 
 
 def worker_fault(error: BaseException | None) -> bool | None:
-    """Whether ``error`` is the worker's own fault (True), the worker refusing a bad
-    request, which shows it is alive (False: a 4xx), or neither (None: the router refused
-    the worker's answer as a handoff (S8, S9, B7), or ended the prefill on purpose).
+    """Whether ``error`` is the worker's own fault (True: a 429, too busy, counts as a
+    5xx does), the worker refusing a bad request, which shows it is alive (False: any
+    other 4xx), or neither (None: the router refused the worker's answer as a handoff (S8,
+    S9, B7), or ended the prefill on purpose).
 
     ``None`` as the error (a deadline with no answer) is the worker's fault. The cause
     chain is followed to the :class:`~trio_disagg.WorkerError` an adapter raised.
@@ -191,7 +195,7 @@ def worker_fault(error: BaseException | None) -> bool | None:
         if isinstance(error, NoDisaggregatedParams | PrefillCancelled):
             return None
         if isinstance(error, WorkerError):
-            return not 400 <= error.status < 500
+            return not 400 <= error.status < 500 or error.status == TOO_MANY_REQUESTS
         error = error.__cause__
     return True
 
@@ -199,10 +203,14 @@ def worker_fault(error: BaseException | None) -> bool | None:
 def retry_reason(error: BaseException) -> str | None:
     """The ``reason`` label of a retry after ``error``, or None if ``error`` must not be
     retried (B9): only a :class:`~trio_disagg.WorkerError` of a worker that could not be
-    reached (``transport_error``: status 502 and no ``worker_status``) or failed with a
-    5xx (``server_error``), and whose KV was not reported lost, may be retried; a 4xx
-    never is."""
-    if not isinstance(error, WorkerError) or error.handoff_lost or 400 <= error.status < 500:
+    reached (``transport_error``: status 502 and no ``worker_status``), failed with a
+    5xx (``server_error``) or was too busy (``too_many_requests``: a 429), and whose KV
+    was not reported lost, may be retried; any other 4xx never is."""
+    if not isinstance(error, WorkerError) or error.handoff_lost:
+        return None
+    if error.status == TOO_MANY_REQUESTS:
+        return "too_many_requests"
+    if 400 <= error.status < 500:
         return None
     if error.worker_status is None and error.status == 502:  # an adapter's "never answered"
         return "transport_error"

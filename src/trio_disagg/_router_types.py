@@ -174,7 +174,7 @@ class RouterCounters:
     prefills_released: int = 0
     prefills_drained: int = 0
     #: Legs tried again on another worker (B9), by ``(leg, reason)``: leg ``prefill`` or
-    #: ``decode``, reason ``transport_error`` or ``server_error``.
+    #: ``decode``, reason ``transport_error``, ``server_error`` or ``too_many_requests``.
     retries: dict[tuple[str, str], int] = attrs.Factory(dict)
     #: Requests by routing decision: :data:`DISAGGREGATED` or :data:`DECODE_ONLY`.
     decisions: dict[str, int] = attrs.Factory(lambda: {DISAGGREGATED: 0, DECODE_ONLY: 0})
@@ -184,7 +184,7 @@ class RouterCounters:
 
         Args:
             leg: ``"prefill"``, ``"decode"``, or ``"cleanup"`` (a B1 cleanup decode).
-            reason: ``"transport_error"`` or ``"server_error"``
+            reason: ``"transport_error"``, ``"server_error"`` or ``"too_many_requests"``
                 (``retry_reason`` in the health module).
         """
         self.retries[leg, reason] = self.retries.get((leg, reason), 0) + 1

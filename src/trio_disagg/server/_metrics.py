@@ -345,7 +345,7 @@ def _health_families(router: DisaggRouter, now: float) -> Iterator[Metric]:
         "trio_disagg_retries",
         "Legs tried again on another worker before the first byte (B9), by leg "
         "(prefill, decode, cleanup: a B1 cleanup decode) and reason (transport_error, "
-        "server_error).",
+        "server_error, too_many_requests: a 429).",
         labels=["leg", "reason"],
     )
     for leg in ("prefill", "decode", "cleanup"):
