@@ -197,6 +197,12 @@ VLLM_CASES = [
                  id="remote_port-x"),
     pytest.param({"remote_port": 8000.0}, "kv_transfer_params.remote_port", "8000.0",
                  id="remote_port-float"),
+    # once passed on: a decode was sent, its pull failed, and the client's 502 blamed the
+    # decode worker ("KV transfer failed"), not the prefill that answered the bad port
+    pytest.param({"remote_port": -1}, "kv_transfer_params.remote_port",
+                 "must be a port in 1-65535, got int -1", id="remote_port-negative"),
+    pytest.param({"remote_port": 65536}, "kv_transfer_params.remote_port",
+                 "got int 65536", id="remote_port-too-large"),
     pytest.param({"remote_block_ids": [1, "2"]}, "kv_transfer_params.remote_block_ids[1]",
                  "'2'", id="remote_block_ids-str-item"),
     pytest.param({"do_remote_prefill": "true"}, "kv_transfer_params.do_remote_prefill",

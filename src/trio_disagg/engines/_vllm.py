@@ -99,14 +99,14 @@ class KvTransferParams:
     decode worker act as a prefill and strand the KV staged here); ``remote_block_ids``
     (the blocks to pull) must be a non-empty list of non-negative integers, or a list of
     such lists, one per KV cache group, with a block in one of them at least
-    (:data:`BlockIds`)."""
+    (:data:`BlockIds`); ``remote_port`` a port, 1-65535."""
 
     do_remote_prefill: Annotated[bool, Must(lambda value: value is True, "true")]
     do_remote_decode: Annotated[bool, Must(lambda value: value is False, "false")] = False
     remote_engine_id: str
     remote_block_ids: BlockIds
     remote_host: str
-    remote_port: int
+    remote_port: Annotated[int, Must(lambda value: 0 < value < 65536, "a port in 1-65535")]
     remote_request_id: str = ""
     tp_size: int = 1
 
