@@ -416,3 +416,25 @@ async def test_an_idle_connection_is_closed_once_past_its_expiry() -> None:
                 await trio.sleep(expiry / 5)
             assert (client.connections_open, client.connections_idle) == (1, 1)
             nursery.cancel_scope.cancel()
+
+
+async def test_an_https_url_for_a_plain_http_worker_says_tls_failed() -> None:
+    """Once: ``--decode https://...`` for a worker that speaks plain HTTP failed every
+    probe and request with ``connection lost: `` and nothing after it (the TLS error was
+    only the cause of an empty ``BrokenResourceError``)."""
+    async def plain(stream: trio.SocketStream) -> None:  # answers a ClientHello as HTTP
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n"
+                              b"connection: close\r\n\r\n")
+        await stream.aclose()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery, WorkerClient() as client:
+            url = (await start_server(nursery, plain)).replace("http://", "https://")
+            with pytest.raises(RemoteProtocolError) as raised:
+                async with client.stream("GET", url + "/health", content=b"", headers={}):
+                    pass  # pragma: no cover
+            nursery.cancel_scope.cancel()
+    message = str(raised.value)
+    assert "TLS" in message and "WRONG_VERSION_NUMBER" in message, message
+    assert "https:// URL for a worker that speaks plain HTTP?" in message

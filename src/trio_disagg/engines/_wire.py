@@ -66,7 +66,7 @@ class _Exchange:
                     continue
                 if isinstance(exc, RemoteProtocolError):
                     raise
-                raise RemoteProtocolError(f"connection lost: {exc}") from exc
+                raise RemoteProtocolError(f"connection lost: {_why(exc)}") from exc
             except BaseException:
                 response._discard()
                 raise
@@ -77,6 +77,17 @@ class _Exchange:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._response is not None:
             await self._response.aclose()
+
+
+def _why(exc: BaseException) -> str:
+    """What ended a connection, for its error: a TLS failure (an empty
+    :class:`trio.BrokenResourceError` whose cause says it) named as one."""
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLError):
+        hint = (": an https:// URL for a worker that speaks plain HTTP?"
+                if cause.reason == "WRONG_VERSION_NUMBER" else "")
+        return f"TLS failed ({cause.reason or cause}){hint}"
+    return str(exc)
 
 
 class WorkerClient:
