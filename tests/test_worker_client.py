@@ -438,3 +438,38 @@ async def test_an_https_url_for_a_plain_http_worker_says_tls_failed() -> None:
     message = str(raised.value)
     assert "TLS" in message and "WRONG_VERSION_NUMBER" in message, message
     assert "https:// URL for a worker that speaks plain HTTP?" in message
+
+
+async def test_a_get_never_waits_for_a_connection_every_stream_holds() -> None:
+    """Once: with ``max_connections`` carrying streams (at load: ``serve`` has 1024, and an
+    SGLang request holds two), a health probe waited for one of them to end, ran out of
+    its timeout, and the healthy worker was marked down. A GET (a probe, a model list, a
+    server information) opens a connection past the bound, closed after its answer."""
+    release = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        request = await read_request(stream, bytearray())
+        if request is not None and request.startswith(b"GET "):
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await read_request(stream, bytearray())  # until the client closes it
+            return
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                              b"9\r\ndata: 1\n\n\r\n")
+        await release.wait()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery, WorkerClient(max_connections=1) as client:
+            url = await start_server(nursery, handler)
+            async with client.stream("POST", url, content=b"{}", headers=HEADERS) as held:
+                assert await held.read() == b"data: 1\n\n"
+                with trio.fail_after(1):
+                    async with client.stream("GET", url + "/health", content=b"",
+                                             headers={}) as probe:
+                        assert (probe.status_code, await probe.aread()) == (200, b"ok")
+                assert (client.connections_open, client.connections_idle) == (1, 0)
+                with pytest.raises(PoolTimeout):  # a POST still waits for its turn
+                    client.pool_timeout = 0.05
+                    async with client.stream("POST", url, content=b"{}", headers=HEADERS):
+                        pass  # pragma: no cover
+            release.set()
+            nursery.cancel_scope.cancel()

@@ -9,14 +9,16 @@ import trio
 
 
 class Connection:
-    """One keep-alive connection to a worker."""
+    """One keep-alive connection to a worker; ``slot``: it counts towards the client's
+    ``max_connections`` (else it was opened past the bound for a GET, and is not kept)."""
 
-    __slots__ = ("idle_since", "socket", "stream")
+    __slots__ = ("idle_since", "slot", "socket", "stream")
 
     def __init__(self, stream: trio.abc.Stream, socket: trio.socket.SocketType | None) -> None:
         self.stream = stream
         self.socket = socket
         self.idle_since = 0.0
+        self.slot = True
 
     def usable(self, now: float, expiry: float) -> bool:
         """Whether an idle connection may carry a new request: not expired, and nothing

@@ -54,7 +54,8 @@ class _Exchange:
         head += (client.headers.for_request(self._headers), b"\r\n", self._content)
         request = b"".join(head)
         for attempt in range(2):  # a kept connection the worker closed: once more, anew
-            connection, reused = await client._acquire(pool, fresh=attempt > 0)
+            connection, reused = await client._acquire(pool, fresh=attempt > 0,
+                                                       get=self._method == "GET")
             response = WorkerResponse(client, pool, connection)
             self._response = response
             try:
@@ -100,7 +101,9 @@ class WorkerClient:
     used. A request on a kept connection the worker had closed is sent once more on a
     new one (the worker never saw it). With ``max_connections`` open, a request closes
     the connection idle the longest, of any worker, to open its own: it waits only if
-    none is idle.
+    none is idle. A GET (a health probe, a model list, SGLang's server information: a
+    few per worker) never waits: it opens a connection past the bound, closed after its
+    answer, so that a fleet busy with streams never fails its probes for want of one.
 
     Args:
         max_connections: connections open at once, over all workers.
@@ -171,7 +174,8 @@ class WorkerClient:
 
     @property
     def connections_open(self) -> int:
-        """Connections open now, idle or carrying a request."""
+        """Connections open now, idle or carrying a request (a GET's past the bound
+        not counted)."""
         return self._max_connections - self._slots.value
 
     @property
@@ -223,7 +227,8 @@ class WorkerClient:
         tls = parts.scheme == "https"
         return Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
 
-    async def _acquire(self, pool: Pool, *, fresh: bool = False) -> tuple[Connection, bool]:
+    async def _acquire(self, pool: Pool, *, fresh: bool = False, get: bool = False
+                       ) -> tuple[Connection, bool]:
         if self._closed:
             raise TransportError("the worker client is closed")
         now = trio.current_time()
@@ -233,16 +238,21 @@ class WorkerClient:
             if connection.usable(now, self.keepalive_expiry):
                 return connection, True
             self._forget(connection)
-        if not self._take_slot() and not self._make_room():
+        slot = self._take_slot() or self._make_room()
+        if not (slot or get):
             with trio.move_on_after(self.pool_timeout) as waited:
                 await self._slots.acquire()
             if waited.cancelled_caught:
                 raise PoolTimeout(f"no free connection in {self.pool_timeout:g} s")
+            slot = True
         try:
-            return await self._connect(pool), False
+            connection = await self._connect(pool)
         except BaseException:
-            self._slots.release()
+            if slot:
+                self._slots.release()
             raise
+        connection.slot = slot
+        return connection, False
 
     async def _send(self, connection: Connection, request: bytes) -> None:
         """Write ``request`` whole: one non-blocking write when the socket takes it all
@@ -302,7 +312,7 @@ class WorkerClient:
 
     def _give_back(self, pool: Pool, connection: Connection) -> None:
         idle = pool.idle
-        if self._closed or len(idle) >= self.max_idle_per_worker:
+        if self._closed or len(idle) >= self.max_idle_per_worker or not connection.slot:
             self._forget(connection)
             return
         connection.idle_since = now = trio.current_time()
@@ -322,13 +332,15 @@ class WorkerClient:
             inner = transport.transport_stream
             assert isinstance(inner, trio.SocketStream)
             inner.socket.close()
-        self._slots.release()
+        if connection.slot:
+            self._slots.release()
 
     async def _close(self, connection: Connection) -> None:
         try:
             await connection.stream.aclose()
         finally:
-            self._slots.release()
+            if connection.slot:
+                self._slots.release()
 
     async def aclose(self) -> None:
         """Close the idle connections; later requests raise :class:`TransportError`.
