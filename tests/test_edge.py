@@ -24,6 +24,8 @@ import pytest
 import trio
 from e2e_support import MODEL, PROMPT, in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from test_relay_adversary import MODEL as ADVERSARY_MODEL
+from test_relay_adversary import Relayed, Worker, bare, event, read_request
 
 from trio_disagg import (
     Annotated,
@@ -35,7 +37,8 @@ from trio_disagg import (
     WorkerPool,
 )
 from trio_disagg._cli import API_KEY_ENV, StartupError, api_key_of, build_parser
-from trio_disagg.engines import LatencyModel, mock_cluster
+from trio_disagg.engines import LatencyModel, WorkerClient, mock_cluster
+from trio_disagg.engines import _http as engines_http
 from trio_disagg.engines._requests import check_worker_url
 from trio_disagg.server import OpenAIApp, _edge, create_app, serve
 
@@ -412,6 +415,65 @@ async def test_max_in_flight_2_gives_the_third_request_503_with_retry_after() ->
         await wait_until(lambda: server.app.edge.in_flight == 0)
         assert (await http.post(COMPLETIONS, json=GOOD)).status_code == 200
         assert (await server.refused())["max_in_flight"] == 1
+
+
+class HoldsItsEnd(Worker):
+    """A vLLM decode worker on a socket that sends its stream, ``[DONE]`` included, but
+    the end of its chunked body only once :attr:`end` is set: the router's decode leg,
+    the answer complete, waits for it (a leg slow to wind down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.end = trio.Event()
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            while await read_request(stream):
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n")
+                for piece in self.pieces:
+                    await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await self.end.wait()
+                await stream.send_all(b"0\r\n\r\n")
+
+
+async def test_a_request_whose_answer_is_complete_no_longer_counts_against_max_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends its next request as soon as it read the last answer's
+    ``[DONE]`` is never refused at ``max_in_flight=1`` while that request's decode leg
+    winds down: a request counts until its answer is complete."""
+    monkeypatch.setattr(engines_http, "BODY_END_GRACE", 30.0)  # (the leg waits for the end)
+    worker = HoldsItsEnd()
+    worker.pieces = [event(bare(False, "hi")), event(bare(False, "!", finish_reason="stop")),
+                     event(b"[DONE]")]
+    cluster = mock_cluster(latency=LatencyModel.zero())
+    async with trio.open_nursery() as nursery, WorkerClient() as client:
+        listeners = await nursery.start(partial(trio.serve_tcp, worker.handle, 0,
+                                                host="127.0.0.1"))
+        # (the mock decode pulls the prefill's KV first; the socket worker answers)
+        decode = Relayed(cluster.decode[0],
+                         f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", client)
+        async with TransferKeeper(drain_window=5.0) as keeper:
+            router = DisaggRouter(WorkerPool([cluster.prefill[0]]), WorkerPool([decode]),
+                                  keeper)
+            app = create_app(router, models=[ADVERSARY_MODEL], max_in_flight=1, linger=30.0)
+            port = await nursery.start(partial(serve, app, host="127.0.0.1", port=0))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                         timeout=10.0) as http:
+                for at in range(3):
+                    # (each on a connection of its own: a kept one would wait for the
+                    # request before it to end, leg and all)
+                    answer = await http.post(COMPLETIONS, headers={"connection": "close"},
+                                             json={"model": ADVERSARY_MODEL, "prompt": "hi",
+                                                   "stream": True})
+                    assert answer.status_code == 200, answer.text
+                    assert answer.text.endswith("data: [DONE]\n\n")
+                    assert app.edge.in_flight == 0
+                    assert app.in_flight == at + 1  # its decode leg is still winding down
+                worker.end.set()
+                await wait_until(lambda: app.in_flight == 0)
+            nursery.cancel_scope.cancel()
 
 
 async def test_keeper_work_at_its_bound_refuses_new_requests_and_finishes_its_own() -> None:

@@ -207,7 +207,8 @@ class OpenAIApp:
         if refusal is not None:
             await self._refuse(scope, receive, responder, refusal)
         elif generation:
-            with edge.slot():  # no checkpoint since admit(): the count is exact
+            with edge.slot() as slot:  # no checkpoint since admit(): the count is exact
+                responder.on_complete = slot.leave
                 await handler(scope, receive, responder)
         else:
             await handler(scope, receive, responder)

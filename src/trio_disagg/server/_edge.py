@@ -207,7 +207,7 @@ class Edge:
 
     @property
     def in_flight(self) -> int:
-        """Generation requests admitted and not yet finished."""
+        """Generation requests admitted whose answer is not complete (:meth:`slot`)."""
         return self._slot.count
 
     @property
@@ -216,10 +216,14 @@ class Edge:
         still being read or validated, and each is about to start a prefill drain."""
         return self._routing.count
 
-    def slot(self) -> _Count:
-        """Count one admitted generation request for as long as it is handled (a
-        context manager)."""
-        return self._slot
+    def slot(self) -> Slot:
+        """Count one admitted generation request until its answer is complete (a
+        context manager: :meth:`Slot.leave` when the response's last bytes went out),
+        or, for one whose answer never completes (its client left, it broke), for as
+        long as it is handled. So a client that sends its next request as soon as it
+        read the last answer is not refused while that request's decode leg winds down
+        (``linger``)."""
+        return Slot(self._slot)
 
     def routing(self) -> _Count:
         """Count an admitted request as handed to the router for the block (a context
@@ -291,7 +295,7 @@ async def discard_body(receive: Receive, limit: int) -> None:
 
 
 class _Count:
-    """A count of the blocks it is entered for (:meth:`Edge.slot`, :meth:`Edge.routing`)."""
+    """A count of the blocks it is entered for (:meth:`Edge.routing`)."""
 
     __slots__ = ("count",)
 
@@ -303,3 +307,28 @@ class _Count:
 
     def __exit__(self, *exc_info: object) -> None:
         self.count -= 1
+
+
+class Slot:
+    """One admitted generation request, counted against ``max_in_flight`` (a context
+    manager, :meth:`Edge.slot`) until :meth:`leave` or the end of its block, whichever
+    comes first."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self, count: _Count) -> None:
+        self._count: _Count | None = count
+
+    def __enter__(self) -> Slot:
+        if self._count is not None:
+            self._count.count += 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.leave()
+
+    def leave(self) -> None:
+        """No longer count the request (its answer is complete). Idempotent."""
+        count, self._count = self._count, None
+        if count is not None:
+            count.count -= 1

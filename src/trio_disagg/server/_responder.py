@@ -50,8 +50,8 @@ class Responder:
     reports the end of a response to the app as an ``http.disconnect`` too.
     """
 
-    __slots__ = ("broken", "finished", "listener", "request_id", "send", "send_body",
-                 "send_deadline", "started", "whole_sends")
+    __slots__ = ("broken", "finished", "listener", "on_complete", "request_id", "send",
+                 "send_body", "send_deadline", "started", "whole_sends")
 
     def __init__(self, send: Send, *, whole_sends: bool = False,
                  send_body: Callable[[bytes], Awaitable[None]] | None = None) -> None:
@@ -71,6 +71,9 @@ class Responder:
         self.listener: Cancellable | None = None
         #: No send may go on past this time (the shutdown ending caps it).
         self.send_deadline = math.inf
+        #: Called once when the response's last bytes went out (the edge's admission
+        #: slot: the request no longer counts against ``max_in_flight``).
+        self.on_complete: Callable[[], object] | None = None
 
     @property
     def done(self) -> bool:
@@ -131,6 +134,9 @@ class Responder:
             self.listener.cancel()
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
         self.finished = True
+        on_complete, self.on_complete = self.on_complete, None
+        if on_complete is not None:
+            on_complete()
 
     async def respond(
         self,
