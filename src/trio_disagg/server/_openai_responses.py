@@ -65,7 +65,9 @@ def usage_dict(
     """OpenAI's ``usage`` object.
 
     Args:
-        usage: the last usage a worker reported, if any; its completion count wins.
+        usage: the last usage a worker reported, if any; its completion count wins, and
+            its fields the router does not own (:attr:`~trio_disagg.CompletionUsage.extra`)
+            are added as sent.
         completion_tokens: tokens counted on the stream, used when ``usage`` has none.
         cached_tokens: the **prefill** worker's ``cached_tokens`` (docs/protocols.md section 1);
             the decode worker's is ignored.
@@ -79,12 +81,15 @@ def usage_dict(
         usage.completion_tokens if usage is not None and usage.completion_tokens
         else completion_tokens
     )
-    return {
+    answer = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
     }
+    if usage is not None and usage.extra:
+        answer.update(usage.extra)  # the worker's own fields, as sent (B8)
+    return answer
 
 
 _dumps = orjson.dumps

@@ -1,0 +1,65 @@
+"""B8: the usage is the router's only where it must be. Its prompt and cached counts are
+the prefill's and its completion count the decode's (or counted); any other field of the
+decode worker's usage object (OpenAI's ``completion_tokens_details``, SGLang's
+``reasoning_tokens``, one a newer worker adds) describes the completion the decode made,
+and reaches the client as the worker sent it, streamed or not.
+
+A socket worker (tests/test_relay_adversary.py) answers the decode through the vLLM
+adapter; the mock prefill counts the prompt. Read with the ``openai`` client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import orjson
+import trio
+from test_relay_adversary import MODEL, Worker, bare, event, running
+
+DETAILS = {"reasoning_tokens": 2, "accepted_prediction_tokens": 0}
+
+
+def with_detailed_usage(chat: bool) -> list[bytes]:
+    usage = {"prompt_tokens": 99, "completion_tokens": 3, "total_tokens": 102,
+             "prompt_tokens_details": {"cached_tokens": 99},
+             "completion_tokens_details": DETAILS, "reasoning_tokens": 2}
+    return [event(bare(chat, "a")), event(bare(chat, " b")),
+            event(bare(chat, " c", finish_reason="stop")),
+            event(orjson.dumps({"id": "w", "choices": [], "usage": usage})),
+            event(b"[DONE]")]
+
+
+def ask(client: openai.OpenAI, chat: bool, stream: bool) -> Any:
+    """One answer, or a streamed one's last chunk (with ``include_usage``)."""
+    options: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream else {}
+    create: Any = client.chat.completions.create if chat else client.completions.create
+    if chat:
+        options["messages"] = [{"role": "user", "content": "one two three"}]
+    else:
+        options.update(prompt="one two three", max_tokens=3)
+    answer = create(model=MODEL, stream=stream, **options)
+    return list(answer)[-1] if stream else answer
+
+
+async def test_B8_the_decodes_usage_fields_the_router_does_not_own_reach_the_client() -> None:
+    worker = Worker()
+    async with running(worker) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=10.0)
+        seen = []
+        with trio.fail_after(20):
+            for chat in (False, True):
+                worker.pieces = with_detailed_usage(chat)
+                for stream in (False, True):
+                    seen.append(await trio.to_thread.run_sync(ask, client, chat, stream))
+    for answer in seen:
+        usage = answer.usage
+        assert usage is not None
+        assert usage.completion_tokens == 3
+        assert usage.prompt_tokens != 99  # the prefill's count, not the decode's
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens != 99
+        assert usage.completion_tokens_details is not None
+        assert usage.completion_tokens_details.model_dump(exclude_none=True) == DETAILS
+        assert (usage.model_extra or {}).get("reasoning_tokens") == 2
