@@ -5,7 +5,7 @@ decode worker's usage object (OpenAI's ``completion_tokens_details``, SGLang's
 and reaches the client as the worker sent it, streamed or not.
 
 A socket worker (tests/test_relay_adversary.py) answers the decode through the vLLM
-adapter; the mock prefill counts the prompt. Read with the ``openai`` client.
+or the SGLang adapter; the mock prefill counts the prompt. Read with the ``openai`` client.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import openai
 import orjson
+import pytest
 import trio
 from test_relay_adversary import MODEL, Worker, bare, event, running
 
@@ -42,9 +43,12 @@ def ask(client: openai.OpenAI, chat: bool, stream: bool) -> Any:
     return list(answer)[-1] if stream else answer
 
 
-async def test_B8_the_decodes_usage_fields_the_router_does_not_own_reach_the_client() -> None:
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+async def test_B8_the_decodes_usage_fields_the_router_does_not_own_reach_the_client(
+    protocol: str,
+) -> None:
     worker = Worker()
-    async with running(worker) as url:
+    async with running(worker, protocol) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                timeout=10.0)
         seen = []
