@@ -17,6 +17,7 @@ import orjson
 import pytest
 import trio
 from test_relay_adversary import MODEL, Worker, bare, event, running
+from test_relay_hostile import WholeAnswer, prefill_worker
 
 DETAILS = {"reasoning_tokens": 2, "accepted_prediction_tokens": 0}
 
@@ -67,3 +68,25 @@ async def test_B8_the_decodes_usage_fields_the_router_does_not_own_reach_the_cli
         assert usage.completion_tokens_details is not None
         assert usage.completion_tokens_details.model_dump(exclude_none=True) == DETAILS
         assert (usage.model_extra or {}).get("reasoning_tokens") == 2
+
+
+async def test_B8_a_prefill_that_counts_no_cache_hits_is_not_reported_as_one_that_found_none(
+) -> None:
+    # vLLM without --enable-prompt-tokens-details answers "prompt_tokens_details": null:
+    # it did not count cache hits. The client gets that null, not a cached_tokens of 0
+    # the worker never said (here a prefill that ended the request on its token, S7).
+    answer = {"id": "w", "object": "chat.completion", "created": 7, "model": "worker",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5,
+                        "prompt_tokens_details": None}}
+    async with prefill_worker(WholeAnswer(answer)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=10.0)
+        with trio.fail_after(20):
+            seen = [await trio.to_thread.run_sync(ask, client, True, stream)
+                    for stream in (False, True)]
+    for got in seen:
+        assert got.usage is not None
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (4, 1)
+        assert got.usage.prompt_tokens_details is None

@@ -70,7 +70,8 @@ def usage_dict(
             are added as sent.
         completion_tokens: tokens counted on the stream, used when ``usage`` has none.
         cached_tokens: the **prefill** worker's ``cached_tokens`` (docs/protocols.md section 1);
-            the decode worker's is ignored.
+            the decode worker's is ignored. None (the worker counted none):
+            ``prompt_tokens_details`` is null.
         prompt_tokens: the **prefill** worker's prompt token count, if it reported one;
             else the decode worker's.
     """
@@ -85,7 +86,10 @@ def usage_dict(
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
+        # (null as the worker's own: a prefill that counts no cache hits, vLLM's without
+        # --enable-prompt-tokens-details, is not reported as one that found none, B8)
+        "prompt_tokens_details": (None if cached_tokens is None
+                                  else {"cached_tokens": cached_tokens}),
     }
     if usage is not None and usage.extra:
         answer.update(usage.extra)  # the worker's own fields, as sent (B8)
