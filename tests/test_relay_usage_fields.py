@@ -10,13 +10,14 @@ or the SGLang adapter; the mock prefill counts the prompt. Read with the ``opena
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import openai
 import orjson
 import pytest
 import trio
-from test_relay_adversary import MODEL, Worker, bare, event, running
+from test_relay_adversary import MODEL, Worker, bare, event, read_request, running
 from test_relay_hostile import WholeAnswer, prefill_worker
 
 DETAILS = {"reasoning_tokens": 2, "accepted_prediction_tokens": 0}
@@ -90,3 +91,43 @@ async def test_B8_a_prefill_that_counts_no_cache_hits_is_not_reported_as_one_tha
         assert got.usage is not None
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (4, 1)
         assert got.usage.prompt_tokens_details is None
+
+
+class NoEnd(Worker):
+    """:class:`Worker` that sends its pieces and then neither ``[DONE]`` nor the end of
+    its body: it keeps the connection open until the router closes it."""
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            if not await read_request(stream):
+                return
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                  b"transfer-encoding: chunked\r\n\r\n")
+            for piece in self.pieces:
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
+            with contextlib.suppress(trio.BrokenResourceError):
+                while await stream.receive_some(1 << 16):
+                    pass  # until the router closes the connection
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_B8_an_answer_complete_with_its_usage_chunk_is_a_success_without_done(
+    chat: bool,
+) -> None:
+    # OpenAI's usage chunk is a stream's last event before [DONE]: once the finish and
+    # the usage came, the answer is complete. A worker (or a proxy before it) that then
+    # neither sends [DONE] nor ends its body does not turn it into a deadline error.
+    worker = NoEnd()
+    worker.pieces = with_detailed_usage(chat)[:-1]  # no [DONE]
+    async with running(worker) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=4.0)
+        with trio.fail_after(5):  # well within the decode's idle deadline
+            seen = [await trio.to_thread.run_sync(ask, client, chat, stream)
+                    for stream in (False, True)]
+    whole = seen[0]
+    text = whole.choices[0].message.content if chat else whole.choices[0].text
+    assert text == "a b c"
+    assert whole.choices[0].finish_reason == "stop"
+    for answer in seen:
+        assert answer.usage is not None and answer.usage.completion_tokens == 3
