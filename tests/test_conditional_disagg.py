@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from e2e_support import MODEL, ProtocolName, in_thread, served
+from e2e_support import MODEL, ProtocolName, expected_cached, in_thread, served, warm
 
 from trio_disagg._estimate import estimate_prompt_tokens
 from trio_disagg._pool import RoundRobin, WorkerPool
@@ -168,3 +168,32 @@ async def test_a_short_prompt_with_continuous_usage_has_its_prompt_count_on_ever
                 if u is not None] == [(prompt, 1, prompt + 1), (prompt, 2, prompt + 2),
                                       (prompt, 3, prompt + 3), (prompt, 3, prompt + 3)]
         await server.cluster.settled()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_B8_a_decode_only_request_reports_the_decode_workers_own_cache_hit(
+    stream: bool,
+) -> None:
+    """No prefill ran and no KV was transferred: the decode worker computed the prompt, so
+    its ``cached_tokens`` is a true prefix-cache hit, relayed as the worker counted it
+    (not 0: there is no prefill count to correct it from)."""
+    async with served("vllm") as server:
+        cluster = server.cluster
+        server.app.router.disagg_min_prompt_tokens = THRESHOLD * 4
+        body = {"prompt": LONG}  # 110 tokens estimated: under the threshold
+        warm(cluster.decode.prefix, body)  # the decode worker computed it before
+        client = server.openai()
+
+        def ask() -> Any:
+            if not stream:
+                return client.completions.create(model=MODEL, prompt=LONG, max_tokens=3)
+            return list(client.completions.create(
+                model=MODEL, prompt=LONG, max_tokens=3, stream=True,
+                stream_options={"include_usage": True}))[-1]
+
+        answer = await in_thread(ask)
+        assert cluster.prefill.stats.requests == 0
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        assert answer.usage.prompt_tokens_details.cached_tokens == expected_cached(
+            body, warm=True) > 0
+        await cluster.settled()

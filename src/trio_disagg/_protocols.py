@@ -130,12 +130,16 @@ class CompletionUsage:
         completion_tokens: tokens generated.
         total_tokens: their sum, as the worker reported it.
         prompt_tokens_details: cached prompt tokens, if reported (S4).
+        extra: the other fields of the worker's usage object, as it sent them (OpenAI's
+            ``completion_tokens_details``, SGLang's ``reasoning_tokens``, one a newer
+            worker adds), for the router to relay (B8); None if it sent none.
     """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    extra: dict[str, Any] | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -159,7 +159,17 @@ def parse_usage(answer: Mapping[str, Any]) -> CompletionUsage | None:
                         count(usage.get("total_tokens")), cached)
     if isinstance(details, Mapping) and result.prompt_tokens_details is None:
         result.prompt_tokens_details = PromptTokensDetails()
+    if not usage.keys() <= _OWNED_USAGE:
+        # (B8: the fields the router does not own, such as completion_tokens_details)
+        result.extra = {key: value for key, value in usage.items()
+                        if key not in _OWNED_USAGE} or None
     return result
+
+
+#: The usage fields the router answers itself (docs/router.md, "What the router relays,
+#: and what it owns"); any other field of a worker's usage is relayed as sent.
+_OWNED_USAGE = frozenset({"prompt_tokens", "completion_tokens", "total_tokens",
+                          "prompt_tokens_details"})
 
 
 def parse_finish(value: Any, table: Mapping[str, FinishReason] = FINISH) -> FinishReason | None:

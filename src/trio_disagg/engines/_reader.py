@@ -61,7 +61,8 @@ class SseReader:
             takes them, one item per read).
         final: the output that carries the finish, once a chunk brought it; a usage chunk
             after it (OpenAI's ``include_usage``) completes its usage.
-        done: ``[DONE]`` came.
+        done: ``[DONE]`` came, or the usage chunk after the finish (the last event before
+            it: the answer is complete).
     """
 
     __slots__ = ("_fresh", "_held", "_held_bytes", "_last", "_parser", "_pending", "_runs",
@@ -260,9 +261,19 @@ class SseReader:
                     if (following < end and chunks[following].startswith(prefix)
                             and chunks[following].endswith(suffix)):
                         return None, following  # the chunks after it may be a run
-            else:
-                parser.late(chunk, self.final)
+            elif self._late(chunk, self.final):
+                return None, len(chunks)  # the usage chunk: the answer is complete
         return None, end
+
+    def _late(self, chunk: dict[str, Any], final: LLMEngineOutput) -> bool:
+        """Read ``chunk``, one after the finish (:meth:`._chunks.ChunkParser.late`); True
+        if it is the usage chunk, OpenAI's last before ``[DONE]``: the answer is
+        complete, whether the worker then ends its body or not (B8)."""
+        self._parser.late(chunk, final)
+        if chunk.get("usage") is None:
+            return False
+        self.done = True
+        return True
 
     def _learn(self, data: bytes, chunk: dict[str, Any]) -> Template | None:
         """Learn the template of ``data`` (parsed as ``chunk``, its choice the last the

@@ -65,10 +65,13 @@ def usage_dict(
     """OpenAI's ``usage`` object.
 
     Args:
-        usage: the last usage a worker reported, if any; its completion count wins.
+        usage: the last usage a worker reported, if any; its completion count wins, and
+            its fields the router does not own (:attr:`~trio_disagg.CompletionUsage.extra`)
+            are added as sent.
         completion_tokens: tokens counted on the stream, used when ``usage`` has none.
         cached_tokens: the **prefill** worker's ``cached_tokens`` (docs/protocols.md section 1);
-            the decode worker's is ignored.
+            the decode worker's is ignored. None (the worker counted none):
+            ``prompt_tokens_details`` is null.
         prompt_tokens: the **prefill** worker's prompt token count, if it reported one;
             else the decode worker's.
     """
@@ -79,12 +82,18 @@ def usage_dict(
         usage.completion_tokens if usage is not None and usage.completion_tokens
         else completion_tokens
     )
-    return {
+    answer = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
+        # (null as the worker's own: a prefill that counts no cache hits, vLLM's without
+        # --enable-prompt-tokens-details, is not reported as one that found none, B8)
+        "prompt_tokens_details": (None if cached_tokens is None
+                                  else {"cached_tokens": cached_tokens}),
     }
+    if usage is not None and usage.extra:
+        answer.update(usage.extra)  # the worker's own fields, as sent (B8)
+    return answer
 
 
 _dumps = orjson.dumps

@@ -28,7 +28,7 @@ from .._protocols import (
     RawChoices,
 )
 from .._router import RequestStream
-from .._router_types import StreamOutputs
+from .._router_types import DECODE_ONLY, StreamOutputs
 from ._collect import EMPTY, ChoiceCollector
 from ._metrics import outcome_of
 from ._openai_errors import ApiError, error_for_exception
@@ -355,7 +355,7 @@ async def _write_response(
                 sink.cut(data.text, choice)
                 break
             await sink.succeed(data.text, choice, name, usage_dict(
-                tally.usage, tally.tokens, _cached(stream), stream.prompt_tokens))
+                tally.usage, tally.tokens, _cached(stream, tally.usage), stream.prompt_tokens))
             return "success"
     return await _fail(sink, failure_of(item))
 
@@ -430,8 +430,14 @@ def failure_of(item: Item | None) -> ApiError:
     return failure_error(finish, item.error_message())
 
 
-def _cached(stream: RequestStream) -> int | None:
-    details = stream.prompt_tokens_details
+def _cached(stream: RequestStream, usage: CompletionUsage | None = None) -> int | None:
+    """The ``cached_tokens`` to report: the prefill worker's (S4), or, for a request its
+    decode worker served alone (no prefill, no KV transfer), the decode's own ``usage``
+    (B8: it computed the prompt, so its cache hit is the request's)."""
+    if stream.style == DECODE_ONLY:
+        details = usage.prompt_tokens_details if usage is not None else None
+    else:
+        details = stream.prompt_tokens_details
     return details.cached_tokens if details is not None else None
 
 
