@@ -25,7 +25,7 @@ import trio
 from e2e_support import MODEL, PROMPT, in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_relay_adversary import MODEL as ADVERSARY_MODEL
-from test_relay_adversary import Relayed, Worker, bare, event, read_request
+from test_relay_adversary import Relayed, Worker, bare, event
 
 from trio_disagg import (
     Annotated,
@@ -418,24 +418,17 @@ async def test_max_in_flight_2_gives_the_third_request_503_with_retry_after() ->
 
 
 class HoldsItsEnd(Worker):
-    """A vLLM decode worker on a socket that sends its stream, ``[DONE]`` included, but
-    the end of its chunked body only once :attr:`end` is set: the router's decode leg,
-    the answer complete, waits for it (a leg slow to wind down)."""
+    """A :class:`Worker` that sends its stream, ``[DONE]`` included, but the end of its
+    chunked body only once :attr:`released` is set: the router's decode leg, the answer
+    complete, waits for it (a leg slow to wind down)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.end = trio.Event()
+        self.released = trio.Event()
 
-    async def handle(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            while await read_request(stream):
-                await stream.send_all(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n")
-                for piece in self.pieces:
-                    await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
-                await self.end.wait()
-                await stream.send_all(b"0\r\n\r\n")
+    async def end(self, stream: trio.SocketStream) -> None:
+        await self.released.wait()
+        await super().end(stream)
 
 
 async def test_a_request_whose_answer_is_complete_no_longer_counts_against_max_in_flight(
@@ -471,7 +464,7 @@ async def test_a_request_whose_answer_is_complete_no_longer_counts_against_max_i
                     assert answer.text.endswith("data: [DONE]\n\n")
                     assert app.edge.in_flight == 0
                     assert app.in_flight == at + 1  # its decode leg is still winding down
-                worker.end.set()
+                worker.released.set()
                 await wait_until(lambda: app.in_flight == 0)
             nursery.cancel_scope.cancel()
 

@@ -113,7 +113,11 @@ class Worker:
             for piece in self.pieces:
                 await trio.testing.wait_all_tasks_blocked()
                 await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
-            await stream.send_all(b"0\r\n\r\n")
+            await self.end(stream)
+
+    async def end(self, stream: trio.SocketStream) -> None:
+        """After the pieces: the end of the chunked body."""
+        await stream.send_all(b"0\r\n\r\n")
 
 
 class Relayed(StandIn):

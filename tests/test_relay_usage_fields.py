@@ -17,7 +17,7 @@ import openai
 import orjson
 import pytest
 import trio
-from test_relay_adversary import MODEL, Worker, bare, event, read_request, running
+from test_relay_adversary import MODEL, Worker, bare, event, running
 from test_relay_hostile import WholeAnswer, prefill_worker
 
 DETAILS = {"reasoning_tokens": 2, "accepted_prediction_tokens": 0}
@@ -97,17 +97,10 @@ class NoEnd(Worker):
     """:class:`Worker` that sends its pieces and then neither ``[DONE]`` nor the end of
     its body: it keeps the connection open until the router closes it."""
 
-    async def handle(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            if not await read_request(stream):
-                return
-            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                  b"transfer-encoding: chunked\r\n\r\n")
-            for piece in self.pieces:
-                await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
-            with contextlib.suppress(trio.BrokenResourceError):
-                while await stream.receive_some(1 << 16):
-                    pass  # until the router closes the connection
+    async def end(self, stream: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            while await stream.receive_some(1 << 16):
+                pass  # until the router closes the connection
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
